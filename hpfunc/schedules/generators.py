@@ -1,0 +1,332 @@
+"""Schedule generators: GPipe, 1F1B, interleaved 1F1B, ZB-H1, ZB-H2, ZBV and DualPipeV.
+
+Each generator returns a compute-only :class:`~hpfunc.schedules.ir.Schedule` (``F``, ``B``,
+``W``, ``BW``); :func:`hpfunc.schedules.insert_comms` adds the sends and receives. ``p`` is the
+number of pipeline ranks, ``m`` the number of microbatches.
+
+GPipe, 1F1B, interleaved 1F1B and DualPipeV are written out from their definitions. The zero-bubble
+family (ZB-H1, ZB-H2, ZBV) is produced the way Qi et al. (ICLR 2024) describe it: a list scheduler
+plays the pipeline forward in unit time (F = B = W = 1) and each rank, when free, takes a ready
+``B`` first, then a ready ``F`` if its activation budget allows, and fills any remaining gap with a
+pending ``W``. The budget is what distinguishes the variants: ``p - r`` microbatches on rank ``r``
+for ZB-H1 (the memory of 1F1B), ``2(p - r) - 1`` for ZB-H2, and ``2p`` stage-chunks (``p``
+microbatches of a full stage) for ZBV. The result is fixed data: the same for every call.
+
+Example:
+    >>> from hpfunc.schedules import gpipe, zb_h1
+    >>> [str(a) for a in gpipe(2, 2)[0]]
+    ['0F0', '0F1', '0BW0', '0BW1']
+    >>> [str(a) for a in zb_h1(2, 2)[1]]
+    ['1F0', '1B0', '1F1', '1B1', '1W0', '1W1']
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+from .ir import Action, ActionKind, Schedule, _require_int, loop_placement, v_placement
+
+__all__ = ["gpipe", "one_f_one_b", "interleaved_1f1b", "zb_h1", "zb_h2", "zbv", "dualpipev", "GENERATORS"]
+
+F, B, W, BW = ActionKind.F, ActionKind.B, ActionKind.W, ActionKind.BW
+
+
+def _check_pm(name: str, p: int, m: int, *, min_p: int = 1) -> None:
+    try:
+        _require_int("p (pipeline ranks)", p, minimum=min_p)
+        _require_int("m (microbatches)", m, minimum=1)
+    except (TypeError, ValueError) as err:
+        raise type(err)(f"{name}: {err}") from None
+
+
+def gpipe(p: int, m: int) -> Schedule:
+    """GPipe: every rank runs all forwards, then all full backwards.
+
+    Bubble ratio ``(p - 1) / m``; peak in-flight activations ``m`` microbatches.
+
+    Example:
+        >>> s = gpipe(4, 8)
+        >>> s.num_stages, len(s[0])
+        (4, 16)
+    """
+    _check_pm("gpipe", p, m)
+    actions = {r: [Action(F, r, i) for i in range(m)] + [Action(BW, r, i) for i in range(m)] for r in range(p)}
+    return Schedule(actions, loop_placement(p), m, name="gpipe")
+
+
+def one_f_one_b(p: int, m: int) -> Schedule:
+    """1F1B (PipeDream-flush): ``p - 1 - r`` warm-up forwards on rank ``r``, then one forward and
+    one full backward alternately, then the remaining backwards.
+
+    Bubble ratio ``(p - 1) / m``; peak in-flight ``min(p, m)`` microbatches on rank 0.
+
+    Example:
+        >>> [str(a) for a in one_f_one_b(2, 3)[0]]
+        ['0F0', '0F1', '0BW0', '0F2', '0BW1', '0BW2']
+    """
+    _check_pm("one_f_one_b", p, m)
+    actions = {}
+    for r in range(p):
+        warmup = min(p - 1 - r, m)
+        row = [Action(F, r, i) for i in range(warmup)]
+        for i in range(m - warmup):
+            row += [Action(F, r, warmup + i), Action(BW, r, i)]
+        row += [Action(BW, r, i) for i in range(m - warmup, m)]
+        actions[r] = row
+    return Schedule(actions, loop_placement(p), m, name="1f1b")
+
+
+def interleaved_1f1b(p: int, m: int, v: int = 2) -> Schedule:
+    """Interleaved 1F1B (Narayanan et al. 2021): ``v`` model chunks per rank, stage ``c * p + r``
+    on rank ``r``. Microbatches go through the chunks in groups of ``p``.
+
+    Rank ``r`` runs ``2 (p - 1 - r) + (v - 1) p`` warm-up chunk-forwards (at most ``m v``), then
+    alternates forward and full backward. Bubble ratio ``(p - 1) / (v m)``; rank 0 holds at most
+    ``2 (p - 1) + (v - 1) p + 1`` chunk activations, i.e. ``p (1 + (p - 1) / (p v))`` microbatches
+    of a full stage (``v`` chunks make one stage's worth), when ``m v`` exceeds the warm-up.
+
+    Raises:
+        ValueError: ``v < 1``, ``m < 1``, or ``m`` not a multiple of ``p``.
+
+    Example:
+        >>> s = interleaved_1f1b(2, 4, 2)
+        >>> s.stage_to_rank
+        (0, 1, 0, 1)
+    """
+    _check_pm("interleaved_1f1b", p, m)
+    try:
+        _require_int("v (chunks per rank)", v, minimum=1)
+    except (TypeError, ValueError) as err:
+        raise type(err)(f"interleaved_1f1b: {err}") from None
+    if m % p != 0:
+        raise ValueError(
+            f"interleaved_1f1b: m (microbatches) must be a multiple of p={p} so microbatches move through "
+            f"the chunks in whole groups of p; got m={m} (try m={-(-m // p) * p})"
+        )
+    total = m * v
+
+    def which(k: int, backward: bool) -> tuple[int, int]:
+        chunk = (k // p) % v
+        if backward:
+            chunk = v - 1 - chunk
+        microbatch = (k // (p * v)) * p + k % p
+        return chunk, microbatch
+
+    actions = {}
+    for r in range(p):
+        warmup = min(2 * (p - 1 - r) + (v - 1) * p, total)
+        row = []
+        for k in range(warmup):
+            c, i = which(k, False)
+            row.append(Action(F, c * p + r, i))
+        for k in range(total - warmup):
+            c, i = which(warmup + k, False)
+            row.append(Action(F, c * p + r, i))
+            c, i = which(k, True)
+            row.append(Action(BW, c * p + r, i))
+        for k in range(total - warmup, total):
+            c, i = which(k, True)
+            row.append(Action(BW, c * p + r, i))
+        actions[r] = row
+    return Schedule(actions, loop_placement(p, v), m, name=f"interleaved_1f1b(v={v})")
+
+
+# -- the zero-bubble list scheduler -----------------------------------------------------------------
+
+
+def _list_schedule(
+    stage_to_rank: tuple[int, ...],
+    m: int,
+    budget: Callable[[int], int],
+    name: str,
+) -> Schedule:
+    """Play the pipeline forward in unit time and record each rank's order (see module doc).
+
+    ``budget(rank)`` caps the number of stage-microbatch activations a rank holds between a
+    forward and its input-gradient backward.
+    """
+    num_stages = len(stage_to_rank)
+    ranks = sorted(set(stage_to_rank))
+    stages_of = {r: [s for s in range(num_stages) if stage_to_rank[s] == r] for r in ranks}
+    done_f: dict[tuple[int, int], int] = {}  # (stage, mb) -> finish time
+    done_b: dict[tuple[int, int], int] = {}
+    next_f = {s: 0 for s in range(num_stages)}
+    next_b = {s: 0 for s in range(num_stages)}
+    pending_w: dict[int, deque[Action]] = {r: deque() for r in ranks}
+    held = dict.fromkeys(ranks, 0)
+    order: dict[int, list[Action]] = {r: [] for r in ranks}
+    remaining = 3 * num_stages * m
+    t = 0
+    while remaining:
+        for r in ranks:
+            choice = None
+            # Backward first, latest stage first: it frees memory and feeds the ranks upstream.
+            for s in sorted(stages_of[r], reverse=True):
+                i = next_b[s]
+                if i < m and done_f.get((s, i), t + 1) <= t and (
+                    s == num_stages - 1 or done_b.get((s + 1, i), t + 1) <= t
+                ):
+                    choice = Action(B, s, i)
+                    break
+            if choice is None and held[r] < budget(r):
+                # Later stages first: finishing microbatches beats starting new ones.
+                for s in sorted(stages_of[r], reverse=True):
+                    i = next_f[s]
+                    if i < m and (s == 0 or done_f.get((s - 1, i), t + 1) <= t):
+                        choice = Action(F, s, i)
+                        break
+            if choice is None and pending_w[r]:
+                choice = pending_w[r].popleft()
+            if choice is None:
+                continue
+            order[r].append(choice)
+            remaining -= 1
+            key = (choice.stage, choice.microbatch)
+            if choice.kind is F:
+                done_f[key] = t + 1
+                next_f[choice.stage] += 1
+                held[r] += 1
+            elif choice.kind is B:
+                done_b[key] = t + 1
+                next_b[choice.stage] += 1
+                held[r] -= 1
+                pending_w[r].append(Action(W, *key))
+        t += 1
+        if t > 10 * remaining + 10 * num_stages * m + 100:  # pragma: no cover - a bug, not user error
+            raise RuntimeError(f"{name}: list scheduler made no progress (p={len(ranks)}, m={m})")
+    return Schedule(order, stage_to_rank, m, name=name)
+
+
+def zb_h1(p: int, m: int) -> Schedule:
+    """ZB-H1 (Qi et al. 2024): 1F1B with the backward split into ``B`` (dx) and ``W`` (dw); the
+    ``W`` passes fill the bubbles. Same activation memory as 1F1B (``p - r`` on rank ``r``).
+
+    Idle time per rank ``(p - 1)(F + B - W)`` (``p - 1`` at unit costs), a third of 1F1B's.
+
+    Example:
+        >>> s = zb_h1(4, 8)
+        >>> sorted({a.kind.value for a in s[0]})
+        ['B', 'F', 'W']
+    """
+    _check_pm("zb_h1", p, m)
+    return _list_schedule(loop_placement(p), m, lambda r: p - r, "zb_h1")
+
+
+def zb_h2(p: int, m: int) -> Schedule:
+    """ZB-H2 (Qi et al. 2024): more warm-up forwards (up to ``2(p - r) - 1`` in flight on rank
+    ``r``) so that, with iterations overlapped by post-validation, no rank idles between its first
+    and last action: bubble ``(p - 1)(F + B - 2W)``, zero at unit costs. Peak ``2p - 1`` on rank 0.
+
+    Example:
+        >>> zb_h2(2, 4).name
+        'zb_h2'
+    """
+    _check_pm("zb_h2", p, m)
+    return _list_schedule(loop_placement(p), m, lambda r: 2 * (p - r) - 1, "zb_h2")
+
+
+def zbv(p: int, m: int) -> Schedule:
+    """ZBV (Qi et al. 2024, section 6): two stages per rank in a V (rank ``r`` holds stages ``r`` and
+    ``2p - 1 - r``), backward split into ``B`` and ``W``. Peak ``2p`` stage-chunks on rank 0, i.e.
+    ``p`` microbatches of a full stage, as 1F1B; bubble about zero.
+
+    Example:
+        >>> zbv(2, 4).stage_to_rank
+        (0, 1, 1, 0)
+    """
+    _check_pm("zbv", p, m)
+    return _list_schedule(v_placement(p), m, lambda r: 2 * p, "zbv")
+
+
+def dualpipev(p: int, m: int) -> Schedule:
+    """DualPipeV (DeepSeek, the "cut-in-half" DualPipe): V placement as :func:`zbv`, microbatches
+    fed from one end, forward of one chunk paired with the backward of the other in the steady
+    state, and zero-bubble ``B``/``W`` splits at the edges of the steady state.
+
+    Rank ``r`` (chunk 0 = stage ``r``, chunk 1 = stage ``2p - 1 - r``) runs, in eight phases:
+    ``2(p - 1 - r)`` chunk-0 forwards; ``r + 1`` pairs (chunk-0 forward, chunk-1 forward);
+    ``p - 1 - r`` of (chunk-1 ``B``, its ``W``, chunk-1 forward); ``m - 2p + r + 1`` steady pairs
+    ((chunk-0 forward, chunk-1 backward), (chunk-1 forward, chunk-0 backward)); ``p - 1 - r`` of
+    (chunk-1 backward, chunk-1 forward, chunk-0 backward); ``r + 1`` of (chunk-1 backward, chunk-0
+    backward), the second half of them split into ``B`` and deferred ``W``; ``p - 1 - r`` of
+    (a deferred ``W``, chunk-0 ``B``); then the remaining ``W``.
+
+    Raises:
+        ValueError: ``p < 2`` or ``m < 2p`` (the steady state needs ``2p`` microbatches).
+
+    Example:
+        >>> s = dualpipev(2, 4)
+        >>> s.num_stages
+        4
+    """
+    _check_pm("dualpipev", p, m, min_p=2)
+    if m < 2 * p:
+        raise ValueError(f"dualpipev: needs m >= 2p microbatches to reach its steady state; got p={p}, m={m}")
+    actions = {}
+    for r in range(p):
+        stage = (r, 2 * p - 1 - r)
+        next_f = [0, 0]
+        next_b = [0, 0]
+        deferred: deque[Action] = deque()
+        row: list[Action] = []
+
+        def fwd(c: int) -> None:
+            row.append(Action(F, stage[c], next_f[c]))
+            next_f[c] += 1
+
+        def bwd(c: int, split: bool = False) -> None:
+            i = next_b[c]
+            next_b[c] += 1
+            if split:
+                row.append(Action(B, stage[c], i))
+                deferred.append(Action(W, stage[c], i))
+            else:
+                row.append(Action(BW, stage[c], i))
+
+        for _ in range(2 * (p - 1 - r)):
+            fwd(0)
+        for _ in range(r + 1):
+            fwd(0)
+            fwd(1)
+        for _ in range(p - 1 - r):
+            bwd(1, split=True)
+            row.append(deferred.popleft())
+            fwd(1)
+        for _ in range(m - 2 * p + r + 1):
+            fwd(0)
+            bwd(1)
+            fwd(1)
+            bwd(0)
+        for _ in range(p - 1 - r):
+            bwd(1)
+            fwd(1)
+            bwd(0)
+        # Halfway through, backwards start leaving their W for later (odd ranks one action
+        # earlier than even ranks), so the W passes fill the drain.
+        n = r + 1
+        split = False
+        for j in range(n):
+            if j == n // 2 and r % 2 == 1:
+                split = True
+            bwd(1, split=split)
+            if j == n // 2 and r % 2 == 0:
+                split = True
+            bwd(0, split=split)
+        for _ in range(p - 1 - r):
+            row.append(deferred.popleft())
+            bwd(0, split=True)
+        row.extend(deferred)
+        actions[r] = row
+    return Schedule(actions, v_placement(p), m, name="dualpipev")
+
+
+GENERATORS: dict[str, Callable[..., Schedule]] = {
+    "gpipe": gpipe,
+    "1f1b": one_f_one_b,
+    "interleaved_1f1b": interleaved_1f1b,
+    "zb_h1": zb_h1,
+    "zb_h2": zb_h2,
+    "zbv": zbv,
+    "dualpipev": dualpipev,
+}
