@@ -1,0 +1,36 @@
+"""The ``hpfunc`` command: ``hpfunc launch ...`` and ``hpfunc train CONFIG.yaml``."""
+
+from __future__ import annotations
+
+import sys
+from typing import Sequence
+
+USAGE = """usage: hpfunc <command> [args]
+
+commands:
+  launch --nproc N script.py [args]   run a script on N ranks (torch.distributed.run underneath)
+  train CONFIG.yaml [--set key=value] train a model from a YAML config
+"""
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "launch":
+        from hpfunc.launch import main as launch_main
+
+        launch_main(rest)
+    elif cmd == "train":
+        from hpfunc.train.cli import main as train_main
+
+        train_main(rest)
+    else:
+        print(f"hpfunc: unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+if __name__ == "__main__":
+    main()

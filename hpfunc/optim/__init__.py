@@ -1,0 +1,88 @@
+"""Optax-style optimizers: pure ``(init, update)`` transformations over pytrees of tensors.
+
+Build an optimizer from pieces or take a ready one, then run it as pure functions::
+
+    tx = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(schedule, weight_decay=0.1))
+    state = tx.init(params)                           # a pytree of tensors (checkpointable)
+    updates, state = tx.update(grads, state, params)  # nothing is mutated
+    params = optim.apply_updates(params, updates)
+
+Paths are dotted strings (``layers.3.attn.wq``); errors name them. See ``docs/optim.md``.
+"""
+
+from hpfunc.optim import schedules
+from hpfunc.optim.adam import ScaleByAdamState, scale_by_adam
+from hpfunc.optim.alias import (
+    ADAMW_PATH_COMPONENTS,
+    ADAMW_PATH_KEYWORDS,
+    adamw,
+    muon,
+    muon_adamw,
+    use_adamw,
+)
+from hpfunc.optim.base import (
+    EmptyState,
+    GradientTransformation,
+    OptState,
+    Params,
+    Updates,
+    apply_updates,
+    identity,
+)
+from hpfunc.optim.clipping import clip_by_global_norm, global_norm
+from hpfunc.optim.combine import MaskedState, PartitionState, chain, masked, partition
+from hpfunc.optim.errors import OptimError, TreeMismatchError, UnknownLabelError, UnsupportedLeafError
+from hpfunc.optim.muon import NS_COEFFICIENTS, ScaleByMuonState, muon_scale, newton_schulz, scale_by_muon
+from hpfunc.optim.scale import ScaleByScheduleState, scale, scale_by_learning_rate, scale_by_schedule
+from hpfunc.optim.schedules import constant, linear, linear_warmup_cosine_decay, warmup_stable_decay
+from hpfunc.optim.weight_decay import add_decayed_weights
+
+__all__ = [
+    # contract
+    "GradientTransformation",
+    "EmptyState",
+    "Params",
+    "Updates",
+    "OptState",
+    "identity",
+    "apply_updates",
+    # building blocks
+    "scale",
+    "scale_by_schedule",
+    "ScaleByScheduleState",
+    "scale_by_learning_rate",
+    "scale_by_adam",
+    "ScaleByAdamState",
+    "add_decayed_weights",
+    "global_norm",
+    "clip_by_global_norm",
+    "scale_by_muon",
+    "ScaleByMuonState",
+    "newton_schulz",
+    "muon_scale",
+    "NS_COEFFICIENTS",
+    # combinators
+    "chain",
+    "masked",
+    "MaskedState",
+    "partition",
+    "PartitionState",
+    # ready optimizers
+    "adamw",
+    "muon",
+    "muon_adamw",
+    "use_adamw",
+    "ADAMW_PATH_KEYWORDS",
+    "ADAMW_PATH_COMPONENTS",
+    # schedules
+    "schedules",
+    "constant",
+    "linear",
+    "linear_warmup_cosine_decay",
+    "warmup_stable_decay",
+    # errors
+    "OptimError",
+    "TreeMismatchError",
+    "UnknownLabelError",
+    "UnsupportedLeafError",
+]

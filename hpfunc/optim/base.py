@@ -1,0 +1,127 @@
+"""The optimizer contract: ``GradientTransformation(init, update)`` and ``apply_updates``.
+
+A transformation is a pair of pure functions::
+
+    state = tx.init(params)
+    updates, state = tx.update(grads, state, params)
+    params = apply_updates(params, updates)
+
+``init`` builds a state shaped like the params (a pytree of tensors, so it checkpoints like the
+params); ``update`` returns new updates and a new state and never mutates its inputs. Updates follow
+the optax sign convention: they are *added* to the params, so a descent step is ``-lr * direction``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Protocol
+
+import torch
+
+from hpfunc.optim import _tree
+
+__all__ = [
+    "Params",
+    "Updates",
+    "OptState",
+    "InitFn",
+    "UpdateFn",
+    "GradientTransformation",
+    "EmptyState",
+    "identity",
+    "apply_updates",
+    "new_count",
+]
+
+Params = Any
+"""A pytree of tensors (dicts, lists, tuples, NamedTuples; ``None`` is an empty subtree)."""
+Updates = Any
+"""A pytree shaped like the params: gradients on the way in, parameter deltas on the way out."""
+OptState = Any
+"""A pytree of tensors (NamedTuples of trees shaped like the params, int64 step counts)."""
+
+
+class InitFn(Protocol):
+    def __call__(self, params: Params) -> OptState: ...
+
+
+class UpdateFn(Protocol):
+    def __call__(
+        self, updates: Updates, state: OptState, params: Params | None = None
+    ) -> tuple[Updates, OptState]: ...
+
+
+class GradientTransformation(NamedTuple):
+    """A pure optimizer building block: ``init(params) -> state`` and
+    ``update(updates, state, params=None) -> (updates, new_state)``.
+
+    Example:
+        >>> import torch
+        >>> from hpfunc import optim
+        >>> tx = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-3))
+        >>> params = {"w": torch.ones(2, 2)}
+        >>> state = tx.init(params)
+        >>> updates, state = tx.update({"w": torch.full((2, 2), 0.5)}, state, params)
+        >>> params = optim.apply_updates(params, updates)
+    """
+
+    init: InitFn
+    update: UpdateFn
+
+
+class EmptyState(NamedTuple):
+    """The state of a stateless transformation (a pytree with no leaves)."""
+
+
+def identity() -> GradientTransformation:
+    """A transformation that returns the updates unchanged.
+
+    >>> import torch
+    >>> tx = identity()
+    >>> identity().update({"w": torch.ones(1)}, tx.init(None))[0]
+    {'w': tensor([1.])}
+    """
+
+    def init(params: Params) -> EmptyState:
+        del params
+        return EmptyState()
+
+    def update(updates: Updates, state: EmptyState, params: Params | None = None):
+        del params
+        return updates, state
+
+    return GradientTransformation(init, update)
+
+
+def new_count() -> torch.Tensor:
+    """A fresh step counter: an int64 scalar tensor on the CPU.
+
+    Counts live on the CPU so that reading them (``int(count)`` for bias corrections and
+    schedules) never waits for an accelerator.
+    """
+    return torch.zeros((), dtype=torch.int64)
+
+
+@torch.no_grad()
+def apply_updates(params: Params, updates: Updates) -> Params:
+    """Return ``params + updates`` leaf by leaf, in each param's own dtype.
+
+    The sum is formed in the promoted dtype (an fp32 update on a bf16 param is added in fp32) and
+    cast back to the param's dtype. Inputs are not modified.
+
+    Args:
+      params: a pytree of tensors.
+      updates: a pytree with the same structure (as returned by ``update``).
+
+    Returns:
+      The new params, a new pytree with the structure of ``params``.
+
+    Example:
+        >>> import torch
+        >>> apply_updates({"w": torch.ones(2)}, {"w": torch.full((2,), -0.5)})
+        {'w': tensor([0.5000, 0.5000])}
+    """
+    (p_leaves, u_leaves), spec = _tree.flatten_aligned(
+        [params, updates], ["params", "updates"], "apply_updates"
+    )
+    return _tree.unflatten(spec, [(p + u).to(p.dtype) for p, u in zip(p_leaves, u_leaves)])
+

@@ -1,0 +1,84 @@
+"""Gradient clipping by the global norm of the whole update tree."""
+
+from __future__ import annotations
+
+import torch
+
+from hpfunc.optim import _tree
+from hpfunc.optim.base import EmptyState, GradientTransformation, Params, Updates
+
+__all__ = ["global_norm", "clip_by_global_norm"]
+
+
+def _local(x: torch.Tensor) -> torch.Tensor:
+    """A plain tensor holding the global value of a (scalar) DTensor; plain tensors pass through."""
+    full_tensor = getattr(x, "full_tensor", None)
+    return full_tensor() if full_tensor is not None else x
+
+
+@torch.no_grad()
+def global_norm(tree: Updates) -> torch.Tensor:
+    """The L2 norm of all leaves of ``tree`` taken together, as an fp32 (or fp64) scalar tensor.
+
+    Each leaf's norm is computed in at least fp32. For a DTensor leaf ``torch.linalg.vector_norm``
+    reduces across the mesh, so the result is the norm of the global tensor whatever its sharding;
+    the returned value is always a plain tensor (identical on every rank).
+
+    Args:
+      tree: a pytree of tensors (plain or DTensor).
+
+    Returns:
+      A 0-d tensor; ``0.`` for a tree without leaves.
+
+    Example:
+        >>> import torch
+        >>> global_norm({"a": torch.tensor([3.0]), "b": [torch.tensor([4.0])]})
+        tensor(5.)
+    """
+    leaves, _ = _tree.flatten(tree)
+    if not leaves:
+        return torch.zeros((), dtype=torch.float32)
+    norms = [
+        _local(torch.linalg.vector_norm(x, dtype=torch.promote_types(x.dtype, torch.float32)))
+        for x in leaves
+    ]
+    device = norms[0].device
+    dtype = max((n.dtype for n in norms), key=lambda d: torch.finfo(d).bits)
+    return torch.linalg.vector_norm(torch.stack([n.to(device=device, dtype=dtype) for n in norms]))
+
+
+def clip_by_global_norm(max_norm: float) -> GradientTransformation:
+    """Scale all updates by ``min(1, max_norm / (global_norm + 1e-6))``.
+
+    The formula, including the ``1e-6``, is that of ``torch.nn.utils.clip_grad_norm_``, so the
+    two agree to rounding. Updates keep their dtype; the scale is applied even when it is 1 (no
+    data-dependent branch, hence no host synchronisation).
+
+    Args:
+      max_norm: the largest global L2 norm let through.
+
+    Example:
+        >>> import torch
+        >>> tx = clip_by_global_norm(1.0)
+        >>> u, _ = tx.update({"w": torch.tensor([3.0, 4.0])}, tx.init(None))
+        >>> torch.allclose(u["w"], torch.tensor([0.6, 0.8]))
+        True
+    """
+    max_norm = float(max_norm)
+    if not max_norm > 0.0:
+        raise ValueError(f"clip_by_global_norm: max_norm must be > 0, got {max_norm}")
+
+    def init(params: Params) -> EmptyState:
+        del params
+        return EmptyState()
+
+    @torch.no_grad()
+    def update(updates: Updates, state: EmptyState, params: Params | None = None):
+        del params
+        leaves, spec = _tree.flatten(updates)
+        if not leaves:
+            return updates, state
+        coef = torch.clamp(max_norm / (global_norm(updates) + 1e-6), max=1.0)
+        return _tree.unflatten(spec, [u * coef.to(u.device) for u in leaves]), state
+
+    return GradientTransformation(init, update)

@@ -1,0 +1,102 @@
+"""Scaling transformations: a constant factor and the (scheduled) learning rate."""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple, Union
+
+import torch
+
+from hpfunc.optim import _tree
+from hpfunc.optim.base import EmptyState, GradientTransformation, Params, Updates, new_count
+
+__all__ = ["scale", "ScaleByScheduleState", "scale_by_schedule", "scale_by_learning_rate", "ScalarOrSchedule"]
+
+ScalarOrSchedule = Union[float, Callable[[int], float]]
+
+
+def _scaled(updates: Updates, factor: float) -> Updates:
+    leaves, spec = _tree.flatten(updates)
+    return _tree.unflatten(spec, [u * factor for u in leaves])
+
+
+def scale(factor: float) -> GradientTransformation:
+    """Multiply every update by a constant ``factor``.
+
+    Args:
+      factor: a Python number (for example ``1 / grad_accum_steps``).
+
+    Example:
+        >>> import torch
+        >>> tx = scale(0.5)
+        >>> tx.update({"w": torch.ones(2)}, tx.init(None))[0]
+        {'w': tensor([0.5000, 0.5000])}
+    """
+    factor = float(factor)
+
+    def init(params: Params) -> EmptyState:
+        del params
+        return EmptyState()
+
+    @torch.no_grad()
+    def update(updates: Updates, state: EmptyState, params: Params | None = None):
+        del params
+        return _scaled(updates, factor), state
+
+    return GradientTransformation(init, update)
+
+
+class ScaleByScheduleState(NamedTuple):
+    """State of :func:`scale_by_schedule`: the number of updates done (int64 CPU scalar)."""
+
+    count: torch.Tensor
+
+
+def scale_by_schedule(schedule: Callable[[int], float]) -> GradientTransformation:
+    """Multiply the updates by ``schedule(count)``, ``count`` being the number of earlier updates.
+
+    The first update uses ``schedule(0)``, matching ``torch.optim.lr_scheduler.LambdaLR`` stepped
+    after each ``optimizer.step()``.
+
+    Example:
+        >>> import torch
+        >>> tx = scale_by_schedule(lambda step: 1.0 / (step + 1))
+        >>> state = tx.init(None)
+        >>> u, state = tx.update({"w": torch.ones(1)}, state)
+        >>> u, state = tx.update({"w": torch.ones(1)}, state)
+        >>> u["w"], int(state.count)
+        (tensor([0.5000]), 2)
+    """
+    if not callable(schedule):
+        raise TypeError(f"scale_by_schedule: expected a callable step -> float, got {type(schedule).__name__}")
+
+    def init(params: Params) -> ScaleByScheduleState:
+        del params
+        return ScaleByScheduleState(count=new_count())
+
+    @torch.no_grad()
+    def update(updates: Updates, state: ScaleByScheduleState, params: Params | None = None):
+        del params
+        factor = float(schedule(int(state.count)))
+        return _scaled(updates, factor), ScaleByScheduleState(count=state.count + 1)
+
+    return GradientTransformation(init, update)
+
+
+def scale_by_learning_rate(lr: ScalarOrSchedule, *, flip_sign: bool = True) -> GradientTransformation:
+    """Multiply the updates by ``-lr`` (a descent step), ``lr`` a float or a schedule ``step -> float``.
+
+    Args:
+      lr: the learning rate, or a schedule called with the number of earlier updates.
+      flip_sign: negate the rate (default), so that ``apply_updates`` descends.
+
+    Example:
+        >>> import torch
+        >>> tx = scale_by_learning_rate(0.1)
+        >>> tx.update({"w": torch.ones(1)}, tx.init(None))[0]
+        {'w': tensor([-0.1000])}
+    """
+    sign = -1.0 if flip_sign else 1.0
+    if callable(lr):
+        schedule = lr
+        return scale_by_schedule(lambda step: sign * float(schedule(step)))
+    return scale(sign * float(lr))

@@ -1,0 +1,104 @@
+"""Pytree helpers on optree, with dotted path strings.
+
+A *path* names a leaf the way users read parameters: ``layers.3.attn.wq``. Every error hpfunc raises
+about a leaf names it by this path.
+
+Example:
+    >>> import torch
+    >>> from hpfunc import tree
+    >>> params = {"layers": [{"w": torch.ones(2)}], "b": torch.zeros(1)}
+    >>> [p for p, _ in tree.leaves_with_paths(params)]
+    ['b', 'layers.0.w']
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+import optree
+
+__all__ = [
+    "path_str",
+    "leaves_with_paths",
+    "map_with_path",
+    "tree_map",
+    "flatten",
+    "unflatten",
+    "structure",
+    "leaves",
+    "check_same_structure",
+]
+
+# None is an empty subtree (as in JAX), not a leaf.
+NONE_IS_LEAF = False
+
+
+def path_str(path: Iterable[Any]) -> str:
+    """Join an optree path (a tuple of keys and indices) into a dotted string.
+
+    >>> path_str(("layers", 3, "attn", "wq"))
+    'layers.3.attn.wq'
+    """
+    return ".".join(str(p) for p in path)
+
+
+def leaves_with_paths(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> list[tuple[str, Any]]:
+    """Return ``[(dotted_path, leaf), ...]`` in optree's flattening order."""
+    paths, leaves, _ = optree.tree_flatten_with_path(tree, is_leaf=is_leaf, none_is_leaf=NONE_IS_LEAF)
+    return [(path_str(p), leaf) for p, leaf in zip(paths, leaves)]
+
+
+def map_with_path(
+    fn: Callable[..., Any], tree: Any, *rest: Any, is_leaf: Callable[[Any], bool] | None = None
+) -> Any:
+    """``tree_map`` whose function receives the dotted path first: ``fn(path, leaf, *rest_leaves)``.
+
+    >>> map_with_path(lambda p, x: p, {"a": {"b": 1}})
+    {'a': {'b': 'a.b'}}
+    """
+    return optree.tree_map_with_path(
+        lambda p, *xs: fn(path_str(p), *xs), tree, *rest, is_leaf=is_leaf, none_is_leaf=NONE_IS_LEAF
+    )
+
+
+def tree_map(fn: Callable[..., Any], tree: Any, *rest: Any, is_leaf: Callable[[Any], bool] | None = None) -> Any:
+    """``optree.tree_map`` with hpfunc's conventions (``None`` is an empty subtree)."""
+    return optree.tree_map(fn, tree, *rest, is_leaf=is_leaf, none_is_leaf=NONE_IS_LEAF)
+
+
+def flatten(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> tuple[list[Any], Any]:
+    """Return ``(leaves, treespec)``."""
+    return optree.tree_flatten(tree, is_leaf=is_leaf, none_is_leaf=NONE_IS_LEAF)
+
+
+def unflatten(treespec: Any, leaves: Iterable[Any]) -> Any:
+    """Inverse of :func:`flatten`."""
+    return optree.tree_unflatten(treespec, list(leaves))
+
+
+def structure(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> Any:
+    """The treespec of ``tree``."""
+    return optree.tree_structure(tree, is_leaf=is_leaf, none_is_leaf=NONE_IS_LEAF)
+
+
+def leaves(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> list[Any]:
+    """The leaves of ``tree`` in flattening order."""
+    return optree.tree_leaves(tree, is_leaf=is_leaf, none_is_leaf=NONE_IS_LEAF)
+
+
+def check_same_structure(expected: Any, found: Any, *, what: str = "tree") -> None:
+    """Raise ``ValueError`` naming the first differing path when two trees differ in structure."""
+    s1, s2 = structure(expected), structure(found)
+    if s1 == s2:
+        return
+    p1 = {p for p, _ in leaves_with_paths(expected)}
+    p2 = {p for p, _ in leaves_with_paths(found)}
+    missing, extra = sorted(p1 - p2), sorted(p2 - p1)
+    detail = []
+    if missing:
+        detail.append(f"missing paths {missing[:5]}")
+    if extra:
+        detail.append(f"unexpected paths {extra[:5]}")
+    if not detail:
+        detail.append(f"expected structure {s1}, found {s2}")
+    raise ValueError(f"{what} does not match the expected structure: " + "; ".join(detail))
