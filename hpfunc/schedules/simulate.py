@@ -17,7 +17,7 @@ Measures, per rank:
 * ``peak_inflight``: the most stage-microbatches whose ``F`` has finished but whose ``B``/``BW`` has
   not; ``peak_inflight_mb`` divides it by the number of stages on the rank, i.e. counts
   microbatches of a full rank's worth of layers (what the schedule tables quote for interleaved
-  and V schedules).
+  and V schedules). ``peak_resident`` is the same count minus activations swapped out to host.
 
 Example:
     >>> from hpfunc.schedules import one_f_one_b, simulate
@@ -103,6 +103,7 @@ class SimResult:
     steady_bubble_ratio: dict[int, float]
     peak_inflight: dict[int, int]
     peak_inflight_mb: dict[int, float]
+    peak_resident: dict[int, int]
 
     @property
     def max_bubble_ratio(self) -> float:
@@ -126,8 +127,8 @@ class SimResult:
         Example:
             >>> from hpfunc.schedules import gpipe, simulate
             >>> print(simulate(gpipe(2, 1)).timeline())
-            rank 0 | 0F0 .   .   0BW0 0BW0
-            rank 1 | .   1F0 1BW0 1BW0 .
+            rank 0 | 0F0  .    .    .    0BW0 0BW0
+            rank 1 | .    1F0  1BW0 1BW0 .    .
         """
         positive = [e.end - e.start for e in self.events if e.end > e.start]
         if tick is None:
@@ -186,8 +187,16 @@ class SimResult:
                 f"max_bubble_ratio={self.max_bubble_ratio:.4f}, peak_inflight={self.peak_inflight})")
 
 
-def simulate(schedule: Schedule, costs: Costs = None) -> SimResult:
+def simulate(
+    schedule: Schedule,
+    costs: Costs = None,
+    *,
+    stage_scale: Mapping[int, float] | None = None,
+) -> SimResult:
     """Validate ``schedule`` and play it under ``costs`` (see :func:`cost_function`).
+
+    ``stage_scale[s]`` multiplies the cost of every compute action of stage ``s`` (for stages of
+    uneven size, e.g. ``dict(enumerate(stage_costs(layer_costs, schedule.stage_layers)))``).
 
     Example:
         >>> from hpfunc.schedules import gpipe
@@ -196,6 +205,10 @@ def simulate(schedule: Schedule, costs: Costs = None) -> SimResult:
         (15.0, 0.25, 4)
     """
     cost = cost_function(costs)
+    scale = dict(stage_scale or {})
+    bad = [s for s in scale if not 0 <= s < schedule.num_stages]
+    if bad:
+        raise ValueError(f"stage_scale names stage(s) {bad}, but the schedule has {schedule.num_stages} stages")
     deps = dependencies(schedule)
     order = execution_order(schedule, deps)
     end: dict[tuple[int, int], float] = {}
@@ -203,6 +216,8 @@ def simulate(schedule: Schedule, costs: Costs = None) -> SimResult:
     for rank, step in order:
         action = schedule.actions[rank][step]
         c = float(cost(action))
+        if action.is_compute and action.stage in scale:
+            c *= float(scale[action.stage])
         if not math.isfinite(c) or c < 0:
             raise ValueError(f"cost of {action} (rank {rank} step {step}) must be a finite number >= 0, got {c}")
         start = max((end[p] for p in deps[(rank, step)]), default=0.0)
@@ -211,24 +226,33 @@ def simulate(schedule: Schedule, costs: Costs = None) -> SimResult:
     events.sort(key=lambda e: (e.rank, e.step))
     makespan = max((e.end for e in events), default=0.0)
 
-    useful, idle, ratio, steady, peak, peak_mb = {}, {}, {}, {}, {}, {}
+    useful, idle, ratio, steady, peak, peak_mb, resident = {}, {}, {}, {}, {}, {}, {}
     spans = {}
     for r in schedule.ranks:
         mine = [e for e in events if e.rank == r]
         useful[r] = sum(e.end - e.start for e in mine if e.action.is_compute)
         idle[r] = makespan - useful[r]
         spans[r] = (max(e.end for e in mine) - min(e.start for e in mine)) if mine else 0.0
-        held = best = 0
+        held = best = on_device = most_on_device = 0
         for e in mine:  # in step order: F adds an activation, the first backward frees it
-            if e.action.kind is K.F:
+            kind = e.action.kind
+            if kind is K.F:
                 held += 1
-                best = max(best, held)
-            elif e.action.kind in (K.B, K.BW):
+                on_device += 1
+            elif kind in (K.B, K.BW):
                 held -= 1
+                on_device -= 1
+            elif kind is K.SWAP_OUT:
+                on_device -= 1
+            elif kind is K.SWAP_IN:
+                on_device += 1
+            best = max(best, held)
+            most_on_device = max(most_on_device, on_device)
         peak[r] = best
+        resident[r] = most_on_device
         peak_mb[r] = best / max(1, len(schedule.stages_of(r)))
     period = max(spans.values(), default=0.0)
     for r in schedule.ranks:
         ratio[r] = idle[r] / useful[r] if useful[r] else math.inf
         steady[r] = (period - useful[r]) / useful[r] if useful[r] else math.inf
-    return SimResult(schedule, tuple(events), makespan, useful, idle, ratio, steady, peak, peak_mb)
+    return SimResult(schedule, tuple(events), makespan, useful, idle, ratio, steady, peak, peak_mb, resident)

@@ -41,7 +41,7 @@ from collections.abc import Iterator
 
 from .ir import Action, ActionKind, Schedule
 
-__all__ = ["ScheduleError", "validate", "dependencies", "execution_order"]
+__all__ = ["ScheduleError", "validate", "dependencies", "execution_order", "expected_peer"]
 
 K = ActionKind
 Pos = tuple[int, int]  # (rank, step)
