@@ -1,0 +1,30 @@
+"""Shared helpers for the optimizer tests (kept private to this folder)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def randn(shape, seed: int, dtype=torch.float32) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float32).to(dtype)
+
+
+def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+
+
+def grad_sequence(shapes: dict, steps: int, seed: int) -> list[dict]:
+    """Per-step gradient trees shaped like ``shapes``, deterministic in ``seed``."""
+    return [
+        {k: randn(s, seed=seed * 7919 + 31 * i + j) for j, (k, s) in enumerate(sorted(shapes.items()))}
+        for i in range(steps)
+    ]
+
+
+def scaled_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max(1, |b|): an absolute error for |b| <= 1, relative above (fp32 has
+    about 7 significant digits, so a 1e-6 bound on params of magnitude 4 is a few ulps)."""
+    if not a.numel():
+        return 0.0
+    a, b = a.double(), b.double()
+    return ((a - b).abs() / b.abs().clamp(min=1.0)).max().item()
