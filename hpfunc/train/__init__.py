@@ -1,0 +1,1 @@
+"""Training: YAML config, data, a pure ``train_step``, the loop and ``hpfunc train``."""

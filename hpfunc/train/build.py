@@ -1,0 +1,130 @@
+"""From config sections to objects: the model config, the learning-rate schedule, the optimizer.
+
+Example:
+    >>> from hpfunc.train.config import load_config_dict
+    >>> cfg = load_config_dict({"model": {"preset": "qwen3-moe-tiny", "num_hidden_layers": 1},
+    ...                         "schedule": {"name": "constant"}})
+    >>> build_model_config(cfg.model).num_hidden_layers
+    1
+    >>> build_schedule(cfg.schedule, steps=10)(5)
+    1.0
+"""
+
+from __future__ import annotations
+
+import difflib
+import typing
+from typing import Any, Callable
+
+import attrs
+import torch
+
+from hpfunc.train.config import Config, ConfigError, ModelConfig, OptimizerConfig, ScheduleConfig, _convert
+
+__all__ = ["build_model_config", "build_schedule", "build_optimizer", "model_dtype", "decay_mask", "check_buildable"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+# Fields a user sets through model.preset / model.dtype, not through overrides.
+_NOT_OVERRIDABLE = {"rope_scaling"}
+
+
+def model_dtype(mc: ModelConfig) -> torch.dtype:
+    return _DTYPES[mc.dtype]
+
+
+def build_model_config(mc: ModelConfig) -> Any:
+    """The ``Qwen3Config`` of ``model.preset`` with the ``model.<field>`` overrides applied.
+
+    Unknown presets, unknown fields and values of the wrong type raise :class:`ConfigError` naming
+    ``model.preset`` / ``model.<field>``.
+    """
+    from hpfunc.models import config as qcfg
+
+    if mc.preset not in qcfg.PRESETS:
+        close = difflib.get_close_matches(mc.preset, qcfg.PRESETS, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ConfigError(f"model.preset: unknown preset {mc.preset!r}; {hint}available: {', '.join(qcfg.PRESETS)}")
+    hints = typing.get_type_hints(qcfg.Qwen3Config)
+    fields = [f.name for f in attrs.fields(qcfg.Qwen3Config) if f.name not in _NOT_OVERRIDABLE]
+    overrides = {}
+    for key, value in mc.overrides.items():
+        if key not in fields:
+            from hpfunc.train.config import _unknown_key_message
+
+            allowed = ["preset", "dtype", *fields]
+            raise ConfigError(_unknown_key_message("model", key, allowed))
+        tp = hints[key]
+        overrides[key] = value if tp is Any else _convert(value, tp, f"model.{key}")
+    try:
+        return qcfg.preset(mc.preset, **overrides)
+    except qcfg.ConfigError as e:
+        # Qwen3Config names its own field (Qwen3Config.head_dim); say where it came from.
+        raise ConfigError(f"model (preset {mc.preset!r} with overrides {overrides}): {e}") from None
+
+
+def build_schedule(sc: ScheduleConfig, steps: int) -> Callable[[int], float]:
+    """The learning-rate *factor* ``step -> [0, 1]`` (multiplied by each peak rate).
+
+    ``constant``: linear warmup then 1. ``cosine``: warmup then a half cosine to ``end_factor`` at the
+    last step. ``wsd``: warmup, a plateau, then a decay over the last ``decay_fraction`` of the steps.
+    """
+    from hpfunc.optim import schedules
+
+    if sc.warmup_steps > steps:
+        raise ConfigError(f"schedule.warmup_steps: expected at most train.steps ({steps}), found {sc.warmup_steps}")
+    if sc.name == "constant":
+        if sc.warmup_steps == 0:
+            return schedules.constant(1.0)
+        return schedules.linear(0.0, 1.0, sc.warmup_steps)
+    if sc.name == "cosine":
+        return schedules.linear_warmup_cosine_decay(1.0, sc.warmup_steps, max(steps - 1, sc.warmup_steps), sc.end_factor)
+    decay = int(round(sc.decay_fraction * steps))
+    stable = steps - sc.warmup_steps - decay
+    if stable < 0:
+        raise ConfigError(
+            f"schedule.decay_fraction: warmup ({sc.warmup_steps}) plus decay ({decay} = {sc.decay_fraction} * "
+            f"{steps} steps) exceed train.steps ({steps})"
+        )
+    return schedules.warmup_stable_decay(1.0, sc.warmup_steps, stable, decay, sc.end_factor, decay_shape=sc.decay_shape)
+
+
+def decay_mask(path: str, leaf: torch.Tensor) -> bool:
+    """Weight decay applies to matrices and expert stacks, not to norms, biases or embeddings."""
+    lowered = path.lower()
+    return leaf.ndim >= 2 and "embed" not in lowered and "norm" not in lowered
+
+
+def _scaled(peak: float, factor: Callable[[int], float]) -> Callable[[int], float]:
+    def lr(step: int) -> float:
+        return peak * factor(step)
+
+    return lr
+
+
+def build_optimizer(oc: OptimizerConfig, factor: Callable[[int], float]) -> tuple[Any, Callable[[int], float]]:
+    """``(optimizer, lr)``: the gradient transformation and the (AdamW) learning-rate schedule it uses."""
+    from hpfunc import optim
+
+    lr = _scaled(oc.lr, factor)
+    b1, b2 = oc.betas
+    if oc.name == "adamw":
+        tx = optim.adamw(lr, b1, b2, oc.eps, oc.weight_decay, mask=decay_mask)
+    else:
+        tx = optim.muon_adamw(
+            _scaled(oc.muon_lr, factor),
+            adamw_lr=lr,
+            momentum=oc.muon_momentum,
+            weight_decay=oc.weight_decay,
+            adamw_b1=b1,
+            adamw_b2=b2,
+            adamw_eps=oc.eps,
+        )
+    if oc.clip_norm is not None:
+        tx = optim.chain(optim.clip_by_global_norm(oc.clip_norm), tx)
+    return tx, lr
+
+
+def check_buildable(cfg: Config) -> None:
+    """Build what can be built without data (model config, schedule) so errors come before any work."""
+    build_model_config(cfg.model)
+    build_schedule(cfg.schedule, cfg.train.steps)

@@ -1,0 +1,473 @@
+"""The training config: strict attrs classes read from YAML, with ``--set key.path=value`` overrides.
+
+Every key is checked. An unknown key, a value of the wrong type or an unknown choice raises a
+:class:`ConfigError` that names the dotted key path and, where it can, suggests the fix::
+
+    optimizer.lr_warmup: unknown key; did you mean 'warmup_steps' (in schedule)? expected one of ...
+
+Example:
+    >>> cfg = load_config_dict({"train": {"steps": 10}, "model": {"preset": "qwen3-moe-tiny"}})
+    >>> cfg.train.steps, cfg.optimizer.name
+    (10, 'adamw')
+    >>> try:
+    ...     load_config_dict({"train": {"stpes": 10}})
+    ... except ConfigError as e:
+    ...     print(str(e)[:47])
+    train.stpes: unknown key; did you mean 'steps'?
+"""
+
+from __future__ import annotations
+
+import difflib
+import pathlib
+import types
+import typing
+from typing import Any, Literal, Mapping, Sequence, Union
+
+import attrs
+import yaml
+
+__all__ = [
+    "ConfigError",
+    "ModelConfig",
+    "OptimizerConfig",
+    "ScheduleConfig",
+    "DataConfig",
+    "TrainConfig",
+    "OutputConfig",
+    "Config",
+    "load_config",
+    "load_config_dict",
+    "apply_overrides",
+    "config_to_dict",
+    "check_parallel_supported",
+]
+
+
+class ConfigError(ValueError):
+    """A config key is unknown, has the wrong type or an invalid value. The message names its path."""
+
+
+# ---------------------------------------------------------------------------------------------
+# The schema. Field docs are the comments users read in docs/train.md.
+
+
+@attrs.frozen
+class ModelConfig:
+    """Which model: a preset name from ``hpfunc.models.qwen3`` plus field overrides.
+
+    Any other key under ``model:`` is an override of a ``Qwen3Config`` field (``hidden_size: 64``);
+    such keys are checked against the config class when the model is built.
+    """
+
+    preset: str = "qwen3-moe-tiny"
+    dtype: Literal["float32", "bfloat16", "float64"] = "float32"
+    overrides: dict = attrs.field(factory=dict)
+
+
+@attrs.frozen
+class OptimizerConfig:
+    """``adamw`` for every parameter, or ``muon_adamw`` (Muon on hidden matrices, AdamW on the rest)."""
+
+    name: Literal["adamw", "muon_adamw"] = "adamw"
+    lr: float = 3e-3  # AdamW's peak learning rate
+    muon_lr: float = 0.02  # Muon's peak learning rate (muon_adamw only)
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    muon_momentum: float = 0.95
+    clip_norm: Union[float, None] = 1.0  # global-norm clipping of gradients; null disables
+
+
+@attrs.frozen
+class ScheduleConfig:
+    """Learning-rate shape (multiplies each peak rate): ``constant``, ``cosine`` or ``wsd``."""
+
+    name: Literal["constant", "cosine", "wsd"] = "cosine"
+    warmup_steps: int = 0
+    end_factor: float = 0.1  # final rate as a fraction of the peak (cosine, wsd)
+    decay_fraction: float = 0.2  # wsd: fraction of all steps spent decaying
+    decay_shape: Literal["linear", "cosine", "1-sqrt"] = "linear"  # wsd only
+
+
+@attrs.frozen
+class DataConfig:
+    """Where tokens come from. ``stdlib`` needs nothing: it reads this Python's own standard library."""
+
+    source: Literal["stdlib", "text", "jsonl", "ids"] = "stdlib"
+    paths: Union[list[str], None] = None  # glob patterns (text, jsonl, ids); relative to the config file
+    text_field: str = "text"  # jsonl: the field holding each document
+    tokenizer: Union[str, None] = None  # a tokenizer.json (``tokenizers`` package); null = bytes (vocab 256)
+    val_fraction: float = 0.05  # the tail of the token stream kept for validation
+    max_bytes: Union[int, None] = None  # read at most this many bytes of text (stdlib, text, jsonl)
+
+
+@attrs.frozen
+class TrainConfig:
+    """The loop: steps, batch shape and the MoE balancing knobs."""
+
+    steps: int = 100
+    batch_size: int = 8
+    seq_len: int = 128
+    log_every: int = 10
+    eval_every: int = 0  # 0: evaluate only at the end
+    eval_batches: int = 4
+    aux_loss_coef: float = 0.0  # weight of the router load-balancing loss
+    expert_bias_rate: float = 1e-3  # aux-loss-free balancing: bias += rate * sign(mean_load - load)
+    num_threads: Union[int, None] = None  # torch intra-op threads; null keeps torch's default
+
+
+@attrs.frozen
+class OutputConfig:
+    dir: str = "runs/train"  # relative to the current directory
+    plot: bool = True  # write loss.png at the end
+
+
+@attrs.frozen
+class Config:
+    """A whole training run. ``parallel`` is accepted as a mapping; only a trivial one runs today."""
+
+    seed: int = 0
+    model: ModelConfig = attrs.field(factory=ModelConfig)
+    optimizer: OptimizerConfig = attrs.field(factory=OptimizerConfig)
+    schedule: ScheduleConfig = attrs.field(factory=ScheduleConfig)
+    data: DataConfig = attrs.field(factory=DataConfig)
+    train: TrainConfig = attrs.field(factory=TrainConfig)
+    output: OutputConfig = attrs.field(factory=OutputConfig)
+    parallel: dict = attrs.field(factory=dict)
+
+
+# Sections whose unknown keys are collected rather than rejected (checked later against the model).
+_OPEN_SECTIONS = {ModelConfig: "overrides"}
+
+# Positive-integer and range checks: (path, predicate, what was expected).
+_RANGES: list[tuple[str, Any, str]] = [
+    ("train.steps", lambda v: v >= 1, "an integer >= 1"),
+    ("train.batch_size", lambda v: v >= 1, "an integer >= 1"),
+    ("train.seq_len", lambda v: v >= 1, "an integer >= 1"),
+    ("train.log_every", lambda v: v >= 1, "an integer >= 1"),
+    ("train.eval_every", lambda v: v >= 0, "an integer >= 0"),
+    ("train.eval_batches", lambda v: v >= 0, "an integer >= 0"),
+    ("train.num_threads", lambda v: v is None or v >= 1, "null or an integer >= 1"),
+    ("schedule.warmup_steps", lambda v: v >= 0, "an integer >= 0"),
+    ("schedule.end_factor", lambda v: 0.0 <= v <= 1.0, "a number in [0, 1]"),
+    ("schedule.decay_fraction", lambda v: 0.0 <= v <= 1.0, "a number in [0, 1]"),
+    ("data.val_fraction", lambda v: 0.0 <= v < 1.0, "a number in [0, 1)"),
+    ("data.max_bytes", lambda v: v is None or v >= 1, "null or an integer >= 1"),
+    ("optimizer.lr", lambda v: v > 0, "a number > 0"),
+    ("optimizer.muon_lr", lambda v: v > 0, "a number > 0"),
+    ("optimizer.eps", lambda v: v > 0, "a number > 0"),
+    ("optimizer.weight_decay", lambda v: v >= 0, "a number >= 0"),
+    ("optimizer.clip_norm", lambda v: v is None or v > 0, "null or a number > 0"),
+    ("optimizer.betas", lambda v: all(0.0 <= b < 1.0 for b in v), "two numbers in [0, 1)"),
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# Strict conversion of plain data (from YAML) into the attrs classes.
+
+
+def _join(path: str, key: Any) -> str:
+    return f"{path}.{key}" if path else str(key)
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if tp is type(None):
+        return "null"
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin in (list, tuple):
+        args = typing.get_args(tp)
+        if origin is tuple:
+            return f"a list of {len(args)} numbers" if all(a is float for a in args) else "a list"
+        return f"a list of {_type_name(args[0])}" if args else "a list"
+    if attrs.has(tp):
+        return "a mapping"
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false", dict: "a mapping"}.get(
+        tp, getattr(tp, "__name__", str(tp))
+    )
+
+
+def _found(value: Any) -> str:
+    kind = {bool: "boolean", int: "integer", float: "number", str: "string", list: "list", dict: "mapping"}.get(
+        type(value), type(value).__name__
+    )
+    return "null" if value is None else f"{kind} {value!r}"
+
+
+def _schema_keys(cls: type = None, prefix: str = "") -> list[tuple[str, str]]:
+    """Every ``(section_path, key)`` of the schema, for suggestions across sections."""
+    cls = Config if cls is None else cls
+    out = []
+    hints = typing.get_type_hints(cls)
+    for f in attrs.fields(cls):
+        if f.name == _OPEN_SECTIONS.get(cls):
+            continue
+        out.append((prefix, f.name))
+        if attrs.has(hints[f.name]):
+            out.extend(_schema_keys(hints[f.name], _join(prefix, f.name)))
+    return out
+
+
+def _word_score(key: str, candidate: str) -> int:
+    words = set(key.lower().replace("-", "_").split("_")) - {""}
+    return sum(len(w) for w in words & set(candidate.split("_")))
+
+
+def _unknown_key_message(path: str, key: str, allowed: Sequence[str]) -> str:
+    hint = ""
+    close = difflib.get_close_matches(key, allowed, n=1, cutoff=0.6)
+    if close:
+        hint = f"did you mean {close[0]!r}? "
+    else:
+        # The key may belong to another section (optimizer.warmup_steps) or share a word with the
+        # intended one (lr_warmup -> warmup_steps): search the whole schema, longest shared words first.
+        elsewhere = [(s, k) for s, k in _schema_keys() if s != path]
+        exact = [(s, k) for s, k in elsewhere if k == key and s]
+        if exact:
+            hint = f"did you mean {_join(*exact[0])!r}? "
+        else:
+            scored = [(_word_score(key, k), s == path, s, k) for s, k in _schema_keys()]
+            scored = [t for t in scored if t[0] > 0]
+            if scored:
+                best, same, s, k = max(scored, key=lambda t: (t[0], t[1]))
+                hint = f"did you mean {k!r}? " if same else f"did you mean {k!r} (in {s or 'the top level'}: {_join(s, k)})? "
+    return f"{_join(path, key)}: unknown key; {hint}expected one of {', '.join(sorted(allowed))}"
+
+
+def _convert(value: Any, tp: Any, path: str) -> Any:
+    """Check ``value`` against the annotation ``tp`` and convert it; raise ConfigError naming ``path``."""
+    origin = typing.get_origin(tp)
+    if attrs.has(tp):
+        return _from_mapping(tp, value, path)
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _convert(value, a, path)
+            except ConfigError as e:
+                errors.append(e)
+        raise ConfigError(f"{path}: expected {_type_name(tp)}, found {_found(value)}")
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(f"{path}: expected {_type_name(tp)}, found {_found(value)}{hint}")
+        return value
+    if tp is Any:
+        return value
+    if origin is tuple and typing.get_args(tp)[-1:] == (Ellipsis,):
+        (arg, _) = typing.get_args(tp)
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{path}: expected a list of {_type_name(arg)}, found {_found(value)}")
+        return tuple(_convert(v, arg, f"{path}.{i}") for i, v in enumerate(value))
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise ConfigError(f"{path}: expected {_type_name(tp)}, found {_found(value)}")
+        return tuple(_convert(v, a, f"{path}.{i}") for i, (v, a) in enumerate(zip(value, args)))
+    if origin is list:
+        (arg,) = typing.get_args(tp)
+        if isinstance(value, str) and arg is str:  # a single glob is a list of one
+            return [value]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{path}: expected {_type_name(tp)}, found {_found(value)}")
+        return [_convert(v, arg, f"{path}.{i}") for i, v in enumerate(value)]
+    if tp is dict:
+        if value is None:
+            return {}
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{path}: expected a mapping, found {_found(value)}")
+        return dict(value)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: expected true or false, found {_found(value)}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
+                return int(value)  # 1e4 in YAML
+            raise ConfigError(f"{path}: expected an integer, found {_found(value)}")
+        return value
+    if tp is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{path}: expected a number, found {_found(value)}")
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{path}: expected a number, found {_found(value)}")
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}: expected a string, found {_found(value)}")
+        return value
+    raise TypeError(f"config schema: unsupported annotation {tp!r} at {path}")  # a bug in this module
+
+
+def _from_mapping(cls: type, data: Any, path: str) -> Any:
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{path or '<top level>'}: expected a mapping, found {_found(data)}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in attrs.fields(cls)}
+    open_field = _OPEN_SECTIONS.get(cls)
+    allowed = [n for n in fields if n != open_field]
+    kwargs: dict[str, Any] = {}
+    extra: dict[str, Any] = {}
+    for key, value in data.items():
+        if not isinstance(key, str):
+            raise ConfigError(f"{_join(path, key)}: keys must be strings, found {_found(key)}")
+        if key not in allowed:
+            if open_field is not None:
+                extra[key] = value
+                continue
+            raise ConfigError(_unknown_key_message(path, key, allowed))
+        kwargs[key] = _convert(value, hints[key], _join(path, key))
+    if open_field is not None:
+        kwargs[open_field] = extra
+    return cls(**kwargs)
+
+
+def _check_ranges(cfg: Config) -> None:
+    for path, ok, expected in _RANGES:
+        obj: Any = cfg
+        for part in path.split("."):
+            obj = getattr(obj, part)
+        if not ok(obj):
+            raise ConfigError(f"{path}: expected {expected}, found {_found(obj)}")
+    if cfg.data.source in ("text", "jsonl", "ids") and not cfg.data.paths:
+        raise ConfigError(f"data.paths: data.source is {cfg.data.source!r}, which needs file paths (globs); found none")
+    if cfg.data.source == "ids" and cfg.data.tokenizer is not None:
+        raise ConfigError("data.tokenizer: pre-tokenised ids (data.source: ids) take no tokenizer; remove it")
+    check_parallel_supported(cfg.parallel)
+
+
+def check_parallel_supported(parallel: Mapping[str, Any]) -> None:
+    """Accept an empty ``parallel:`` section or one that asks for a single device; reject the rest.
+
+    The section is kept in the resolved config so that a later version can wire ``mesh`` and
+    ``plan`` into ``hpfunc.parallelize``; until then a real request must fail loudly rather than
+    train on one device while the user believes otherwise.
+    """
+    if not parallel:
+        return
+    unknown = sorted(set(parallel) - {"mesh", "plan"})
+    if unknown:
+        raise ConfigError(_unknown_key_message("parallel", unknown[0], ["mesh", "plan"]))
+    mesh = parallel.get("mesh") or {}
+    if not isinstance(mesh, Mapping):
+        raise ConfigError(f"parallel.mesh: expected a mapping of axis name to size, found {_found(mesh)}")
+    for axis, size in mesh.items():
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ConfigError(f"parallel.mesh.{axis}: expected an integer axis size >= 1, found {_found(size)}")
+    if any(size != 1 for size in mesh.values()) or parallel.get("plan"):
+        raise ConfigError(
+            "parallel: a multi-device mesh or a parallel plan is not supported yet in this version of "
+            "`hpfunc train` (single device only); remove the `parallel:` section or set every mesh axis to 1"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Overrides and loading.
+
+
+def _parse_override_value(text: str) -> Any:
+    try:
+        return yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError:
+        return text
+
+
+def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """Return a copy of the raw config mapping with ``key.path=value`` overrides applied.
+
+    Values are read as YAML (``3``, ``0.1``, ``null``, ``[0.9, 0.95]``, ``cosine``). Missing
+    sections are created; the strict check afterwards rejects keys that do not exist.
+
+    >>> apply_overrides({"train": {"steps": 5}}, ["train.steps=7", "optimizer.betas=[0.9, 0.99]"])
+    {'train': {'steps': 7}, 'optimizer': {'betas': [0.9, 0.99]}}
+    """
+    import copy
+
+    out: dict[str, Any] = copy.deepcopy(dict(data))
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected key.path=value")
+        key, text = item.split("=", 1)
+        parts = [p for p in key.strip().split(".")]
+        if not all(parts):
+            raise ConfigError(f"--set {item!r}: the key path {key!r} has an empty part")
+        node = out
+        for i, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(
+                    f"--set {item!r}: {'.'.join(parts[: i + 1])} is {_found(child)}, not a section"
+                )
+            node = child
+        node[parts[-1]] = _parse_override_value(text)
+    return out
+
+
+def load_config_dict(data: Mapping[str, Any] | None, overrides: Sequence[str] = ()) -> Config:
+    """Build a checked :class:`Config` from a plain mapping (as read from YAML) and overrides."""
+    data = apply_overrides(data or {}, overrides)
+    cfg = _from_mapping(Config, data, "")
+    _check_ranges(cfg)
+    return cfg
+
+
+def load_config(path: str | pathlib.Path, overrides: Sequence[str] = ()) -> Config:
+    """Read a YAML config file, apply ``key.path=value`` overrides and check every key.
+
+    Relative ``data.paths`` and ``data.tokenizer`` are resolved against the config file's folder.
+    """
+    path = pathlib.Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {str(path)!r}: {e.strerror or e}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if data is not None and not isinstance(data, Mapping):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections, found {_found(data)}")
+    cfg = load_config_dict(data, overrides)
+    return _resolve_paths(cfg, path.parent)
+
+
+def _resolve_paths(cfg: Config, base: pathlib.Path) -> Config:
+    def resolve(p: str) -> str:
+        q = pathlib.Path(p).expanduser()
+        return str(q if q.is_absolute() else base / q)
+
+    data = cfg.data
+    paths = [resolve(p) for p in data.paths] if data.paths else data.paths
+    tok = resolve(data.tokenizer) if data.tokenizer else data.tokenizer
+    return attrs.evolve(cfg, data=attrs.evolve(data, paths=paths, tokenizer=tok))
+
+
+def config_to_dict(cfg: Config) -> dict[str, Any]:
+    """The config as plain data (model overrides folded back under ``model:``), ready for YAML."""
+    d = attrs.asdict(cfg, recurse=True)
+    model = d["model"]
+    overrides = model.pop("overrides")
+    model.update(overrides)
+    d["optimizer"]["betas"] = list(d["optimizer"]["betas"])
+    return d

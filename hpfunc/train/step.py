@@ -1,0 +1,196 @@
+"""A pure training step: ``train_step(state, batch) -> (new_state, metrics)``.
+
+``make_train_step`` builds it from a model loss and an optimizer. Parameters that are not trained
+by gradient (the MoE expert bias, selected by a path predicate) are kept out of the gradient and
+the optimizer and updated by their own rule after the step (for the expert bias the sign rule
+``bias += rate * sign(mean(load) - load)``). Nothing is mutated: the step returns a new state, and
+the same inputs always give the same outputs.
+
+Example (a toy "model" whose loss is a quadratic; ``aux`` holds what the metrics report):
+    >>> import torch
+    >>> from hpfunc import optim
+    >>> def loss(params, batch, cfg):
+    ...     l = ((params["w"] - batch["tokens"].float().mean()) ** 2).sum()
+    ...     return l, {"ce_loss": l, "aux_loss": torch.zeros(())}
+    >>> tx = optim.adamw(0.1, weight_decay=0.0)
+    >>> step = make_train_step(None, tx, loss_fn=loss)
+    >>> state = init_train_state({"w": torch.zeros(2)}, tx)
+    >>> state, metrics = step(state, {"tokens": torch.ones(1, 4, dtype=torch.int64)})
+    >>> int(state.step), round(float(metrics["loss"]), 3)
+    (1, 2.0)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, NamedTuple
+
+import optree
+import torch
+
+from hpfunc import tree as _tree
+from hpfunc.autodiff import value_and_grad
+
+__all__ = [
+    "TrainState",
+    "split_params",
+    "merge_params",
+    "init_train_state",
+    "make_train_step",
+    "make_eval_step",
+]
+
+LossFn = Callable[[Any, Mapping[str, torch.Tensor], Any], tuple[torch.Tensor, Mapping[str, Any]]]
+
+
+class TrainState(NamedTuple):
+    """Everything a step reads and writes: all params (trained and not), optimizer state, step count.
+
+    ``opt_state`` covers only the trained params (the tree with ``None`` at the non-trained leaves).
+    """
+
+    params: Any
+    opt_state: Any
+    step: torch.Tensor
+
+
+def _never(path: str) -> bool:
+    del path
+    return False
+
+
+def split_params(params: Any, is_frozen: Callable[[str], bool]) -> tuple[Any, Any]:
+    """``(trained, frozen)``: two trees shaped like ``params`` with ``None`` at the other's leaves.
+
+    >>> t, f = split_params({"w": 1, "moe": {"expert_bias": 2}}, lambda p: p.endswith("expert_bias"))
+    >>> t, f
+    ({'w': 1, 'moe': {'expert_bias': None}}, {'w': None, 'moe': {'expert_bias': 2}})
+    """
+    trained = _tree.map_with_path(lambda p, x: None if is_frozen(p) else x, params)
+    frozen = _tree.map_with_path(lambda p, x: x if is_frozen(p) else None, params)
+    return trained, frozen
+
+
+def merge_params(trained: Any, frozen: Any) -> Any:
+    """Inverse of :func:`split_params`: take each leaf from whichever tree holds it."""
+    return optree.tree_map(lambda a, b: a if b is None else b, trained, frozen, none_is_leaf=True)
+
+
+def init_train_state(
+    params: Any, optimizer: Any, *, is_frozen: Callable[[str], bool] | None = None, step: int = 0
+) -> TrainState:
+    """The state before the first step: ``optimizer.init`` over the trained params only.
+
+    ``is_frozen`` defaults to the expert-bias predicate of ``hpfunc.models`` (when importable).
+    """
+    is_frozen = _default_is_frozen() if is_frozen is None else is_frozen
+    trained, _ = split_params(params, is_frozen)
+    return TrainState(params=params, opt_state=optimizer.init(trained), step=torch.tensor(step, dtype=torch.int64))
+
+
+def _default_is_frozen() -> Callable[[str], bool]:
+    try:
+        from hpfunc.models.moe import is_expert_bias
+    except ImportError:  # a model without MoE building blocks: everything trains
+        return _never
+    return is_expert_bias
+
+
+def _default_update_frozen() -> Callable[[Any, torch.Tensor, float], Any] | None:
+    try:
+        from hpfunc.models.moe import update_expert_bias
+    except ImportError:
+        return None
+    return update_expert_bias
+
+
+def _default_loss() -> LossFn:
+    from hpfunc.models import qwen3
+
+    return qwen3.loss
+
+
+def make_train_step(
+    model_cfg: Any,
+    optimizer: Any,
+    *,
+    aux_loss_coef: float = 0.0,
+    expert_bias_rate: float = 0.0,
+    lr_schedule: Callable[[int], float] | None = None,
+    loss_fn: LossFn | None = None,
+    is_frozen: Callable[[str], bool] | None = None,
+    update_frozen: Callable[[Any, torch.Tensor, float], Any] | None = None,
+) -> Callable[[TrainState, Mapping[str, torch.Tensor]], tuple[TrainState, dict[str, torch.Tensor]]]:
+    """Build ``train_step(state, batch) -> (state, metrics)`` for a model and an optimizer.
+
+    The objective is ``aux["ce_loss"] + aux_loss_coef * aux["aux_loss"]`` when the loss reports
+    both (the model's own total otherwise). Gradients flow to every parameter except those
+    ``is_frozen(path)`` selects; after the optimizer update those are replaced by
+    ``update_frozen(params, aux["expert_load"], expert_bias_rate)`` (skipped when the rate is 0 or
+    the loss reports no expert load).
+
+    Args:
+      model_cfg: passed as the third argument of ``loss_fn`` (a ``Qwen3Config``).
+      optimizer: a ``GradientTransformation`` (``hpfunc.optim``) over the trained params.
+      aux_loss_coef: weight of the router load-balancing loss in the objective.
+      expert_bias_rate: step size of the expert-bias sign rule.
+      lr_schedule: ``step -> learning rate``, only reported in the metrics.
+      loss_fn: ``(params, batch, model_cfg) -> (loss, aux)``; defaults to ``qwen3.loss``.
+      is_frozen: path predicate of the non-gradient leaves; defaults to ``is_expert_bias``.
+      update_frozen: their update rule; defaults to ``update_expert_bias``.
+
+    Returns:
+      A pure function. ``metrics`` holds 0-d tensors ``loss`` (the objective), ``ce_loss``,
+      ``aux_loss``, ``grad_norm`` (before clipping), ``lr`` and, for MoE models, ``expert_load``
+      (``[n_moe_layers, E]`` token counts of this batch).
+    """
+    from hpfunc.optim import apply_updates, global_norm
+
+    loss_fn = _default_loss() if loss_fn is None else loss_fn
+    is_frozen = _default_is_frozen() if is_frozen is None else is_frozen
+    update_frozen = _default_update_frozen() if update_frozen is None else update_frozen
+    aux_loss_coef = float(aux_loss_coef)
+    expert_bias_rate = float(expert_bias_rate)
+
+    def objective(trained: Any, frozen: Any, batch: Mapping[str, torch.Tensor]):
+        loss, aux = loss_fn(merge_params(trained, frozen), batch, model_cfg)
+        aux = dict(aux)
+        if "ce_loss" in aux and "aux_loss" in aux:
+            loss = aux["ce_loss"] + aux_loss_coef * aux["aux_loss"]
+        return loss, aux
+
+    grad_fn = value_and_grad(objective, has_aux=True)
+
+    def train_step(state: TrainState, batch: Mapping[str, torch.Tensor]) -> tuple[TrainState, dict[str, torch.Tensor]]:
+        trained, frozen = split_params(state.params, is_frozen)
+        (loss, aux), grads = grad_fn(trained, frozen, batch)
+        updates, opt_state = optimizer.update(grads, state.opt_state, trained)
+        new_trained = apply_updates(trained, updates)
+        params = merge_params(new_trained, frozen)
+        load = aux.get("expert_load")
+        if load is not None and expert_bias_rate != 0.0 and update_frozen is not None:
+            params = update_frozen(params, load, expert_bias_rate)
+        step = int(state.step)
+        metrics = {
+            "loss": loss,
+            "ce_loss": torch.as_tensor(aux.get("ce_loss", loss)).detach(),
+            "aux_loss": torch.as_tensor(aux.get("aux_loss", 0.0)).detach(),
+            "grad_norm": global_norm(grads).detach(),
+            "lr": torch.tensor(float(lr_schedule(step)) if lr_schedule is not None else float("nan")),
+        }
+        if load is not None:
+            metrics["expert_load"] = load.detach()
+        return TrainState(params=params, opt_state=opt_state, step=state.step + 1), metrics
+
+    return train_step
+
+
+def make_eval_step(model_cfg: Any, *, loss_fn: LossFn | None = None) -> Callable[[Any, Mapping[str, torch.Tensor]], torch.Tensor]:
+    """``eval_step(params, batch) -> ce_loss`` (no gradient)."""
+    loss_fn = _default_loss() if loss_fn is None else loss_fn
+
+    def eval_step(params: Any, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        with torch.no_grad():
+            loss, aux = loss_fn(params, batch, model_cfg)
+        return torch.as_tensor(dict(aux).get("ce_loss", loss)).detach()
+
+    return eval_step
