@@ -1,0 +1,272 @@
+"""Hugging Face interop for Qwen3: ``from_pretrained`` / ``save_pretrained`` (config.json + safetensors).
+
+Reads single-file or sharded (``model.safetensors.index.json``) checkpoints, with MoE experts either
+per expert as published on the hub (``model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight``) or
+fused (``mlp.experts.gate_up_proj [E, 2I, H]``, ``mlp.experts.down_proj [E, H, I]``, the in-memory layout
+of transformers 5). Always writes the published per-expert layout. A nonzero expert bias is written
+as ``model.layers.N.mlp.gate.e_score_correction_bias`` (transformers ignores it with a warning) so that
+``from_pretrained(save_pretrained(params))`` returns ``params`` exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any
+
+import torch
+
+from hpfunc import tree as _tree
+from hpfunc.models.config import ConfigError, Qwen3Config
+from hpfunc.models.qwen3 import _is_shape, param_shapes
+
+CONFIG_NAME = "config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+_EXPERT_PROJ = {"w_gate": "gate_proj", "w_up": "up_proj", "w_down": "down_proj"}
+_ATTN = {"wq": "q_proj.weight", "wk": "k_proj.weight", "wv": "v_proj.weight", "wo": "o_proj.weight",
+         "bq": "q_proj.bias", "bk": "k_proj.bias", "bv": "v_proj.bias", "bo": "o_proj.bias",
+         "q_norm": "q_norm.weight", "k_norm": "k_norm.weight"}
+_SHARED = {"w_gate": "shared_expert.gate_proj.weight", "w_up": "shared_expert.up_proj.weight",
+           "w_down": "shared_expert.down_proj.weight", "gate": "shared_expert_gate.weight"}
+BIAS_KEY = "mlp.gate.e_score_correction_bias"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint whose tensors do not match the configuration (names the keys and shapes)."""
+
+
+def hf_name(path: str) -> str:
+    """The Hugging Face tensor name of a (non-expert) parameter path.
+
+    >>> hf_name("layers.3.attn.wq")
+    'model.layers.3.self_attn.q_proj.weight'
+    """
+    if path == "embed":
+        return "model.embed_tokens.weight"
+    if path == "final_norm":
+        return "model.norm.weight"
+    if path == "lm_head":
+        return "lm_head.weight"
+    parts = path.split(".")
+    if parts[0] != "layers":
+        raise KeyError(f"hf_name: no Hugging Face name for parameter path {path!r}")
+    pre, rest = f"model.layers.{parts[1]}.", parts[2:]
+    if rest == ["attn_norm"]:
+        return pre + "input_layernorm.weight"
+    if rest == ["mlp_norm"]:
+        return pre + "post_attention_layernorm.weight"
+    if rest[0] == "attn":
+        return pre + "self_attn." + _ATTN[rest[1]]
+    if rest[0] == "mlp":
+        return pre + f"mlp.{_EXPERT_PROJ[rest[1]]}.weight"
+    if rest == ["moe", "router"]:
+        return pre + "mlp.gate.weight"
+    if rest == ["moe", "expert_bias"]:
+        return pre + BIAS_KEY
+    if rest[:2] == ["moe", "shared"]:
+        return pre + "mlp." + _SHARED[rest[2]]
+    raise KeyError(f"hf_name: no Hugging Face name for parameter path {path!r}")
+
+
+def _expert_names(path: str, num_experts: int) -> list[str]:
+    # layers.N.moe.experts.w_gate -> model.layers.N.mlp.experts.{e}.gate_proj.weight
+    layer, proj = path.split(".")[1], _EXPERT_PROJ[path.rsplit(".", 1)[-1]]
+    return [f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight" for e in range(num_experts)]
+
+
+def to_hf_state_dict(params: dict, cfg: Qwen3Config, *, include_expert_bias: bool | None = None) -> dict:
+    """Flat ``{hf_name: tensor}`` in the published layout (per-expert keys; ``lm_head`` absent when tied).
+
+    ``include_expert_bias``: ``None`` (default) writes a layer's bias only when it is nonzero.
+    """
+    out: dict[str, torch.Tensor] = {}
+    for path, leaf in _tree.leaves_with_paths(params):
+        if ".moe.experts." in path:
+            for name, t in zip(_expert_names(path, leaf.shape[0]), leaf.unbind(0)):
+                out[name] = t
+        elif path.endswith("moe.expert_bias"):
+            keep = bool(leaf.ne(0).any()) if include_expert_bias is None else include_expert_bias
+            if keep:
+                out[hf_name(path)] = leaf
+        else:
+            out[hf_name(path)] = leaf
+    return out
+
+
+def _fused_expert_names(layer: str) -> tuple[str, str]:
+    pre = f"model.layers.{layer}.mlp.experts."
+    return pre + "gate_up_proj", pre + "down_proj"
+
+
+def from_hf_state_dict(tensors: dict[str, torch.Tensor], cfg: Qwen3Config, *,
+                       dtype: torch.dtype | None = None, device: Any = None) -> dict:
+    """Build the parameter tree from a flat HF tensor dict; strict about missing/unexpected keys and shapes."""
+    shapes = param_shapes(cfg)
+    remaining = dict(tensors)
+    missing: list[str] = []
+
+    def take(name: str, shape: torch.Size) -> torch.Tensor | None:
+        t = remaining.pop(name, None)
+        if t is None:
+            missing.append(name)
+            return None
+        if t.shape != shape:
+            raise CheckpointError(f"tensor {name!r}: expected shape {tuple(shape)}, found {tuple(t.shape)}")
+        return t
+
+    def load(path: str, shape: torch.Size) -> torch.Tensor | None:
+        if ".moe.experts." in path:
+            layer = path.split(".")[1]
+            E = shape[0]
+            gate_up, down = _fused_expert_names(layer)
+            fused_name = down if path.endswith("w_down") else gate_up
+            if fused_name in tensors:  # transformers-5 fused layout
+                t = tensors[fused_name]
+                remaining.pop(fused_name, None)
+                if path.endswith("w_down"):
+                    expected = shape
+                else:
+                    expected = torch.Size([E, 2 * shape[1], shape[2]])
+                if t.shape != expected:
+                    raise CheckpointError(
+                        f"tensor {fused_name!r}: expected shape {tuple(expected)}, found {tuple(t.shape)}")
+                if path.endswith("w_gate"):
+                    return t[:, : shape[1]].clone()
+                if path.endswith("w_up"):
+                    return t[:, shape[1]:].clone()
+                return t
+            parts = [take(n, shape[1:]) for n in _expert_names(path, E)]
+            return None if any(p is None for p in parts) else torch.stack(parts)
+        if path.endswith("moe.expert_bias"):
+            t = remaining.pop(hf_name(path), None)
+            if t is None:
+                return torch.zeros(shape, dtype=torch.float32)
+            if t.shape != shape:
+                raise CheckpointError(f"tensor {hf_name(path)!r}: expected shape {tuple(shape)}, "
+                                      f"found {tuple(t.shape)}")
+            return t.float()
+        return take(hf_name(path), shape)
+
+    params = _tree.map_with_path(load, shapes, is_leaf=_is_shape)
+    if cfg.tie_word_embeddings and "lm_head.weight" in remaining:
+        lm = remaining.pop("lm_head.weight")
+        if "model.embed_tokens.weight" in tensors and not torch.equal(lm, tensors["model.embed_tokens.weight"]):
+            raise CheckpointError("tensor 'lm_head.weight': tie_word_embeddings is true but lm_head.weight "
+                                  "differs from model.embed_tokens.weight")
+    if missing:
+        raise CheckpointError(f"checkpoint is missing {len(missing)} tensor(s) the config needs: "
+                              f"{_names(missing)}")
+    if remaining:
+        raise CheckpointError(f"checkpoint has {len(remaining)} unexpected tensor(s) for this config: "
+                              f"{_names(sorted(remaining))}")
+
+    def finish(path: str, t: torch.Tensor) -> torch.Tensor:
+        if path.endswith("moe.expert_bias"):
+            return t if device is None else t.to(device)
+        return t.to(dtype=dtype or t.dtype, device=device).contiguous()
+
+    return _tree.map_with_path(finish, params)
+
+
+def _names(names: list[str], limit: int = 12) -> str:
+    shown = ", ".join(repr(n) for n in names[:limit])
+    return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
+
+
+def load_config(path: str | os.PathLike) -> Qwen3Config:
+    """Read ``path/config.json`` into a :class:`Qwen3Config`."""
+    file = os.path.join(path, CONFIG_NAME)
+    if not os.path.exists(file):
+        raise FileNotFoundError(f"from_pretrained: no {CONFIG_NAME} in {os.fspath(path)!r}")
+    with open(file) as f:
+        d = json.load(f)
+    try:
+        return Qwen3Config.from_hf_dict(d)
+    except ConfigError as e:
+        raise ConfigError(f"{file}: {e}") from None
+
+
+def _read_tensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    index = os.path.join(path, INDEX_FILE)
+    if os.path.exists(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        tensors: dict[str, torch.Tensor] = {}
+        for shard in sorted(set(weight_map.values())):
+            tensors.update(load_file(os.path.join(path, shard)))
+        listed, found = set(weight_map), set(tensors)
+        if listed != found:
+            raise CheckpointError(f"{index}: weight_map and shard contents differ; listed only: "
+                                  f"{_names(sorted(listed - found))}; in shards only: {_names(sorted(found - listed))}")
+        return tensors
+    single = os.path.join(path, SINGLE_FILE)
+    if os.path.exists(single):
+        return load_file(single)
+    raise FileNotFoundError(f"from_pretrained: neither {SINGLE_FILE} nor {INDEX_FILE} in {os.fspath(path)!r}")
+
+
+def from_pretrained(path: str | os.PathLike, *, dtype: torch.dtype | None = None,
+                    device: Any = None) -> tuple[Qwen3Config, dict]:
+    """Load ``(cfg, params)`` from a Hugging Face Qwen3 / Qwen3-MoE checkpoint directory.
+
+    ``dtype``: cast floating weights (default: as stored). The expert bias is float32 (zeros when the
+    checkpoint has none).
+    """
+    cfg = load_config(path)
+    return cfg, from_hf_state_dict(_read_tensors(path), cfg, dtype=dtype, device=device)
+
+
+def _parse_size(size: int | str) -> int:
+    if isinstance(size, int):
+        return size
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*", size, flags=re.IGNORECASE)
+    if not m:
+        raise ValueError(f"max_shard_size: expected bytes or a string like '5GB', found {size!r}")
+    unit = (m.group(2) or "B").upper()
+    mult = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}[unit]
+    return int(float(m.group(1)) * mult)
+
+
+def save_pretrained(params: dict, cfg: Qwen3Config, path: str | os.PathLike, *,
+                    max_shard_size: int | str = "5GB") -> None:
+    """Write ``config.json`` and safetensors (sharded with an index when larger than ``max_shard_size``).
+
+    Tensors are written in parameter order (all of a layer together); a tensor larger than the limit gets
+    a shard of its own. The exact inverse of :func:`from_pretrained`.
+    """
+    from safetensors.torch import save_file
+
+    limit = _parse_size(max_shard_size)
+    os.makedirs(path, exist_ok=True)
+    state = to_hf_state_dict(params, cfg)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in state.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > limit:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t.detach().to("cpu").contiguous().clone()
+        size += nbytes
+    with open(os.path.join(path, CONFIG_NAME), "w") as f:
+        json.dump(cfg.to_hf_dict(), f, indent=2, sort_keys=True)
+    for stale in (SINGLE_FILE, INDEX_FILE):
+        if os.path.exists(os.path.join(path, stale)):
+            os.remove(os.path.join(path, stale))
+    if len(shards) == 1:
+        save_file(shards[0], os.path.join(path, SINGLE_FILE), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    total = 0
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, os.path.join(path, fname), metadata={"format": "pt"})
+        for name, t in shard.items():
+            weight_map[name] = fname
+            total += t.numel() * t.element_size()
+    with open(os.path.join(path, INDEX_FILE), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2, sort_keys=True)

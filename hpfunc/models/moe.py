@@ -1,0 +1,232 @@
+"""Mixture-of-experts building blocks on plain tensors: top-k softmax router, grouped experts, MoE block,
+load-balancing auxiliary loss and the auxiliary-loss-free expert bias.
+
+Expert weights are stacked ``[E, out, in]`` (each expert in the ``nn.Linear`` orientation):
+``w_gate, w_up [E, I, H]``, ``w_down [E, H, I]``. The number of experts is read from the stacked weights
+and the router, so an expert-parallel transform can pass the local experts (dim 0 shards).
+
+Grouped compute, no Python loop over experts: the ``T * k`` (token, expert) assignments are sorted by
+expert id; each expert's rows then form one contiguous group, computed either by padding every group to
+the largest group and running batched matmuls (``impl="bmm"``, default) or with
+``torch._grouped_mm`` on the unpadded groups (``impl="grouped_mm"``).
+
+Expert bias (auxiliary-loss-free balancing, DeepSeek-V3 style, on softmax scores here): a per-layer
+vector added to the router probabilities only to *select* the top-k experts; the combine weights are the
+unbiased probabilities. It is not differentiated (it is used under ``detach``) and is updated outside the
+gradient step by :func:`update_expert_bias`. A trainer must keep it out of the optimizer (no weight decay,
+no Adam moments): select it with :func:`is_expert_bias` on the parameter path, e.g. with an
+``optim.partition`` whose predicate is ``is_expert_bias``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from hpfunc import tree as _tree
+from hpfunc.models.layers import swiglu_mlp
+
+EXPERT_BIAS_SUFFIX = "moe.expert_bias"
+
+
+class Routing(NamedTuple):
+    """What a router decided for ``T`` tokens: ``logits [T, E]`` (input dtype), ``probs [T, E]`` (float32
+    softmax), ``weights [T, k]`` (combine weights, input dtype) and ``indices [T, k]`` (expert ids)."""
+
+    logits: torch.Tensor
+    probs: torch.Tensor
+    weights: torch.Tensor
+    indices: torch.Tensor
+
+
+def route_topk(
+    x: torch.Tensor,
+    router: torch.Tensor,
+    *,
+    top_k: int,
+    norm_topk_prob: bool,
+    expert_bias: torch.Tensor | None = None,
+) -> Routing:
+    """Top-k softmax router (Qwen3-MoE): ``probs = softmax(x @ router.T)`` in float32.
+
+    Selection is ``topk(probs + expert_bias)``; the combine weights are the *unbiased* ``probs`` of the
+    selected experts, renormalised to sum to one when ``norm_topk_prob``. ``expert_bias`` never gets a
+    gradient.
+
+    >>> r = route_topk(torch.randn(5, 8), torch.randn(4, 8), top_k=2, norm_topk_prob=True)
+    >>> r.indices.shape, bool(torch.allclose(r.weights.sum(-1), torch.ones(5)))
+    (torch.Size([5, 2]), True)
+    """
+    logits = F.linear(x, router)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    if expert_bias is None:
+        weights, indices = torch.topk(probs, top_k, dim=-1)
+    else:
+        with torch.no_grad():
+            indices = torch.topk(probs.detach() + expert_bias.detach().float(), top_k, dim=-1).indices
+        weights = probs.gather(-1, indices)
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return Routing(logits, probs, weights.to(logits.dtype), indices)
+
+
+def expert_counts(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Number of (token, slot) assignments per expert, ``[num_experts]`` int64.
+
+    >>> expert_counts(torch.tensor([[0, 2], [2, 1]]), 4).tolist()
+    [1, 1, 2, 0]
+    """
+    return torch.bincount(indices.reshape(-1), minlength=num_experts)
+
+
+def grouped_experts(
+    x: torch.Tensor,
+    indices: torch.Tensor,
+    weights: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    *,
+    impl: str = "bmm",
+) -> torch.Tensor:
+    """``y[t] = sum_j weights[t, j] * SwiGLU_{indices[t, j]}(x[t])`` for ``x [T, H]``, stacked experts.
+
+    Args:
+      x: tokens ``[T, H]``.
+      indices, weights: ``[T, k]`` expert ids (in ``[0, E)``) and combine weights.
+      w_gate, w_up: ``[E, I, H]``; w_down: ``[E, H, I]``.
+      impl: ``"bmm"`` (pad each expert group to the largest, batched matmul) or ``"grouped_mm"``
+        (``torch._grouped_mm`` over unpadded groups).
+
+    >>> T, H, I, E = 6, 8, 4, 3
+    >>> y = grouped_experts(torch.randn(T, H), torch.randint(0, E, (T, 2)), torch.rand(T, 2),
+    ...                     torch.randn(E, I, H), torch.randn(E, I, H), torch.randn(E, H, I))
+    >>> y.shape
+    torch.Size([6, 8])
+    """
+    T, H = x.shape
+    E, k = w_gate.shape[0], indices.shape[-1]
+    flat = indices.reshape(-1)
+    with torch.no_grad():
+        order = torch.argsort(flat, stable=True)
+        sorted_experts = flat[order]
+        counts = torch.bincount(flat, minlength=E)
+        token_of = order // k
+    combine = weights.reshape(-1)[order].unsqueeze(-1)
+    if impl == "grouped_mm":
+        offs = torch.cumsum(counts, 0).to(torch.int32)
+        xs = x[token_of]
+        h = F.silu(torch._grouped_mm(xs, w_gate.transpose(1, 2), offs=offs)) * torch._grouped_mm(
+            xs, w_up.transpose(1, 2), offs=offs)
+        ys = torch._grouped_mm(h, w_down.transpose(1, 2), offs=offs)
+    elif impl == "bmm":
+        with torch.no_grad():
+            cap = int(counts.max()) if flat.numel() else 0
+            starts = torch.cumsum(counts, 0) - counts
+            slot = sorted_experts * cap + (torch.arange(flat.numel(), device=x.device) - starts[sorted_experts])
+            # Padding slots read an extra zero row (index T): a pure gather, whose backward is one index_add.
+            source = torch.full((E * cap,), T, dtype=torch.int64, device=x.device)
+            source[slot] = token_of
+        buf = torch.cat((x, x.new_zeros(1, H)))[source].view(E, cap, H)
+        h = F.silu(torch.bmm(buf, w_gate.transpose(1, 2))) * torch.bmm(buf, w_up.transpose(1, 2))
+        ys = torch.bmm(h, w_down.transpose(1, 2)).view(E * cap, -1)[slot]
+    else:
+        raise ValueError(f"grouped_experts: impl must be 'bmm' or 'grouped_mm', found {impl!r}")
+    ys = ys * combine
+    return x.new_zeros(T, ys.shape[-1]).index_add(0, token_of, ys)
+
+
+def moe_block(
+    x: torch.Tensor,
+    router: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    *,
+    top_k: int,
+    norm_topk_prob: bool,
+    expert_bias: torch.Tensor | None = None,
+    shared: dict[str, torch.Tensor] | None = None,
+    impl: str = "bmm",
+) -> tuple[torch.Tensor, Routing]:
+    """Sparse MoE feed-forward ``[..., H] -> [..., H]``; returns the output and the :class:`Routing`.
+
+    ``shared`` (Qwen2-MoE style, absent in Qwen3) holds ``w_gate, w_up, w_down`` of an always-on SwiGLU
+    expert and ``gate [1, H]``, whose sigmoid scales it.
+
+    >>> E, H, I = 4, 8, 4
+    >>> y, r = moe_block(torch.randn(2, 3, H), torch.randn(E, H), torch.randn(E, I, H),
+    ...                  torch.randn(E, I, H), torch.randn(E, H, I), top_k=2, norm_topk_prob=False)
+    >>> y.shape, r.indices.shape
+    (torch.Size([2, 3, 8]), torch.Size([6, 2]))
+    """
+    shape = x.shape
+    flat = x.reshape(-1, shape[-1])
+    routing = route_topk(flat, router, top_k=top_k, norm_topk_prob=norm_topk_prob, expert_bias=expert_bias)
+    y = grouped_experts(flat, routing.indices, routing.weights, w_gate, w_up, w_down, impl=impl)
+    if shared is not None:
+        y = y + torch.sigmoid(F.linear(flat, shared["gate"])) * swiglu_mlp(
+            flat, shared["w_gate"], shared["w_up"], shared["w_down"])
+    return y.view(shape), routing
+
+
+def load_balancing_loss(routings: Sequence[Routing], num_experts: int) -> torch.Tensor:
+    """Switch-Transformer auxiliary loss exactly as Hugging Face's Qwen3-MoE ``load_balancing_loss_func``.
+
+    Over all MoE layers pooled together (not averaged per layer): with ``N`` = layers x tokens rows,
+    ``f_e = (# top-k assignments to e) / N`` (sums to k) and ``P_e = (sum of router probs of e) / N``,
+    the loss is ``E * sum_e f_e P_e``. Only ``P`` carries gradient. ``f`` counts the experts actually
+    selected (identical to the reference's unbiased top-k while the expert bias is zero).
+
+    >>> r = route_topk(torch.randn(5, 8), torch.randn(4, 8), top_k=2, norm_topk_prob=False)
+    >>> float(load_balancing_loss([r], 4)) > 0
+    True
+    """
+    if not routings:
+        raise ValueError("load_balancing_loss: no MoE layer routings given")
+    counts = sum(expert_counts(r.indices, num_experts).float() for r in routings)
+    prob_sum = sum(r.probs.float().sum(0) for r in routings)
+    rows = sum(r.probs.shape[0] for r in routings)
+    return num_experts * torch.sum((counts / rows) * (prob_sum / rows))
+
+
+def is_expert_bias(path: str) -> bool:
+    """True for the expert-bias leaves (``layers.N.moe.expert_bias``), which must bypass the optimizer.
+
+    >>> is_expert_bias("layers.3.moe.expert_bias"), is_expert_bias("layers.3.moe.router")
+    (True, False)
+    """
+    return path == EXPERT_BIAS_SUFFIX or path.endswith("." + EXPERT_BIAS_SUFFIX)
+
+
+def update_expert_bias(params: Any, expert_load: torch.Tensor, rate: float) -> Any:
+    """Return ``params`` with each MoE layer's bias moved toward uniform load (no gradient involved).
+
+    ``bias += rate * sign(mean(load) - load)`` per layer, where ``expert_load [n_moe_layers, E]`` holds
+    token counts in MoE-layer order (as ``loss``/``apply`` return it in ``aux["expert_load"]``).
+    Overloaded experts become less likely to be selected, underloaded more.
+
+    >>> p = {"layers": [{"moe": {"expert_bias": torch.zeros(3)}}]}
+    >>> update_expert_bias(p, torch.tensor([[5.0, 1.0, 0.0]]), 0.1)["layers"][0]["moe"]["expert_bias"]
+    tensor([-0.1000,  0.1000,  0.1000])
+    """
+    paths = [p for p, _ in _tree.leaves_with_paths(params) if is_expert_bias(p)]
+    if expert_load.dim() != 2 or expert_load.shape[0] != len(paths):
+        raise ValueError(
+            f"update_expert_bias: expected expert_load [n_moe_layers={len(paths)}, E], "
+            f"found shape {tuple(expert_load.shape)}")
+    row = {p: i for i, p in enumerate(paths)}
+
+    def step(path: str, leaf: torch.Tensor) -> torch.Tensor:
+        if path not in row:
+            return leaf
+        load = expert_load[row[path]].to(device=leaf.device, dtype=torch.float32)
+        if load.shape != leaf.shape:
+            raise ValueError(f"update_expert_bias: {path} has shape {tuple(leaf.shape)}, "
+                             f"expert_load row has {tuple(load.shape)}")
+        with torch.no_grad():
+            return leaf + (rate * torch.sign(load.mean() - load)).to(leaf.dtype)
+
+    return _tree.map_with_path(step, params)

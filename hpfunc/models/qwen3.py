@@ -1,0 +1,296 @@
+"""Qwen3 causal language model (dense and MoE) as pure functions over a nested-dict pytree.
+
+``params = init(key, cfg)``, ``logits = apply(params, tokens, cfg)``, ``value, aux = loss(params, batch, cfg)``.
+The function is Hugging Face's ``Qwen3ForCausalLM`` / ``Qwen3MoeForCausalLM`` exactly (logits agree to
+fp32 rounding; see ``tests/models``).
+
+Parameter paths (``hpfunc.tree.path_str``), all linear weights ``[out, in]`` as in ``nn.Linear``::
+
+    embed                                   [V, H]
+    layers.N.attn_norm, layers.N.mlp_norm   [H]
+    layers.N.attn.wq                        [Hq*D, H]       (column parallel = shard dim 0)
+    layers.N.attn.wk, layers.N.attn.wv      [Hkv*D, H]
+    layers.N.attn.wo                        [H, Hq*D]       (row parallel = shard dim 1)
+    layers.N.attn.q_norm, .k_norm           [D]
+    layers.N.attn.bq/bk/bv/bo               (only with attention_bias)
+    layers.N.mlp.w_gate, .w_up              [I, H]          dense layers
+    layers.N.mlp.w_down                     [H, I]
+    layers.N.moe.router                     [E, H]          MoE layers
+    layers.N.moe.experts.w_gate, .w_up      [E, Im, H]      (expert parallel = shard dim 0)
+    layers.N.moe.experts.w_down             [E, H, Im]
+    layers.N.moe.expert_bias                [E] float32     selection-only bias, never differentiated
+    layers.N.moe.shared.{w_gate,w_up,w_down,gate}           (only with a shared expert)
+    final_norm                              [H]
+    lm_head                                 [V, H]          (absent when tie_word_embeddings)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from hpfunc import random as _random
+from hpfunc import tree as _tree
+from hpfunc.models.attention import gqa_attention
+from hpfunc.models.config import Qwen3Config
+from hpfunc.models.layers import rms_norm, swiglu_mlp
+from hpfunc.models.moe import expert_counts, is_expert_bias, load_balancing_loss, moe_block
+from hpfunc.models.rope import rope_inv_freq, rope_tables
+
+IGNORE_INDEX = -100
+
+# Leaf kinds for init: "normal" (std = initializer_range), "ones" (norm weights), "zeros".
+_ONES = ("attn_norm", "mlp_norm", "final_norm", "q_norm", "k_norm")
+_ZEROS = ("expert_bias", "bq", "bk", "bv", "bo")
+
+
+def param_shapes(cfg: Qwen3Config) -> dict:
+    """The parameter tree with ``torch.Size`` leaves (no memory), the single source of the layout.
+
+    >>> from hpfunc.models import preset
+    >>> param_shapes(preset("qwen3-moe-tiny"))["layers"][0]["moe"]["experts"]["w_gate"]
+    torch.Size([8, 32, 64])
+    """
+    S = torch.Size
+    H, D, V = cfg.hidden_size, cfg.head_dim, cfg.vocab_size
+    q, kv = cfg.num_attention_heads * D, cfg.num_key_value_heads * D
+    layers = []
+    for i in range(cfg.num_hidden_layers):
+        attn = {"wq": S([q, H]), "wk": S([kv, H]), "wv": S([kv, H]), "wo": S([H, q]),
+                "q_norm": S([D]), "k_norm": S([D])}
+        if cfg.attention_bias:
+            attn.update(bq=S([q]), bk=S([kv]), bv=S([kv]), bo=S([H]))
+        layer: dict[str, Any] = {"attn_norm": S([H]), "attn": attn, "mlp_norm": S([H])}
+        if cfg.is_moe_layer(i):
+            E, I = cfg.num_experts, cfg.moe_intermediate_size
+            moe: dict[str, Any] = {
+                "router": S([E, H]),
+                "experts": {"w_gate": S([E, I, H]), "w_up": S([E, I, H]), "w_down": S([E, H, I])},
+                "expert_bias": S([E]),
+            }
+            if cfg.shared_expert_intermediate_size:
+                Is = cfg.shared_expert_intermediate_size
+                moe["shared"] = {"w_gate": S([Is, H]), "w_up": S([Is, H]), "w_down": S([H, Is]), "gate": S([1, H])}
+            layer["moe"] = moe
+        else:
+            I = cfg.intermediate_size
+            layer["mlp"] = {"w_gate": S([I, H]), "w_up": S([I, H]), "w_down": S([H, I])}
+        layers.append(layer)
+    params: dict[str, Any] = {"embed": S([V, H]), "layers": layers, "final_norm": S([H])}
+    if not cfg.tie_word_embeddings:
+        params["lm_head"] = S([V, H])
+    return params
+
+
+def _is_shape(x: Any) -> bool:
+    return isinstance(x, torch.Size)
+
+
+def init(key: torch.Tensor, cfg: Qwen3Config, dtype: torch.dtype = torch.float32,
+         device: torch.device | str | None = None) -> dict:
+    """Initialise parameters: weights ``N(0, initializer_range)``, norm weights 1, biases 0.
+
+    Each leaf draws from ``fold_in(key, i)`` (``i`` its index in flattening order), so values do not
+    depend on the device or on sharding. ``device="meta"`` allocates nothing (dry runs of the full
+    model). ``expert_bias`` is always float32.
+
+    >>> from hpfunc.models import preset
+    >>> p = init(_random.key(0), preset("qwen3-moe-tiny"))
+    >>> tuple(p["layers"][1]["attn"]["wq"].shape)
+    (64, 64)
+    """
+    meta = device is not None and torch.device(device).type == "meta"
+    leaves = _tree.leaves_with_paths(param_shapes(cfg), is_leaf=_is_shape)
+    index = {path: i for i, (path, _) in enumerate(leaves)}
+
+    def make(path: str, shape: torch.Size) -> torch.Tensor:
+        name = path.rsplit(".", 1)[-1]
+        leaf_dtype = torch.float32 if name == "expert_bias" else dtype
+        if meta:
+            return torch.empty(shape, dtype=leaf_dtype, device="meta")
+        if name in _ONES:
+            out = torch.ones(shape, dtype=leaf_dtype)
+        elif name in _ZEROS:
+            out = torch.zeros(shape, dtype=leaf_dtype)
+        else:
+            out = _random.normal(_random.fold_in(key, index[path]), tuple(shape), leaf_dtype,
+                                 std=cfg.initializer_range)
+        return out if device is None else out.to(device)
+
+    return _tree.map_with_path(make, param_shapes(cfg), is_leaf=_is_shape)
+
+
+def count_params(cfg: Qwen3Config) -> int:
+    """Total trainable parameters (the expert bias, a buffer-like statistic, is not counted).
+
+    >>> from hpfunc.models import preset
+    >>> round(count_params(preset("qwen3-30b-a3b")) / 1e9, 2)
+    30.53
+    """
+    return sum(math.prod(s) for p, s in _tree.leaves_with_paths(param_shapes(cfg), is_leaf=_is_shape)
+               if not is_expert_bias(p))
+
+
+def active_params(cfg: Qwen3Config) -> int:
+    """Parameters used per token: routed experts count ``top_k / E`` of their size; embeddings and
+    ``lm_head`` count in full (the convention behind "A3B").
+
+    >>> from hpfunc.models import preset
+    >>> round(active_params(preset("qwen3-30b-a3b")) / 1e9, 2)
+    3.35
+    """
+    total = 0
+    for p, s in _tree.leaves_with_paths(param_shapes(cfg), is_leaf=_is_shape):
+        if is_expert_bias(p):
+            continue
+        n = math.prod(s)
+        if ".moe.experts." in p:
+            n = n * cfg.num_experts_per_tok // cfg.num_experts
+        total += n
+    return total
+
+
+def check_tokens(tokens: torch.Tensor, vocab_size: int) -> None:
+    """Raise ``ValueError`` naming the offending id when ``tokens`` fall outside ``[0, vocab_size)``."""
+    if tokens.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
+        raise TypeError(f"apply: tokens must be an integer tensor, found dtype {tokens.dtype}")
+    if tokens.dim() != 2:
+        raise ValueError(f"apply: tokens must be [batch, seq], found shape {tuple(tokens.shape)}")
+    if tokens.device.type == "meta" or tokens.numel() == 0:
+        return
+    lo, hi = int(tokens.min()), int(tokens.max())
+    if lo < 0 or hi >= vocab_size:
+        bad = hi if hi >= vocab_size else lo
+        raise ValueError(f"apply: token id {bad} is outside the vocabulary [0, {vocab_size}) "
+                         f"(vocab_size={vocab_size}; min id {lo}, max id {hi})")
+
+
+def apply(params: dict, tokens: torch.Tensor, cfg: Qwen3Config, *, positions: torch.Tensor | None = None,
+          return_aux: bool = False, moe_impl: str = "bmm") -> Any:
+    """Logits ``[B, S, V]`` for ``tokens [B, S]`` (causal; ``positions`` ``[S]`` or ``[B, S]`` default
+    ``arange(S)``).
+
+    With ``return_aux`` returns ``(logits, aux)``: ``aux["aux_loss"]`` the load-balancing loss over all
+    MoE layers (0 for a dense model, not scaled by ``router_aux_loss_coef``), ``aux["expert_load"]``
+    ``[n_moe_layers, E]`` int64 (top-k assignments per expert) and ``aux["router_logits"]`` (one
+    ``[B*S, E]`` per MoE layer).
+
+    >>> from hpfunc.models import preset
+    >>> cfg = preset("qwen3-dense-tiny")
+    >>> apply(init(_random.key(0), cfg), torch.zeros(1, 3, dtype=torch.long), cfg).shape
+    torch.Size([1, 3, 256])
+    """
+    check_tokens(tokens, cfg.vocab_size)
+    B, S = tokens.shape
+    h = F.embedding(tokens, params["embed"])
+    if positions is None:
+        positions = torch.arange(S, device=tokens.device)
+    inv_freq, rope_scale = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    cos, sin = rope_tables(positions, inv_freq, rope_scale, dtype=h.dtype)
+    eps = cfg.rms_norm_eps
+    routings = []
+    for layer in params["layers"]:
+        a = layer["attn"]
+        h = h + gqa_attention(rms_norm(h, layer["attn_norm"], eps), a["wq"], a["wk"], a["wv"], a["wo"],
+                              a["q_norm"], a["k_norm"], cos, sin, eps=eps,
+                              bq=a.get("bq"), bk=a.get("bk"), bv=a.get("bv"), bo=a.get("bo"))
+        x = rms_norm(h, layer["mlp_norm"], eps)
+        if "moe" in layer:
+            m = layer["moe"]
+            y, routing = moe_block(x, m["router"], m["experts"]["w_gate"], m["experts"]["w_up"],
+                                   m["experts"]["w_down"], top_k=cfg.num_experts_per_tok,
+                                   norm_topk_prob=cfg.norm_topk_prob, expert_bias=m.get("expert_bias"),
+                                   shared=m.get("shared"), impl=moe_impl)
+            routings.append(routing)
+        else:
+            y = swiglu_mlp(x, layer["mlp"]["w_gate"], layer["mlp"]["w_up"], layer["mlp"]["w_down"])
+        h = h + y
+    h = rms_norm(h, params["final_norm"], eps)
+    logits = F.linear(h, params["embed"] if cfg.tie_word_embeddings else params["lm_head"])
+    if not return_aux:
+        return logits
+    if routings:
+        E = routings[0].probs.shape[-1]
+        aux_loss = load_balancing_loss(routings, E)
+        load = torch.stack([expert_counts(r.indices, E) for r in routings])
+    else:
+        aux_loss = h.new_zeros((), dtype=torch.float32)
+        load = torch.zeros(0, 0, dtype=torch.int64, device=h.device)
+    return logits, {"aux_loss": aux_loss, "expert_load": load,
+                    "router_logits": tuple(r.logits for r in routings)}
+
+
+def shift_labels(tokens: torch.Tensor) -> torch.Tensor:
+    """Next-token targets aligned with the logits: ``labels[:, s] = tokens[:, s + 1]``, last = -100.
+
+    >>> shift_labels(torch.tensor([[1, 2, 3]])).tolist()
+    [[2, 3, -100]]
+    """
+    return F.pad(tokens[:, 1:], (0, 1), value=IGNORE_INDEX)
+
+
+def loss(params: dict, batch: dict, cfg: Qwen3Config, *, moe_impl: str = "bmm") -> tuple[torch.Tensor, dict]:
+    """Training loss ``ce + router_aux_loss_coef * aux_loss`` (the aux term only for MoE models).
+
+    ``batch["tokens"]`` int64 ``[B, S]``; ``batch["labels"]`` (optional) ``[B, S]`` targets *aligned with
+    the positions* (``labels[:, s]`` is predicted from ``tokens[:, :s+1]``), ``-100`` ignored; default
+    :func:`shift_labels` of the tokens (equal to Hugging Face's ``labels=input_ids``). Cross-entropy is the
+    mean over non-ignored targets, in float32.
+
+    Returns ``(loss, aux)`` with detached ``aux``: ``ce_loss``, ``aux_loss``, ``expert_load``
+    ``[n_moe_layers, E]`` and ``tokens`` (number of counted targets).
+
+    >>> from hpfunc.models import preset
+    >>> cfg = preset("qwen3-moe-tiny")
+    >>> value, aux = loss(init(_random.key(0), cfg), {"tokens": torch.randint(0, 256, (2, 8))}, cfg)
+    >>> sorted(aux), tuple(aux["expert_load"].shape)
+    (['aux_loss', 'ce_loss', 'expert_load', 'tokens'], (2, 8))
+    """
+    tokens = batch["tokens"]
+    labels = batch.get("labels")
+    labels = shift_labels(tokens) if labels is None else labels
+    if labels.shape != tokens.shape:
+        raise ValueError(f"loss: labels must have the tokens' shape {tuple(tokens.shape)}, "
+                         f"found {tuple(labels.shape)}")
+    logits, aux = apply(params, tokens, cfg, return_aux=True, moe_impl=moe_impl)
+    ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                         ignore_index=IGNORE_INDEX)
+    total = ce + cfg.router_aux_loss_coef * aux["aux_loss"] if cfg.moe_layers else ce
+    return total, {"ce_loss": ce.detach(), "aux_loss": aux["aux_loss"].detach(),
+                   "expert_load": aux["expert_load"], "tokens": (labels != IGNORE_INDEX).sum()}
+
+
+def from_pretrained(path: Any, *, dtype: torch.dtype | None = None, device: Any = None) -> tuple[Qwen3Config, dict]:
+    """Load ``(cfg, params)`` from a Hugging Face checkpoint directory (see :mod:`hpfunc.models.hf`).
+
+    >>> import tempfile
+    >>> from hpfunc.models import preset
+    >>> cfg = preset("qwen3-moe-tiny")
+    >>> params = init(_random.key(0), cfg)
+    >>> d = tempfile.mkdtemp()
+    >>> save_pretrained(params, cfg, d)
+    >>> cfg2, params2 = from_pretrained(d)
+    >>> cfg2 == cfg and bool(torch.equal(params2["embed"], params["embed"]))
+    True
+    """
+    from hpfunc.models import hf
+
+    return hf.from_pretrained(path, dtype=dtype, device=device)
+
+
+def save_pretrained(params: dict, cfg: Qwen3Config, path: Any, *, max_shard_size: int | str = "5GB") -> None:
+    """Write ``config.json`` + safetensors in the published Hugging Face layout (see :mod:`hpfunc.models.hf`)."""
+    from hpfunc.models import hf
+
+    hf.save_pretrained(params, cfg, path, max_shard_size=max_shard_size)
+
+
+from hpfunc.models.config import ConfigError, RopeScaling, preset  # noqa: E402  (re-exports)
+from hpfunc.models.moe import update_expert_bias  # noqa: E402
+
+__all__ = ["Qwen3Config", "RopeScaling", "ConfigError", "preset", "param_shapes", "init", "apply", "loss",
+           "shift_labels", "count_params", "active_params", "check_tokens", "from_pretrained",
+           "save_pretrained", "update_expert_bias", "is_expert_bias", "IGNORE_INDEX"]
