@@ -72,7 +72,7 @@ def newton_schulz(
     x = x / (torch.linalg.matrix_norm(x, keepdim=True) + eps)
     for _ in range(steps):
         gram = x @ x.mT
-        poly = b * gram + c * (gram @ gram)
+        poly = b * gram + (c * gram) @ gram
         x = a * x + poly @ x
     if tall:
         x = x.mT
