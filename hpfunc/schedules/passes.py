@@ -183,8 +183,9 @@ def insert_swaps(schedule: Schedule, *, max_resident: int, prefetch: int = 1) ->
     After a forward, if more than ``max_resident`` activations are resident, the one whose backward
     comes last is swapped out (``SWAP_OUT``, right after the forward and its send). Its ``SWAP_IN``
     is placed ``prefetch`` compute actions before its backward (never before the ``SWAP_OUT``), so
-    the copy can overlap the compute in between. Prefetched activations are not counted against
-    ``max_resident``.
+    the copy can overlap the compute in between. At any moment at most ``max_resident + 1 +
+    prefetch`` activations are resident (the kept ones, the one just computed until its
+    ``SWAP_OUT``, and those prefetched); ``simulate(...).peak_resident`` measures it.
 
     Example:
         >>> from hpfunc.schedules import gpipe
