@@ -112,7 +112,7 @@ class TrainConfig:
     log_every: int = 10
     eval_every: int = 0  # 0: evaluate only at the end
     eval_batches: int = 4
-    aux_loss_coef: float = 0.0  # weight of the router load-balancing loss
+    aux_loss_coef: Union[float, None] = None  # router load-balancing loss weight; null: the model's router_aux_loss_coef
     expert_bias_rate: float = 1e-3  # aux-loss-free balancing: bias += rate * sign(mean_load - load)
     num_threads: Union[int, None] = None  # torch intra-op threads; null keeps torch's default
 
@@ -121,6 +121,7 @@ class TrainConfig:
 class OutputConfig:
     dir: str = "runs/train"  # relative to the current directory
     plot: bool = True  # write loss.png at the end
+    progress: Literal["auto", "bar", "lines", "none"] = "auto"  # auto: a bar on a terminal, lines otherwise
 
 
 @attrs.frozen
@@ -149,6 +150,8 @@ _RANGES: list[tuple[str, Any, str]] = [
     ("train.eval_every", lambda v: v >= 0, "an integer >= 0"),
     ("train.eval_batches", lambda v: v >= 0, "an integer >= 0"),
     ("train.num_threads", lambda v: v is None or v >= 1, "null or an integer >= 1"),
+    ("train.aux_loss_coef", lambda v: v is None or v >= 0, "null or a number >= 0"),
+    ("train.expert_bias_rate", lambda v: v >= 0, "a number >= 0"),
     ("schedule.warmup_steps", lambda v: v >= 0, "an integer >= 0"),
     ("schedule.end_factor", lambda v: 0.0 <= v <= 1.0, "a number in [0, 1]"),
     ("schedule.decay_fraction", lambda v: 0.0 <= v <= 1.0, "a number in [0, 1]"),

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping, NamedTuple
 
+import attrs
 import optree
 import torch
 
@@ -113,7 +114,7 @@ def make_train_step(
     model_cfg: Any,
     optimizer: Any,
     *,
-    aux_loss_coef: float = 0.0,
+    aux_loss_coef: float | None = None,
     expert_bias_rate: float = 0.0,
     lr_schedule: Callable[[int], float] | None = None,
     loss_fn: LossFn | None = None,
@@ -122,8 +123,8 @@ def make_train_step(
 ) -> Callable[[TrainState, Mapping[str, torch.Tensor]], tuple[TrainState, dict[str, torch.Tensor]]]:
     """Build ``train_step(state, batch) -> (state, metrics)`` for a model and an optimizer.
 
-    The objective is ``aux["ce_loss"] + aux_loss_coef * aux["aux_loss"]`` when the loss reports
-    both (the model's own total otherwise). Gradients flow to every parameter except those
+    The objective is the model's loss (for Qwen3: ``ce + router_aux_loss_coef * aux_loss``).
+    Gradients flow to every parameter except those
     ``is_frozen(path)`` selects; after the optimizer update those are replaced by
     ``update_frozen(params, aux["expert_load"], expert_bias_rate)`` (skipped when the rate is 0 or
     the loss reports no expert load).
@@ -131,7 +132,8 @@ def make_train_step(
     Args:
       model_cfg: passed as the third argument of ``loss_fn`` (a ``Qwen3Config``).
       optimizer: a ``GradientTransformation`` (``hpfunc.optim``) over the trained params.
-      aux_loss_coef: weight of the router load-balancing loss in the objective.
+      aux_loss_coef: weight of the router load-balancing loss in the objective: replaces
+        ``model_cfg.router_aux_loss_coef`` when given (``None`` keeps the model's).
       expert_bias_rate: step size of the expert-bias sign rule.
       lr_schedule: ``step -> learning rate``, only reported in the metrics.
       loss_fn: ``(params, batch, model_cfg) -> (loss, aux)``; defaults to ``qwen3.loss``.
@@ -148,15 +150,14 @@ def make_train_step(
     loss_fn = _default_loss() if loss_fn is None else loss_fn
     is_frozen = _default_is_frozen() if is_frozen is None else is_frozen
     update_frozen = _default_update_frozen() if update_frozen is None else update_frozen
-    aux_loss_coef = float(aux_loss_coef)
     expert_bias_rate = float(expert_bias_rate)
+
+    if aux_loss_coef is not None and model_cfg is not None and attrs.has(type(model_cfg)):
+        model_cfg = attrs.evolve(model_cfg, router_aux_loss_coef=float(aux_loss_coef))
 
     def objective(trained: Any, frozen: Any, batch: Mapping[str, torch.Tensor]):
         loss, aux = loss_fn(merge_params(trained, frozen), batch, model_cfg)
-        aux = dict(aux)
-        if "ce_loss" in aux and "aux_loss" in aux:
-            loss = aux["ce_loss"] + aux_loss_coef * aux["aux_loss"]
-        return loss, aux
+        return loss, dict(aux)
 
     grad_fn = value_and_grad(objective, has_aux=True)
 

@@ -1,0 +1,90 @@
+"""``hpfunc train CONFIG.yaml [--set key.path=value ...] [--out DIR] [--steps N]``.
+
+Exit status: 0 after a run, 2 for a usage or config error (the message names the key), 1 otherwise.
+
+Example:
+    >>> main([])  # doctest: +ELLIPSIS
+    usage: hpfunc train CONFIG.yaml ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+__all__ = ["main", "USAGE"]
+
+USAGE = """usage: hpfunc train CONFIG.yaml [--set key.path=value ...] [--out DIR] [--steps N] [--check]
+
+Train a model on one device from a YAML config and write config.yaml, metrics.jsonl, loss.png and
+summary.json into the output folder.
+
+  CONFIG.yaml             the run's config (see docs/train.md; example: examples/configs/qwen3_moe_tiny.yaml)
+  --set key.path=value    override one config key, e.g. --set train.steps=50 --set optimizer.lr=1e-3
+                          (repeatable; values are YAML: 3, 0.1, null, [0.9, 0.95])
+  --out DIR               output folder (same as --set output.dir=DIR)
+  --steps N               number of steps (same as --set train.steps=N)
+  --check                 check the config and print it resolved, without training
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hpfunc train", usage=USAGE, add_help=False)
+    p.add_argument("config")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--out")
+    p.add_argument("--steps")
+    p.add_argument("--check", action="store_true")
+    return p
+
+
+class _UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse would exit; keep control of the message
+        raise _UsageError(message)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point of ``hpfunc train``; raises ``SystemExit`` with a non-zero status on errors."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE, end="")
+        return
+    parser = _Parser(prog="hpfunc train", usage=USAGE, add_help=False)
+    for action in _parser()._actions:
+        parser._add_action(action)
+    try:
+        args = parser.parse_args(argv)
+    except _UsageError as e:
+        print(f"hpfunc train: {e}\n\n{USAGE}", file=sys.stderr, end="")
+        raise SystemExit(2) from None
+
+    import yaml
+
+    from hpfunc.train.build import check_buildable
+    from hpfunc.train.config import ConfigError, config_to_dict, load_config
+
+    overrides = list(args.overrides)
+    if args.out is not None:
+        overrides.append(f"output.dir={args.out}")
+    if args.steps is not None:
+        overrides.append(f"train.steps={args.steps}")
+    try:
+        cfg = load_config(args.config, overrides)
+        check_buildable(cfg)
+        if args.check:
+            print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), end="")
+            return
+        from hpfunc.train.loop import run
+
+        run(cfg)
+    except ConfigError as e:
+        print(f"hpfunc train: config error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except KeyboardInterrupt:
+        print("hpfunc train: interrupted", file=sys.stderr)
+        raise SystemExit(130) from None
