@@ -94,13 +94,17 @@ def test_zbv(p: int, m: int) -> None:
 
 
 @pytest.mark.parametrize("p,m", [(p, m) for p, m in GRID if m >= 2 * p])
-def test_dualpipev_measured(p: int, m: int) -> None:
-    # Measured, not the REFERENCE formula (see the report in docs/schedules.md): without F&B
-    # overlap the idle time is p - 1 per rank and the peak 2p + 1 chunk activations.
+def test_dualpipev(p: int, m: int) -> None:
+    # REFERENCE's DualPipeV row is DualPipe's table: its "p" counts pipeline stages (DualPipe's PP;
+    # DualPipeV puts 2 per rank, so stages = 2 * ranks) and its memory is in stage activations.
+    # Bubble (stages/2 - 1)(F&B + B - 3W) with F&B = F + B + W (no overlap modelled) -> p - 1 idle.
+    stages = 2 * p
+    F = B = W = 1
     r = simulate(dualpipev(p, m))
     for rank in range(p):
-        assert r.idle[rank] == _approx(p - 1)
-    assert r.peak_inflight[0] == 2 * p + 1
+        assert r.idle[rank] == _approx((stages / 2 - 1) * ((F + B + W) + B - 3 * W))
+    assert r.peak_inflight[0] == stages + 1
+    assert r.peak_inflight_mb[0] == _approx(p + 0.5)
 
 
 @pytest.mark.parametrize("p,m", [(4, 8), (8, 16)])
