@@ -8,7 +8,7 @@ from typing import NamedTuple
 import torch
 
 from hpfunc.optim import _tree
-from hpfunc.optim._dtypes import state_dtype
+from hpfunc.optim._dtypes import zeros_state
 from hpfunc.optim.base import GradientTransformation, OptState, Params, Updates, new_count
 
 __all__ = ["ScaleByAdamState", "scale_by_adam"]
@@ -66,12 +66,10 @@ def scale_by_adam(
             raise ValueError(f"scale_by_adam: {name} must be in [0, 1), got {b}")
 
     def init(params: Params) -> ScaleByAdamState:
-        leaves, spec = _tree.flatten(params)
-        zeros = [torch.zeros_like(p, dtype=state_dtype(p)) for p in leaves]
         return ScaleByAdamState(
             count=new_count(),
-            mu=_tree.unflatten(spec, zeros),
-            nu=_tree.unflatten(spec, [torch.zeros_like(z) for z in zeros]),
+            mu=zeros_state(params, "scale_by_adam.init"),
+            nu=zeros_state(params, "scale_by_adam.init"),
         )
 
     @torch.no_grad()

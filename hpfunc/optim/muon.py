@@ -8,7 +8,7 @@ from typing import Literal, NamedTuple, Optional
 import torch
 
 from hpfunc.optim import _tree
-from hpfunc.optim._dtypes import state_dtype
+from hpfunc.optim._dtypes import zeros_state
 from hpfunc.optim.base import GradientTransformation, Params, Updates
 from hpfunc.optim.errors import UnsupportedLeafError
 
@@ -108,6 +108,8 @@ class ScaleByMuonState(NamedTuple):
 
 
 def _check_leaf(path: str, x: torch.Tensor, where: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        return  # zeros_state names non-tensor leaves
     if x.ndim not in (2, 3):
         raise UnsupportedLeafError(
             f"{where}: the leaf at '{path}' has shape {tuple(x.shape)} (ndim {x.ndim}); Muon "
@@ -195,10 +197,7 @@ def scale_by_muon(
 
     def init(params: Params) -> ScaleByMuonState:
         check_all(params, "scale_by_muon.init")
-        leaves, spec = _tree.flatten(params)
-        return ScaleByMuonState(
-            momentum=_tree.unflatten(spec, [torch.zeros_like(p, dtype=state_dtype(p)) for p in leaves])
-        )
+        return ScaleByMuonState(momentum=zeros_state(params, "scale_by_muon.init"))
 
     @torch.no_grad()
     def update(updates: Updates, state: ScaleByMuonState, params: Params | None = None):

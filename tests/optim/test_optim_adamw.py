@@ -165,3 +165,49 @@ def test_adamw_decay_mask():
     assert torch.equal(updates["b"], torch.zeros(2))
     assert torch.allclose(updates["w"], torch.full((2, 2), -0.05))
     assert math.isclose(updates["w"][0, 0].item(), -0.1 * 0.5, rel_tol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "schedule",
+    [
+        optim.warmup_stable_decay(0.05, warmup=4, stable=6, decay=8, end_value=1e-3, decay_shape="cosine"),
+        optim.linear(0.05, 0.0, 15, transition_begin=3),
+    ],
+    ids=["wsd", "linear"],
+)
+def test_adamw_schedule_matches_lambdalr(schedule):
+    shapes = {"w": (5, 3), "b": (3,)}
+    params0 = {k: randn(s, 10 + i, torch.float64) for i, (k, s) in enumerate(sorted(shapes.items()))}
+    grads = [{k: v.double() for k, v in g.items()} for g in grad_sequence(shapes, STEPS, 3)]
+    expected = run_torch(params0, grads, lr=0.05, b1=0.9, b2=0.99, eps=1e-8, wd=0.1, schedule=schedule)
+    got = run_ours(params0, grads, optim.adamw(schedule, 0.9, 0.99, 1e-8, 0.1))
+    for k in expected:
+        torch.testing.assert_close(got[k], expected[k], atol=1e-12, rtol=1e-12)
+
+
+def test_state_round_trips_through_a_flat_dict_of_paths():
+    """The state flattens to {dotted path: tensor} (what a checkpoint stores) and back."""
+    import optree
+
+    from hpfunc.tree import path_str
+
+    params = {"layers": [{"wq": randn((4, 4), 0), "norm": randn((4,), 1)}], "embed": randn((6, 4), 2)}
+    tx = optim.chain(optim.clip_by_global_norm(1.0), optim.muon_adamw(0.02, adamw_lr=optim.constant(1e-3)))
+    state = tx.init(params)
+    grads = [{"layers": [{"wq": randn((4, 4), 3 + i), "norm": randn((4,), 4 + i)}], "embed": randn((6, 4), 5 + i)} for i in range(3)]
+    for g in grads[:2]:
+        _, state = tx.update(g, state, params)
+    paths, leaves, spec = optree.tree_flatten_with_path(state)
+    flat = {path_str(p): x.clone() for p, x in zip(paths, leaves)}
+    assert len(flat) == len(leaves)  # unique keys
+    assert all(isinstance(x, torch.Tensor) for x in flat.values())
+    restored = optree.tree_unflatten(spec, [flat[path_str(p)] for p in paths])
+    u1, s1 = tx.update(grads[2], state, params)
+    u2, s2 = tx.update(grads[2], restored, params)
+    for a, b in zip(optree.tree_leaves((u1, s1)), optree.tree_leaves((u2, s2))):
+        assert torch.equal(a, b)
+
+
+def test_non_float_leaf_is_rejected_by_path():
+    with pytest.raises(optim.UnsupportedLeafError, match=r"'layers\.0\.step' is dtype torch.int64"):
+        optim.adamw(1e-3).init({"layers": [{"step": torch.zeros(2, dtype=torch.int64)}]})
