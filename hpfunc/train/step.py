@@ -176,7 +176,7 @@ def make_train_step(
             "ce_loss": torch.as_tensor(aux.get("ce_loss", loss)).detach(),
             "aux_loss": torch.as_tensor(aux.get("aux_loss", 0.0)).detach(),
             "grad_norm": global_norm(grads).detach(),
-            "lr": torch.tensor(float(lr_schedule(step)) if lr_schedule is not None else float("nan")),
+            "lr": torch.tensor(float(lr_schedule(step)) if lr_schedule is not None else float("nan"), dtype=torch.float64),
         }
         if load is not None:
             metrics["expert_load"] = load.detach()

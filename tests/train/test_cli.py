@@ -1,0 +1,85 @@
+"""End to end through ``hpfunc train``: outputs are written and the loss falls on a tiny model."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+import yaml
+
+from hpfunc.cli import main as hpfunc_main
+from hpfunc.train.cli import main as train_main
+from hpfunc.train.config import load_config
+from hpfunc.train.output import read_metrics
+
+TINY = {
+    "seed": 0,
+    "model": {"preset": "qwen3-moe-tiny", "hidden_size": 32, "moe_intermediate_size": 32, "num_experts": 4},
+    "optimizer": {"lr": 1e-2},
+    "schedule": {"name": "constant", "warmup_steps": 3},
+    "data": {"source": "text", "paths": ["corpus/*.py"], "val_fraction": 0.1},
+    "train": {"steps": 30, "batch_size": 4, "seq_len": 32, "log_every": 5, "eval_batches": 2, "num_threads": 1},
+    "output": {"dir": "out", "progress": "lines"},
+}
+
+
+def write_corpus(folder: pathlib.Path) -> None:
+    """A small, repetitive Python-like corpus (generated here; no third-party text)."""
+    folder.mkdir()
+    for i in range(4):
+        lines = [f"def function_{i}_{j}(x, y):\n    return x * {j} + y - {i}\n\n" for j in range(40)]
+        (folder / f"m{i}.py").write_text("".join(lines))
+
+
+@pytest.fixture
+def tiny_config(tmp_path):
+    write_corpus(tmp_path / "corpus")
+    cfg = dict(TINY, output={**TINY["output"], "dir": str(tmp_path / "out")})
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def test_no_args_prints_usage(capsys):
+    train_main([])
+    assert capsys.readouterr().out.startswith("usage: hpfunc train CONFIG.yaml")
+
+
+def test_config_error_exits_2_naming_key(tiny_config, capsys):
+    with pytest.raises(SystemExit) as info:
+        train_main([str(tiny_config), "--set", "optimizer.lr_warmup=3"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "optimizer.lr_warmup: unknown key; did you mean 'warmup_steps'" in err
+    with pytest.raises(SystemExit):
+        train_main([str(tiny_config), "--set", "model.preset=nope"])
+    assert "model.preset: unknown preset 'nope'" in capsys.readouterr().err
+
+
+def test_check_prints_resolved_config(tiny_config, capsys):
+    train_main([str(tiny_config), "--check", "--steps", "7"])
+    resolved = yaml.safe_load(capsys.readouterr().out)
+    assert resolved["train"]["steps"] == 7 and resolved["model"]["hidden_size"] == 32
+
+
+def test_train_end_to_end_loss_falls(tiny_config, tmp_path, capsys):
+    hpfunc_main(["train", str(tiny_config)])  # through the top-level dispatcher
+    out = tmp_path / "out"
+    printed = capsys.readouterr().out
+    assert "step 30/30" in printed and "loss: first" in printed
+    records = read_metrics(out / "metrics.jsonl")
+    train = [r for r in records if "loss" in r]
+    assert [r["step"] for r in train] == [1, 5, 10, 15, 20, 25, 30]
+    assert {"ce_loss", "aux_loss", "grad_norm", "lr", "tokens_per_s", "expert_load", "expert_imbalance"} <= set(train[0])
+    assert len(train[0]["expert_load"]) == 2 and len(train[0]["expert_load"][0]) == 4
+    assert any("val_loss" in r for r in records)
+    first, last = train[0]["loss"], train[-1]["loss"]
+    assert first > 5.0  # about ln(256) at init
+    assert last < first - 1.5, (first, last)
+    assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 30 and summary["tokens"] == 30 * 4 * 32
+    assert summary["last_loss"] < summary["first_loss"]
+    # The saved config is the resolved one and loads back to the same run.
+    assert load_config(out / "config.yaml") == load_config(tiny_config)
