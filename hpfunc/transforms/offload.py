@@ -119,10 +119,11 @@ class OffloadStats:
         self.kept_bytes = 0
         self.copies = 0
         self.tensors_offloaded = 0
+        self.per_call: list[int] = []  # offloaded bytes of each call, in order (one entry per layer)
 
     def __repr__(self) -> str:
         return (f"OffloadStats(offloaded_bytes={self.offloaded_bytes}, kept_bytes={self.kept_bytes}, "
-                f"copies={self.copies}, tensors_offloaded={self.tensors_offloaded})")
+                f"copies={self.copies}, tensors_offloaded={self.tensors_offloaded}, calls={len(self.per_call)})")
 
 
 class _HostBuffer:
@@ -134,7 +135,7 @@ class _HostBuffer:
         total = 0
         for s in sources:
             self.offsets.append(total)
-            total += _record.storage_nbytes(s)
+            total += -(-_record.storage_nbytes(s) // 64) * 64  # aligned: any dtype can view at an offset
         self.nbytes = total
         self.stream = stream
         self.event = None
@@ -192,10 +193,9 @@ class _Handle:
         self.group.touched()
         buf, idx = self.slot
         data = buf.bytes_on_device()
-        off = buf.offsets[idx]
         dtype, size, stride, offset, device = self.meta
-        piece = data[off:] if off else data
-        return _view_on(piece, self.meta)
+        itemsize = torch.empty((), dtype=dtype, device="meta").element_size()
+        return _view_on(data, (dtype, size, stride, offset + buf.offsets[idx] // itemsize, device))
 
 
 _LAST_GROUP: contextvars.ContextVar[Any] = contextvars.ContextVar("hpfunc_offload_last_group", default=None)
@@ -213,6 +213,7 @@ class _Group:
         self.stream = None
         self.prev: Any = None  # weakref to the group created before this one (backward needs it next)
         self._touched = False
+        self.offloaded_bytes = 0
 
     def _stream_for(self, t: torch.Tensor) -> Any:
         if t.device.type == "cuda" and not _is_fake(t):
@@ -230,6 +231,7 @@ class _Group:
             self.slots[key] = (slot, StorageWeakRef(t.untyped_storage()))
             self.stats.tensors_offloaded += 1
             self.stats.offloaded_bytes += nbytes
+            self.offloaded_bytes += nbytes
             if self.recorder is not None:
                 self.recorder.record(t, kind="offloaded", where="host", name=name, op=op)
             if self.bucket_bytes and nbytes < self.bucket_bytes:
@@ -360,6 +362,7 @@ def offload(f: Callable | None = None, *, policy: Any = None, memory_kind: str |
             finally:
                 INNERMOST.reset(token)
             group.flush()
+        counters.per_call.append(group.offloaded_bytes)
         _warn_unknown(pol, scope, f)
         _LAST_GROUP.set(weakref.ref(group))
         return out

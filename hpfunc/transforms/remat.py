@@ -91,7 +91,9 @@ class Policy:
     """A remat/offload policy: ``decide(op, name, tensor) -> Decision``.
 
     Build one from a predicate ``fn(op, name, tensor)`` returning a bool (True = save) or a
-    :class:`Decision`. ``names`` lists the names the policy refers to (checked against the names
+    :class:`Decision`. ``op`` is the aten ``OpOverload`` (``torch.ops.aten.mm.default``), ``name`` the
+    ``checkpoint_name`` tag or ``None``, ``tensor`` the op's output (the first output of a
+    multi-output op such as fused attention). ``names`` lists the names the policy refers to (checked against the names
     actually tagged, see :class:`UnknownNameWarning`). ``needs_op`` says whether the policy looks
     at ``op`` (offload then tracks which op produced each saved tensor).
     """
@@ -272,6 +274,14 @@ def _op_name(op: Any) -> str:
     return str(op)
 
 
+def _first_tensor(out: Any) -> Any:
+    # Policies see one tensor: the output, or the first one of a multi-output op (SDPA's output).
+    if isinstance(out, torch.Tensor):
+        return out
+    ts = _record.tensors_in(out)
+    return ts[0] if ts else None
+
+
 def _never_cache(op: Any) -> bool:
     # Collectives and other in-place ops write their buffers; caching them would let a recompute
     # mutate (or reduce again) a cached value.
@@ -332,7 +342,7 @@ def _sac_context(policy: Policy, offload_options: dict) -> Callable[[], tuple]:
             if _never_cache(op):
                 decision = Decision.RECOMPUTE
             else:
-                decision = policy.decide(op, name, ctx.op_output)
+                decision = policy.decide(op, name, _first_tensor(ctx.op_output))
             pending.append((decision, name, op))
             return CheckpointPolicy.MUST_SAVE if decision is not Decision.RECOMPUTE else CheckpointPolicy.PREFER_RECOMPUTE
 
