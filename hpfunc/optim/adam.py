@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import torch
 
-from hpfunc.optim import _tree
+from hpfunc.optim import _ops, _tree
 from hpfunc.optim._dtypes import zeros_state
 from hpfunc.optim.base import GradientTransformation, OptState, Params, Updates, new_count
 
@@ -80,22 +79,11 @@ def scale_by_adam(
         )
         count = state.count + 1
         t = int(count)
-        bias_correction1 = 1.0 - b1**t
-        bias_correction2 = 1.0 - b2**t
-        bias_correction2_sqrt = math.sqrt(bias_correction2)
-        out, mu, nu = [], [], []
         _tree.check_shapes(g_leaves, m_leaves, updates, "updates", "state.mu", "scale_by_adam")
-        for g, m, v in zip(g_leaves, m_leaves, v_leaves):
-            g = g.to(m.dtype)
-            m = torch.lerp(m, g, 1.0 - b1)
-            v = torch.addcmul(v * b2, g, g, value=1.0 - b2)
-            if eps_root == 0.0:
-                denom = v.sqrt() / bias_correction2_sqrt + eps
-            else:
-                denom = (v / bias_correction2 + eps_root).sqrt() + eps
-            out.append(m / denom / bias_correction1)
-            mu.append(m)
-            nu.append(v)
+        mu, nu = _ops.adam_moments(m_leaves, v_leaves, _ops.cast(g_leaves, m_leaves), b1, b2)
+        out = _ops.adam_direction(
+            mu, nu, bias_correction1=1.0 - b1**t, bias_correction2=1.0 - b2**t, eps=eps, eps_root=eps_root
+        )
         new_state = ScaleByAdamState(
             count=count, mu=_tree.unflatten(spec, mu), nu=_tree.unflatten(spec, nu)
         )

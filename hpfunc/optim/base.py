@@ -17,7 +17,7 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from hpfunc.optim import _tree
+from hpfunc.optim import _ops, _tree
 
 __all__ = [
     "Params",
@@ -123,5 +123,6 @@ def apply_updates(params: Params, updates: Updates) -> Params:
     (p_leaves, u_leaves), spec = _tree.flatten_aligned(
         [params, updates], ["params", "updates"], "apply_updates"
     )
-    return _tree.unflatten(spec, [(p + u).to(p.dtype) for p, u in zip(p_leaves, u_leaves)])
+    summed = _ops.add(p_leaves, u_leaves)
+    return _tree.unflatten(spec, [s.to(p.dtype) for s, p in zip(summed, p_leaves)])
 

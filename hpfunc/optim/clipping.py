@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from hpfunc.optim import _tree
+from hpfunc.optim import _ops, _tree
 from hpfunc.optim.base import EmptyState, GradientTransformation, Params, Updates
 
 __all__ = ["global_norm", "clip_by_global_norm"]
@@ -79,6 +79,6 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
         if not leaves:
             return updates, state
         coef = torch.clamp(max_norm / (global_norm(updates) + 1e-6), max=1.0)
-        return _tree.unflatten(spec, [u * coef.to(u.device) for u in leaves]), state
+        return _tree.unflatten(spec, _ops.mul_tensor(leaves, coef)), state
 
     return GradientTransformation(init, update)

@@ -6,7 +6,7 @@ from typing import Callable, NamedTuple, Union
 
 import torch
 
-from hpfunc.optim import _tree
+from hpfunc.optim import _ops, _tree
 from hpfunc.optim.base import EmptyState, GradientTransformation, Params, Updates, new_count
 
 __all__ = ["scale", "ScaleByScheduleState", "scale_by_schedule", "scale_by_learning_rate", "ScalarOrSchedule"]
@@ -16,7 +16,7 @@ ScalarOrSchedule = Union[float, Callable[[int], float]]
 
 def _scaled(updates: Updates, factor: float) -> Updates:
     leaves, spec = _tree.flatten(updates)
-    return _tree.unflatten(spec, [u * factor for u in leaves])
+    return _tree.unflatten(spec, _ops.mul(leaves, factor))
 
 
 def scale(factor: float) -> GradientTransformation:

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from hpfunc.optim import _tree
+from hpfunc.optim import _ops, _tree
 from hpfunc.optim.base import EmptyState, GradientTransformation, Params, Updates
 from hpfunc.optim.errors import OptimError
 
@@ -54,6 +54,6 @@ def add_decayed_weights(weight_decay: float = 0.0, mask: Any = None) -> Gradient
         (u_leaves, p_leaves), spec = _tree.flatten_aligned(
             [updates, params], ["updates", "params"], "add_decayed_weights"
         )
-        return _tree.unflatten(spec, [torch.add(u, p, alpha=weight_decay) for u, p in zip(u_leaves, p_leaves)]), state
+        return _tree.unflatten(spec, _ops.add(u_leaves, p_leaves, alpha=weight_decay)), state
 
     return GradientTransformation(init, update)
