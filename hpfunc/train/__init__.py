@@ -1,1 +1,46 @@
-"""Training: YAML config, data, a pure ``train_step``, the loop and ``hpfunc train``."""
+"""Training on one device: a strict YAML config, token data, a pure ``train_step`` and the loop.
+
+    hpfunc train examples/configs/qwen3_moe_tiny.yaml       # the command line
+    >>> from hpfunc import train                             # the same pieces from Python
+    >>> cfg = train.load_config_dict({"train": {"steps": 5}}, ["optimizer.lr=1e-3"])
+    >>> cfg.train.steps, cfg.optimizer.lr
+    (5, 0.001)
+
+Modules: ``config`` (schema, YAML, ``--set`` overrides), ``build`` (model config, schedule,
+optimizer), ``data`` (corpora, tokenising, seeded batches), ``step`` (``make_train_step``),
+``output`` (metrics JSONL, progress, plot), ``loop`` (``run``), ``cli`` (``hpfunc train``).
+See ``docs/train.md``.
+"""
+
+from hpfunc.train.build import build_model_config, build_optimizer, build_schedule
+from hpfunc.train.config import Config, ConfigError, apply_overrides, config_to_dict, load_config, load_config_dict
+from hpfunc.train.data import DataError, TokenData, load_data, sample_batch, stdlib_files
+from hpfunc.train.loop import RunResult, run
+from hpfunc.train.output import read_metrics
+from hpfunc.train.step import TrainState, init_train_state, make_eval_step, make_train_step, merge_params, split_params
+
+__all__ = [
+    "Config",
+    "ConfigError",
+    "load_config",
+    "load_config_dict",
+    "apply_overrides",
+    "config_to_dict",
+    "build_model_config",
+    "build_schedule",
+    "build_optimizer",
+    "DataError",
+    "TokenData",
+    "load_data",
+    "sample_batch",
+    "stdlib_files",
+    "TrainState",
+    "init_train_state",
+    "make_train_step",
+    "make_eval_step",
+    "split_params",
+    "merge_params",
+    "RunResult",
+    "run",
+    "read_metrics",
+]

@@ -7,7 +7,7 @@ and step), call the pure ``train_step`` and log. It writes into ``output.dir``: 
 
 Example:
     >>> from hpfunc.train.config import load_config_dict
-    >>> cfg = load_config_dict({"train": {"steps": 2, "batch_size": 1, "seq_len": 8},
+    >>> cfg = load_config_dict({"train": {"steps": 2, "batch_size": 1, "seq_len": 8, "num_threads": 1},
     ...                         "data": {"max_bytes": 20000}, "output": {"progress": "none", "plot": False,
     ...                         "dir": __import__("tempfile").mkdtemp()}})
     >>> result = run(cfg, echo=False)
