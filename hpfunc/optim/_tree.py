@@ -108,8 +108,7 @@ def resolve_leafwise(
         except ValueError as err:
             raise TreeMismatchError(
                 f"{where}: {what} must be a tree shaped like the params (or a prefix of it), "
-                f"or a callable (path, leaf) -> value; the given tree does not fit the params "
-                f"({err}). Param paths start with {leaf_paths[:5]}."
+                f"or a callable (path, leaf) -> value; {_prefix_mismatch(spec_or_fn, leaf_paths) or err}"
             ) from None
         values, full_spec = flatten(full)
         if full_spec != spec:  # None in the spec where params have leaves hides them
@@ -117,6 +116,22 @@ def resolve_leafwise(
     for p, v in zip(leaf_paths, values):
         check(p, v)
     return values
+
+
+def _prefix_mismatch(prefix: Any, leaf_paths: list[str]) -> str:
+    """Name a path of ``prefix`` that covers no leaf, or a leaf that ``prefix`` does not cover."""
+    prefix_paths = paths(prefix)
+
+    def covers(p: str, leaf: str) -> bool:
+        return p == "" or leaf == p or leaf.startswith(p + ".")
+
+    for p in prefix_paths:
+        if not any(covers(p, leaf) for leaf in leaf_paths):
+            return f"it has an entry at '{p}' but the params have no leaf there or below"
+    for leaf in leaf_paths:
+        if not any(covers(p, leaf) for p in prefix_paths):
+            return f"the params have a leaf at '{leaf}' that it does not cover"
+    return ""
 
 
 def _positional_arity(fn: Callable[..., Any]) -> int:

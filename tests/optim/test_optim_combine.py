@@ -92,7 +92,10 @@ def test_partition_unknown_label_names_path():
 def test_partition_label_tree_wrong_structure():
     params = {"a": torch.zeros(2), "b": torch.zeros(2)}
     tx = optim.partition({"x": optim.identity()}, {"a": "x", "c": "x"})
-    with pytest.raises(optim.TreeMismatchError, match="labels"):
+    with pytest.raises(optim.TreeMismatchError, match=r"labels must be .*entry at 'c'"):
+        tx.init(params)
+    tx = optim.partition({"x": optim.identity()}, {"a": "x"})
+    with pytest.raises(optim.TreeMismatchError, match=r"leaf at 'b' that it does not cover"):
         tx.init(params)
 
 
