@@ -300,10 +300,17 @@ class _Slots(dict):
 
     def __setitem__(self, idx: int, value: Any) -> None:
         if self._pending:  # a forward-time write (backward marks entries consumed with nothing pending)
-            decision, name, op = self._pending.pop()
+            decision, name, op, index = self._pending.pop()
             if decision is not Decision.RECOMPUTE:
                 value = self._keep(value, decision, name, op)
+                for t in _record.tensors_in([getattr(v, "val", None) for v in _wrappers(value)]):
+                    index.setdefault(_record.storage_key(t), []).append((self, idx))
         super().__setitem__(idx, value)
+
+    def evict(self, idx: int) -> None:
+        from torch.utils.checkpoint import _RECOMPUTE
+
+        super().__setitem__(idx, _RECOMPUTE)
 
     def _keep(self, value: Any, decision: Decision, name: str | None, op: Any) -> Any:
         from torch.utils._pytree import tree_map
@@ -321,6 +328,12 @@ class _Slots(dict):
         return tree_map(one, value)
 
 
+def _wrappers(value: Any) -> list:
+    from torch.utils._pytree import tree_leaves
+
+    return [v for v in tree_leaves(value) if hasattr(v, "get_val")]
+
+
 class _Storage(dict):
     def __init__(self, pending: list, recorder: Any, offloader: Any) -> None:
         super().__init__()
@@ -336,14 +349,21 @@ def _sac_context(policy: Policy, offload_options: dict) -> Callable[[], tuple]:
     def context_fn() -> tuple:
         pending: list = []
         recorder = _record.current_recorder()
+        cached_by_storage: dict[int, list] = {}
 
         def policy_fn(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
             name = _TAG.get() if op is aten.alias.default else None
             if _never_cache(op):
                 decision = Decision.RECOMPUTE
+                # An in-place op (a collective's all_reduce_) just changed tensors that may be
+                # cached; the recompute replays that op, so those must be recomputed too, or the
+                # replay would apply it twice (a cached buffer reduced again).
+                for t in _record.tensors_in((args, kwargs)):
+                    for slots, idx in cached_by_storage.pop(_record.storage_key(t), ()):
+                        slots.evict(idx)
             else:
                 decision = policy.decide(op, name, _first_tensor(ctx.op_output))
-            pending.append((decision, name, op))
+            pending.append((decision, name, op, cached_by_storage))
             return CheckpointPolicy.MUST_SAVE if decision is not Decision.RECOMPUTE else CheckpointPolicy.PREFER_RECOMPUTE
 
         caching, cached = create_selective_checkpoint_contexts(policy_fn)
@@ -425,14 +445,25 @@ def remat(f: Callable | None = None, *, policy: Any = None, preserve_rng_state: 
 def _run_checkpointed(f: Callable, pol: Policy, offload_options: dict, preserve_rng_state: bool,
                       args: tuple, kwargs: dict) -> Any:
     leaves, spec = optree.tree_flatten((args, kwargs), none_is_leaf=True)
+    # The recompute runs inside backward, where the forward's context variables (current mesh of a
+    # shard_map, comm accounting, ...) are not set, possibly on another thread: replay it in a copy
+    # of the forward's context.
+    forward_context = contextvars.copy_context()
+    runs = [0]
 
-    def body(*flat: Any) -> Any:
+    def run(*flat: Any) -> Any:
         a, kw = optree.tree_unflatten(spec, list(flat))
         token = INNERMOST.set("remat")
         try:
             return f(*a, **kw)
         finally:
             INNERMOST.reset(token)
+
+    def body(*flat: Any) -> Any:
+        runs[0] += 1
+        if runs[0] == 1:
+            return run(*flat)
+        return forward_context.copy().run(run, *flat)
 
     rec = _record.current_recorder()
     if rec is not None:

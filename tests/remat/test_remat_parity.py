@@ -196,3 +196,17 @@ def test_bad_policy_type():
         R.remat(block, policy=3)
     with pytest.raises(ValueError, match="both to save and to offload"):
         R.save_and_offload_only_these_names(names_which_can_be_saved=["q"], names_which_can_be_offloaded=["q"])
+
+
+def test_in_place_ops_on_cached_values_are_replayed_once():
+    # Like a collective's all_reduce_: an op mutates a buffer a policy cached. The cache entry is
+    # evicted (recomputed), so the replayed mutation is applied once, not on top of the cached value.
+    def f(w, x):
+        y = x @ w
+        y.mul_(3.0)
+        return torch.tanh(y).sum()
+
+    w, x = torch.randn(4, 4), torch.randn(3, 4)
+    want = hpfunc.grad(f)(w, x)
+    for pol in (lambda op, name, t: True, R.dots_saveable):
+        assert torch.equal(hpfunc.grad(R.remat(f, policy=pol))(w, x), want)
