@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 
@@ -28,3 +29,18 @@ def scaled_err(a: torch.Tensor, b: torch.Tensor) -> float:
         return 0.0
     a, b = a.double(), b.double()
     return ((a - b).abs() / b.abs().clamp(min=1.0)).max().item()
+
+
+@pytest.fixture(autouse=True)
+def one_intra_op_thread():
+    """Run each test with one intra-op thread, restoring the setting afterwards.
+
+    These tests use tiny tensors: a second OpenMP thread buys nothing, and on a shared 2-core
+    machine under load the threads' spin-waits made the docs example 60x slower (0.3 s -> 18 s).
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
