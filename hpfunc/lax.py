@@ -117,6 +117,15 @@ def _resolve(axes: AxisName | Sequence[str]) -> _Axes:
     return _Axes(mesh, axes)
 
 
+# torch 2.13 renamed the tensor-in/tensor-out collectives; older releases only have the old names.
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _is_func_wrapped(x: torch.Tensor) -> bool:
+    return bool(torch._C._functorch.is_functorch_wrapped_tensor(x))
+
+
 def _nbytes(x: torch.Tensor) -> int:
     return x.numel() * x.element_size()
 
@@ -140,14 +149,16 @@ def _all_reduce(x: torch.Tensor, ax: _Axes, op: dist.ReduceOp, collectors, name:
 
 def _gather_dim0(x: torch.Tensor, ax: _Axes, collectors, name: str) -> torch.Tensor:
     """Concatenate every rank's ``x`` along a new leading dim, in logical order: shape (n, *x.shape)."""
-    x = x.detach().contiguous()
-    out = torch.empty((ax.n,) + tuple(x.shape), dtype=x.dtype, device=x.device)
+    x = x.detach()
+    shape = (ax.n,) + tuple(x.shape)
     if ax.n == 1:
-        out[0].copy_(x)
-        return out
+        return x.clone().reshape(shape)
+    flat = x.reshape(-1).contiguous()
+    out = flat.new_empty(ax.n * flat.numel())  # new_empty: same torch.func level as the input
     _comm.record(collectors, op="all_gather", name=name, axes=ax.names, n=ax.n, payload_bytes=_nbytes(out),
                  phase=_phase())
-    dist.all_gather_into_tensor(out, x, group=ax.group)
+    _ALL_GATHER(out, flat, group=ax.group)
+    out = out.view(shape)
     if not ax.identity_order:
         out = out[torch.tensor(ax.g2l).argsort()]  # row g holds logical rank g2l[g]
     return out
@@ -160,12 +171,18 @@ def _scatter_dim0(x: torch.Tensor, ax: _Axes, collectors, name: str) -> torch.Te
         return x[0].clone()
     if not ax.identity_order:
         x = x[torch.tensor(ax.g2l)]  # group rank g must receive logical chunk g2l[g]
-    x = x.contiguous()
-    out = torch.empty(tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    _comm.record(collectors, op="reduce_scatter", name=name, axes=ax.names, n=ax.n, payload_bytes=_nbytes(x),
+    flat = x.reshape(-1).clone()
+    _comm.record(collectors, op="reduce_scatter", name=name, axes=ax.names, n=ax.n, payload_bytes=_nbytes(flat),
                  phase=_phase())
-    dist.reduce_scatter_tensor(out, x, group=ax.group)
-    return out
+    if _is_func_wrapped(flat) and dist.get_backend(ax.group) == "gloo":
+        # gloo's reduce-scatter copies its result into the output on a worker thread, which fails for
+        # tensors wrapped by torch.func transforms: all-reduce in place and keep this rank's block.
+        dist.all_reduce(flat, group=ax.group)
+        out = flat.view(ax.n, -1)[ax.l2g[ax.me]].clone()  # row g goes to group rank g
+    else:
+        out = flat[: flat.numel() // ax.n].clone()
+        _REDUCE_SCATTER(out, flat, group=ax.group)
+    return out.view(tuple(x.shape[1:]))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -381,7 +398,7 @@ def _a2a(x: torch.Tensor, ax: _Axes, split_dim: int, concat_dim: int, split_size
     send = torch.cat([chunks[ax.g2l[g]] for g in range(n)], dim=0)
     in_split = [rows_per[ax.g2l[g]] for g in range(n)]
     out_split = [int(recv_sizes[ax.g2l[g]]) for g in range(n)]
-    out = torch.empty((sum(out_split),) + rest, dtype=x.dtype, device=x.device)
+    out = send.new_empty((sum(out_split),) + rest)
     _comm.record(collectors, op="all_to_all", name=name, axes=ax.names, n=n, payload_bytes=_nbytes(send),
                  phase=_phase())
     if even:

@@ -7,8 +7,10 @@ and the router, so an expert-parallel transform can pass the local experts (dim 
 
 Grouped compute, no Python loop over experts: the ``T * k`` (token, expert) assignments are sorted by
 expert id; each expert's rows then form one contiguous group, computed either by padding every group to
-the largest group and running batched matmuls (``impl="bmm"``, default) or with
-``torch._grouped_mm`` on the unpadded groups (``impl="grouped_mm"``).
+the largest group and running batched matmuls (``impl="bmm"``) or with ``torch._grouped_mm`` on the
+unpadded groups (``impl="grouped_mm"``). ``impl="auto"`` (default) picks ``grouped_mm`` where torch has
+it (it wastes no FLOPs on padding; on CPU it is 1.3-1.6x faster than ``bmm`` for Qwen3-MoE shapes) and
+``bmm`` otherwise.
 
 Expert bias (auxiliary-loss-free balancing, DeepSeek-V3 style, on softmax scores here): a per-layer
 vector added to the router probabilities only to *select* the top-k experts; the combine weights are the
@@ -89,7 +91,7 @@ def grouped_experts(
     w_up: torch.Tensor,
     w_down: torch.Tensor,
     *,
-    impl: str = "bmm",
+    impl: str = "auto",
 ) -> torch.Tensor:
     """``y[t] = sum_j weights[t, j] * SwiGLU_{indices[t, j]}(x[t])`` for ``x [T, H]``, stacked experts.
 
@@ -97,8 +99,8 @@ def grouped_experts(
       x: tokens ``[T, H]``.
       indices, weights: ``[T, k]`` expert ids (in ``[0, E)``) and combine weights.
       w_gate, w_up: ``[E, I, H]``; w_down: ``[E, H, I]``.
-      impl: ``"bmm"`` (pad each expert group to the largest, batched matmul) or ``"grouped_mm"``
-        (``torch._grouped_mm`` over unpadded groups).
+      impl: ``"bmm"`` (pad each expert group to the largest, batched matmul), ``"grouped_mm"``
+        (``torch._grouped_mm`` over unpadded groups) or ``"auto"``.
 
     >>> T, H, I, E = 6, 8, 4, 3
     >>> y = grouped_experts(torch.randn(T, H), torch.randint(0, E, (T, 2)), torch.rand(T, 2),
@@ -115,7 +117,11 @@ def grouped_experts(
         counts = torch.bincount(flat, minlength=E)
         token_of = order // k
     combine = weights.reshape(-1)[order].unsqueeze(-1)
+    if impl == "auto":
+        impl = "grouped_mm" if hasattr(torch, "_grouped_mm") else "bmm"
     if impl == "grouped_mm":
+        # The grouped_mm outputs' gradients are always fresh contiguous tensors here (they come
+        # through a multiply), which torch._grouped_mm's CPU backward needs.
         offs = torch.cumsum(counts, 0).to(torch.int32)
         xs = x[token_of]
         h = F.silu(torch._grouped_mm(xs, w_gate.transpose(1, 2), offs=offs)) * torch._grouped_mm(
@@ -133,7 +139,7 @@ def grouped_experts(
         h = F.silu(torch.bmm(buf, w_gate.transpose(1, 2))) * torch.bmm(buf, w_up.transpose(1, 2))
         ys = torch.bmm(h, w_down.transpose(1, 2)).view(E * cap, -1)[slot]
     else:
-        raise ValueError(f"grouped_experts: impl must be 'bmm' or 'grouped_mm', found {impl!r}")
+        raise ValueError(f"grouped_experts: impl must be 'auto', 'bmm' or 'grouped_mm', found {impl!r}")
     ys = ys * combine
     return x.new_zeros(T, ys.shape[-1]).index_add(0, token_of, ys)
 
@@ -149,7 +155,7 @@ def moe_block(
     norm_topk_prob: bool,
     expert_bias: torch.Tensor | None = None,
     shared: dict[str, torch.Tensor] | None = None,
-    impl: str = "bmm",
+    impl: str = "auto",
 ) -> tuple[torch.Tensor, Routing]:
     """Sparse MoE feed-forward ``[..., H] -> [..., H]``; returns the output and the :class:`Routing`.
 

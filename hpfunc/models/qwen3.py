@@ -169,7 +169,7 @@ def check_tokens(tokens: torch.Tensor, vocab_size: int) -> None:
 
 
 def apply(params: dict, tokens: torch.Tensor, cfg: Qwen3Config, *, positions: torch.Tensor | None = None,
-          return_aux: bool = False, moe_impl: str = "bmm") -> Any:
+          return_aux: bool = False, moe_impl: str = "auto") -> Any:
     """Logits ``[B, S, V]`` for ``tokens [B, S]`` (causal; ``positions`` ``[S]`` or ``[B, S]`` default
     ``arange(S)``).
 
@@ -188,7 +188,8 @@ def apply(params: dict, tokens: torch.Tensor, cfg: Qwen3Config, *, positions: to
     h = F.embedding(tokens, params["embed"])
     if positions is None:
         positions = torch.arange(S, device=tokens.device)
-    inv_freq, rope_scale = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    inv_freq, rope_scale = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
+                                         max_position_embeddings=cfg.max_position_embeddings)
     cos, sin = rope_tables(positions, inv_freq, rope_scale, dtype=h.dtype)
     eps = cfg.rms_norm_eps
     routings = []
@@ -232,7 +233,7 @@ def shift_labels(tokens: torch.Tensor) -> torch.Tensor:
     return F.pad(tokens[:, 1:], (0, 1), value=IGNORE_INDEX)
 
 
-def loss(params: dict, batch: dict, cfg: Qwen3Config, *, moe_impl: str = "bmm") -> tuple[torch.Tensor, dict]:
+def loss(params: dict, batch: dict, cfg: Qwen3Config, *, moe_impl: str = "auto") -> tuple[torch.Tensor, dict]:
     """Training loss ``ce + router_aux_loss_coef * aux_loss`` (the aux term only for MoE models).
 
     ``batch["tokens"]`` int64 ``[B, S]``; ``batch["labels"]`` (optional) ``[B, S]`` targets *aligned with

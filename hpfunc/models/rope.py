@@ -13,7 +13,8 @@ import torch
 SUPPORTED_ROPE_TYPES = ("default", "linear", "yarn")
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: Any = None) -> tuple[torch.Tensor, float]:
+def rope_inv_freq(head_dim: int, theta: float, scaling: Any = None, *,
+                  max_position_embeddings: int | None = None) -> tuple[torch.Tensor, float]:
     """Inverse frequencies ``[head_dim // 2]`` (float32) and the cos/sin magnitude factor.
 
     Args:
@@ -22,6 +23,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Any = None) -> tuple[tor
       scaling: ``None`` or an object/dict with ``rope_type`` in ``("default", "linear", "yarn")``,
         ``factor`` and, for yarn, ``original_max_position_embeddings``, ``beta_fast``, ``beta_slow``,
         ``attention_factor``, ``mscale``, ``mscale_all_dim``, ``truncate``.
+      max_position_embeddings: yarn's ``original_max_position_embeddings`` when the scaling omits it.
 
     >>> inv, scale = rope_inv_freq(8, 10000.0)
     >>> inv.shape, scale
@@ -39,7 +41,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Any = None) -> tuple[tor
     if rope_type == "linear":
         return inv_freq / factor, 1.0
     if rope_type == "yarn":
-        original = get("original_max_position_embeddings")
+        original = get("original_max_position_embeddings") or max_position_embeddings
+        if original is None:
+            raise ValueError("rope_scaling yarn: original_max_position_embeddings is required")
         attention_factor = get("attention_factor")
         mscale, mscale_all_dim = get("mscale"), get("mscale_all_dim")
 

@@ -33,7 +33,7 @@ from hpfunc.optim.clipping import clip_by_global_norm, global_norm
 from hpfunc.optim.combine import MaskedState, PartitionState, chain, masked, partition
 from hpfunc.optim.errors import OptimError, TreeMismatchError, UnknownLabelError, UnsupportedLeafError
 from hpfunc.optim.muon import NS_COEFFICIENTS, ScaleByMuonState, muon_scale, newton_schulz, scale_by_muon
-from hpfunc.optim.scale import ScaleByScheduleState, scale, scale_by_learning_rate, scale_by_schedule
+from hpfunc.optim.scale import ScaleByScheduleState, scale, scale_by_learning_rate, scale_by_schedule, set_to_zero
 from hpfunc.optim.schedules import constant, linear, linear_warmup_cosine_decay, warmup_stable_decay
 from hpfunc.optim.weight_decay import add_decayed_weights
 
@@ -48,6 +48,7 @@ __all__ = [
     "apply_updates",
     # building blocks
     "scale",
+    "set_to_zero",
     "scale_by_schedule",
     "ScaleByScheduleState",
     "scale_by_learning_rate",

@@ -9,7 +9,7 @@ import torch
 from hpfunc.optim import _ops, _tree
 from hpfunc.optim.base import EmptyState, GradientTransformation, Params, Updates, new_count
 
-__all__ = ["scale", "ScaleByScheduleState", "scale_by_schedule", "scale_by_learning_rate", "ScalarOrSchedule"]
+__all__ = ["scale", "set_to_zero", "ScaleByScheduleState", "scale_by_schedule", "scale_by_learning_rate", "ScalarOrSchedule"]
 
 ScalarOrSchedule = Union[float, Callable[[int], float]]
 
@@ -41,6 +41,36 @@ def scale(factor: float) -> GradientTransformation:
     def update(updates: Updates, state: EmptyState, params: Params | None = None):
         del params
         return _scaled(updates, factor), state
+
+    return GradientTransformation(init, update)
+
+
+def set_to_zero() -> GradientTransformation:
+    """Replace every update by zeros: freezes the leaves it is applied to.
+
+    Use it under :func:`partition` for leaves that must not move with the gradient (e.g. the MoE
+    ``expert_bias``, which has its own update rule and must not be weight-decayed).
+
+    Example:
+        >>> import torch
+        >>> from hpfunc.optim import partition, adamw
+        >>> tx = partition({"train": adamw(1e-2), "frozen": set_to_zero()},
+        ...                lambda path, x: "frozen" if path.endswith("expert_bias") else "train")
+        >>> params = {"w": torch.ones(2), "expert_bias": torch.ones(2)}
+        >>> u, _ = tx.update(params, tx.init(params), params)
+        >>> u["expert_bias"]
+        tensor([0., 0.])
+    """
+
+    def init(params: Params) -> EmptyState:
+        del params
+        return EmptyState()
+
+    @torch.no_grad()
+    def update(updates: Updates, state: EmptyState, params: Params | None = None):
+        del params
+        leaves, spec = _tree.flatten(updates)
+        return _tree.unflatten(spec, [torch.zeros_like(u) for u in leaves]), state
 
     return GradientTransformation(init, update)
 

@@ -79,9 +79,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         if args.check:
             print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), end="")
             return
-        from hpfunc.train.loop import run
+        from hpfunc.train.loop import TrainingDiverged, run
 
-        run(cfg)
+        try:
+            run(cfg)
+        except TrainingDiverged as e:
+            print(f"hpfunc train: training diverged at {e}", file=sys.stderr)
+            raise SystemExit(1) from None
     except ConfigError as e:
         print(f"hpfunc train: config error: {e}", file=sys.stderr)
         raise SystemExit(2) from None

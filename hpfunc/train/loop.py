@@ -18,6 +18,7 @@ Example:
 from __future__ import annotations
 
 import json
+import math
 import pathlib
 import time
 from typing import Any, Callable, TextIO
@@ -33,7 +34,11 @@ from hpfunc.train.data import TokenData, eval_batches, load_data, sample_batch
 from hpfunc.train.output import MetricsWriter, Progress, format_summary, plot_losses
 from hpfunc.train.step import TrainState, init_train_state, make_eval_step, make_train_step
 
-__all__ = ["RunResult", "run", "data_keys"]
+__all__ = ["RunResult", "TrainingDiverged", "run", "data_keys"]
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss became NaN or infinite; the metrics logged so far are kept."""
 
 
 @attrs.frozen
@@ -155,6 +160,12 @@ def _run(cfg: Config, *, out_dir: str | pathlib.Path | None, stream: TextIO | No
                 t = time.perf_counter()
                 state, metrics = train_step(state, batch)
                 loss = float(metrics["loss"])  # the host read also ends the step's work
+                if not math.isfinite(loss):
+                    raise TrainingDiverged(
+                        f"step {step + 1}: the loss is {loss} (grad norm {float(metrics['grad_norm']):.3g}, "
+                        f"lr {float(metrics['lr']):.3g}); lower optimizer.lr, add warmup "
+                        f"(schedule.warmup_steps) or clipping (optimizer.clip_norm)"
+                    )
                 dt = time.perf_counter() - t
                 train_time += dt
                 window_time += dt

@@ -1,0 +1,63 @@
+"""Session-wide fixtures: persistent pools of gloo ranks shared by every multi-rank test."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+from hpfunc.testing import RankPool
+
+# Property tests: at least 50 examples in CI (the issue's bar); no per-example deadline (ranks share 2 cores).
+settings.register_profile(
+    "ci", max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    print_blob=True,
+)
+settings.register_profile("dev", max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+# Checked mode for shard_map replication promises, in the ranks and in this process.
+RANK_ENV = {"HPFUNC_CHECK_REP": "1", "PYTHONWARNINGS": "ignore"}
+os.environ.setdefault("HPFUNC_CHECK_REP", "1")
+
+
+class Pools:
+    """Lazily started pools, one per world size, alive for the whole session."""
+
+    def __init__(self) -> None:
+        self._pools: dict[int, RankPool] = {}
+
+    def __call__(self, n: int) -> RankPool:
+        pool = self._pools.get(n)
+        if pool is None:
+            pool = RankPool(n, timeout=float(os.environ.get("HPFUNC_TEST_TIMEOUT", "180")), env=RANK_ENV)
+            self._pools[n] = pool
+        return pool.start()
+
+    def close(self) -> None:
+        for p in self._pools.values():
+            p.close()
+
+
+@pytest.fixture(scope="session")
+def pools():
+    """``pools(n)`` is a running :class:`RankPool` of ``n`` gloo ranks, reused by every test."""
+    p = Pools()
+    yield p
+    p.close()
+
+
+@pytest.fixture(scope="session")
+def pool2(pools):
+    return pools(2)
+
+
+@pytest.fixture(scope="session")
+def pool4(pools):
+    return pools(4)
+
+
+@pytest.fixture(scope="session")
+def pool8(pools):
+    return pools(8)
