@@ -19,7 +19,8 @@ TINY = {
     "optimizer": {"lr": 1e-2},
     "schedule": {"name": "constant", "warmup_steps": 3},
     "data": {"source": "text", "paths": ["corpus/*.py"], "val_fraction": 0.1},
-    "train": {"steps": 30, "batch_size": 4, "seq_len": 32, "log_every": 5, "eval_batches": 2, "num_threads": 1},
+    "train": {"steps": 30, "batch_size": 4, "seq_len": 32, "log_every": 5, "eval_every": 15, "eval_batches": 2,
+              "num_threads": 1},
     "output": {"dir": "out", "progress": "lines"},
 }
 
@@ -73,7 +74,7 @@ def test_train_end_to_end_loss_falls(tiny_config, tmp_path, capsys):
     assert [r["step"] for r in train] == [1, 5, 10, 15, 20, 25, 30]
     assert {"ce_loss", "aux_loss", "grad_norm", "lr", "tokens_per_s", "expert_load", "expert_imbalance"} <= set(train[0])
     assert len(train[0]["expert_load"]) == 2 and len(train[0]["expert_load"][0]) == 4
-    assert any("val_loss" in r for r in records)
+    assert [r["step"] for r in records if "val_loss" in r] == [15, 30]
     first, last = train[0]["loss"], train[-1]["loss"]
     assert first > 5.0  # about ln(256) at init
     assert last < first - 1.5, (first, last)
@@ -83,3 +84,13 @@ def test_train_end_to_end_loss_falls(tiny_config, tmp_path, capsys):
     assert summary["last_loss"] < summary["first_loss"]
     # The saved config is the resolved one and loads back to the same run.
     assert load_config(out / "config.yaml") == load_config(tiny_config)
+
+
+def test_divergence_stops_with_a_clear_message(tiny_config, tmp_path, capsys):
+    with pytest.raises(SystemExit) as info:
+        train_main([str(tiny_config), "--set", "optimizer.lr=1e30", "--set", "optimizer.clip_norm=null",
+                    "--set", "schedule.warmup_steps=0", "--set", "optimizer.weight_decay=0.0"])
+    assert info.value.code == 1
+    err = capsys.readouterr().err
+    assert "training diverged at step" in err and "lower optimizer.lr" in err
+    assert (tmp_path / "out" / "metrics.jsonl").exists()
