@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 
 from hpfunc import optim
 
-from _helpers import grad_sequence, max_abs_diff, randn, scaled_err, one_intra_op_thread  # noqa: F401 (autouse fixture)
+from _optim_helpers import grad_sequence, max_abs_diff, randn, scaled_err, one_intra_op_thread  # noqa: F401 (autouse fixture)
 
 STEPS = 20
 TOL = 1e-6

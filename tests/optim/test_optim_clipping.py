@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 
 from hpfunc import optim
 
-from _helpers import randn, one_intra_op_thread  # noqa: F401 (autouse fixture)
+from _optim_helpers import randn, one_intra_op_thread  # noqa: F401 (autouse fixture)
 
 
 @settings(max_examples=25, deadline=None)

@@ -10,7 +10,7 @@ import torch
 
 from hpfunc import optim
 
-from _helpers import randn, one_intra_op_thread  # noqa: F401 (autouse fixture)
+from _optim_helpers import randn, one_intra_op_thread  # noqa: F401 (autouse fixture)
 
 
 class Attn(NamedTuple):

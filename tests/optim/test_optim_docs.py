@@ -7,7 +7,7 @@ import io
 import pathlib
 import re
 
-from _helpers import one_intra_op_thread  # noqa: F401 (autouse fixture)
+from _optim_helpers import one_intra_op_thread  # noqa: F401 (autouse fixture)
 
 DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "optim.md"
 

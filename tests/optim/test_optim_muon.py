@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 
 from hpfunc import optim
 
-from _helpers import max_abs_diff, randn, one_intra_op_thread  # noqa: F401 (autouse fixture)
+from _optim_helpers import max_abs_diff, randn, one_intra_op_thread  # noqa: F401 (autouse fixture)
 
 # Worst error seen against the reference, printed by test_muon_report_max_error (run with -s).
 MAX_ERR = {"fp32": 0.0, "bf16 iteration": 0.0}

@@ -7,7 +7,7 @@ import torch
 import hpfunc
 from hpfunc import optim
 
-from _helpers import one_intra_op_thread  # noqa: F401 (autouse fixture)
+from _optim_helpers import one_intra_op_thread  # noqa: F401 (autouse fixture)
 
 
 def test_muon_adamw_trains_qwen3_moe_tiny():
