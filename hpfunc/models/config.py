@@ -110,6 +110,11 @@ class Qwen3Config:
     eos_token_id: Any = attrs.field(default=None, converter=_token_ids)
 
     def __attrs_post_init__(self) -> None:
+        rs = self.rope_scaling
+        if rs is not None and rs.rope_type == "yarn" and rs.original_max_position_embeddings is None:
+            # Normalise as transformers does, so that equal functions compare equal.
+            object.__setattr__(self, "rope_scaling", attrs.evolve(
+                rs, original_max_position_embeddings=self.max_position_embeddings))
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                      "num_key_value_heads", "head_dim"):
             if getattr(self, name) <= 0:
