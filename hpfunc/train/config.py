@@ -387,6 +387,26 @@ def check_parallel_supported(parallel: Mapping[str, Any]) -> None:
 # Overrides and loading.
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that rejects a key given twice in one mapping (PyYAML keeps the last silently)."""
+
+
+def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        if isinstance(key, str) and key in seen:
+            raise ConfigError(
+                f"line {key_node.start_mark.line + 1}: key {key!r} is given twice in the same section "
+                f"(first on line {seen[key]})"
+            )
+        seen[key] = key_node.start_mark.line + 1
+    return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
 def _parse_override_value(text: str) -> Any:
     try:
         return yaml.safe_load(text) if text.strip() else ""
@@ -446,9 +466,11 @@ def load_config(path: str | pathlib.Path, overrides: Sequence[str] = ()) -> Conf
     except OSError as e:
         raise ConfigError(f"cannot read config file {str(path)!r}: {e.strerror or e}") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_StrictLoader)
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
     if data is not None and not isinstance(data, Mapping):
         raise ConfigError(f"{path}: the top level must be a mapping of sections, found {_found(data)}")
     cfg = load_config_dict(data, overrides)

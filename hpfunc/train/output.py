@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import pathlib
 import sys
 from typing import Any, Iterable, TextIO
@@ -80,16 +81,26 @@ class Progress:
         if mode == "bar":
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total, file=self.stream, dynamic_ncols=True, unit="step")
+            try:
+                width = os.get_terminal_size(self.stream.fileno()).columns
+            except (OSError, AttributeError, ValueError):
+                width = 0
+            # A pseudo-terminal may report 0 columns; tqdm would then draw nothing.
+            self._bar = tqdm(total=total, file=self.stream, unit="step", leave=True,
+                             **({"dynamic_ncols": True} if width > 0 else {"ncols": 100, "nrows": 40}))
 
     def update(self, step: int, record: dict[str, Any] | None = None) -> None:
         """Advance to ``step`` steps done; ``record`` (a logged metrics line) is shown when given."""
         if self._bar is not None:
-            self._bar.update(step - self._bar.n)
-            if record:
+            if record:  # keep the history above the bar, the latest values on it
+                self._bar.write(self._line(step, record), file=self.stream)
                 self._bar.set_postfix_str(_short(record), refresh=False)
+            self._bar.update(step - self._bar.n)
         elif self.mode == "lines" and record:
-            print(f"step {step:>{len(str(self.total))}}/{self.total}  {_short(record)}", file=self.stream, flush=True)
+            print(self._line(step, record), file=self.stream, flush=True)
+
+    def _line(self, step: int, record: dict[str, Any]) -> str:
+        return f"step {step:>{len(str(self.total))}}/{self.total}  {_short(record)}"
 
     def message(self, text: str) -> None:
         if self._bar is not None:

@@ -142,3 +142,10 @@ def test_example_configs_are_valid():
     assert files, "no example config"
     for f in files:
         check_buildable(load_config(f))
+
+
+def test_duplicate_yaml_key_is_an_error(tmp_path):
+    path = tmp_path / "dup.yaml"
+    path.write_text("train:\n  steps: 3\n  batch_size: 2\n  steps: 4\n")
+    with pytest.raises(ConfigError, match=r"line 4: key 'steps' is given twice in the same section \(first on line 2\)"):
+        load_config(path)
