@@ -4,13 +4,13 @@ Each generator returns a compute-only :class:`~hpfunc.schedules.ir.Schedule` (``
 ``W``, ``BW``); :func:`hpfunc.schedules.insert_comms` adds the sends and receives. ``p`` is the
 number of pipeline ranks, ``m`` the number of microbatches.
 
-GPipe, 1F1B, interleaved 1F1B and DualPipeV are written out from their definitions. The zero-bubble
-family (ZB-H1, ZB-H2, ZBV) is produced the way Qi et al. (ICLR 2024) describe it: a list scheduler
-plays the pipeline forward in unit time (F = B = W = 1) and each rank, when free, takes a ready
-``B`` first, then a ready ``F`` if its activation budget allows, and fills any remaining gap with a
-pending ``W``. The budget is what distinguishes the variants: ``p - r`` microbatches on rank ``r``
-for ZB-H1 (the memory of 1F1B), ``2(p - r) - 1`` for ZB-H2, and ``2p`` stage-chunks (``p``
-microbatches of a full stage) for ZBV. The result is fixed data: the same for every call.
+Every generator is written out from the schedule's definition (phase by phase), so its output is
+fixed data: the same for every call, and for interleaved 1F1B, ZBV and DualPipeV identical step by
+step to ``torch.distributed.pipelining`` (tested). The zero-bubble family (Qi et al., ICLR 2024)
+splits the backward into ``B`` (dx) and ``W`` (dw) and places the ``W`` passes where the
+pipeline would otherwise idle, keeping every ``W`` close enough to its ``B`` that the activations
+held between ``F`` and ``W`` stay bounded (``p`` per rank for ZB-H1, ``2p - 1`` for ZB-H2, ``2p``
+stage-chunks for ZBV).
 
 Example:
     >>> from hpfunc.schedules import gpipe, zb_h1
@@ -132,111 +132,127 @@ def interleaved_1f1b(p: int, m: int, v: int = 2) -> Schedule:
     return Schedule(actions, loop_placement(p, v), m, name=f"interleaved_1f1b(v={v})")
 
 
-# -- the zero-bubble list scheduler -----------------------------------------------------------------
+# -- the zero-bubble family ---------------------------------------------------------------------------
 
 
-def _list_schedule(
-    stage_to_rank: tuple[int, ...],
-    m: int,
-    budget: Callable[[int], int],
-    name: str,
-) -> Schedule:
-    """Play the pipeline forward in unit time and record each rank's order (see module doc).
-
-    ``budget(rank)`` caps the number of stage-microbatch activations a rank holds between a
-    forward and its input-gradient backward.
+def _split_1f1b(p: int, m: int, warmup: Callable[[int], int], w_delay: Callable[[int], int], name: str) -> Schedule:
+    """1F1B order with the backward split: rank ``r`` runs ``warmup(r)`` forwards, then alternates
+    ``B`` and ``F``, then the remaining ``B``; the ``W`` of the ``k``-th backward follows the
+    ``(k + w_delay(r))``-th backward, and the last ones close the list. The delayed ``W`` passes
+    are what fill the drain; rank ``r`` holds at most ``warmup(r) + w_delay(r)`` activations.
     """
-    num_stages = len(stage_to_rank)
-    ranks = sorted(set(stage_to_rank))
-    stages_of = {r: [s for s in range(num_stages) if stage_to_rank[s] == r] for r in ranks}
-    done_f: dict[tuple[int, int], int] = {}  # (stage, mb) -> finish time
-    done_b: dict[tuple[int, int], int] = {}
-    next_f = {s: 0 for s in range(num_stages)}
-    next_b = {s: 0 for s in range(num_stages)}
-    pending_w: dict[int, deque[Action]] = {r: deque() for r in ranks}
-    held = dict.fromkeys(ranks, 0)
-    order: dict[int, list[Action]] = {r: [] for r in ranks}
-    remaining = 3 * num_stages * m
-    t = 0
-    while remaining:
-        for r in ranks:
-            choice = None
-            # Backward first, latest stage first: it frees memory and feeds the ranks upstream.
-            for s in sorted(stages_of[r], reverse=True):
-                i = next_b[s]
-                if i < m and done_f.get((s, i), t + 1) <= t and (
-                    s == num_stages - 1 or done_b.get((s + 1, i), t + 1) <= t
-                ):
-                    choice = Action(B, s, i)
-                    break
-            if choice is None and held[r] < budget(r):
-                # Later stages first: finishing microbatches beats starting new ones.
-                for s in sorted(stages_of[r], reverse=True):
-                    i = next_f[s]
-                    if i < m and (s == 0 or done_f.get((s - 1, i), t + 1) <= t):
-                        choice = Action(F, s, i)
-                        break
-            if choice is None and pending_w[r]:
-                choice = pending_w[r].popleft()
-            if choice is None:
-                continue
-            order[r].append(choice)
-            remaining -= 1
-            key = (choice.stage, choice.microbatch)
-            if choice.kind is F:
-                done_f[key] = t + 1
-                next_f[choice.stage] += 1
-                held[r] += 1
-            elif choice.kind is B:
-                done_b[key] = t + 1
-                next_b[choice.stage] += 1
-                held[r] -= 1
-                pending_w[r].append(Action(W, *key))
-        t += 1
-        if t > 10 * remaining + 10 * num_stages * m + 100:  # pragma: no cover - a bug, not user error
-            raise RuntimeError(f"{name}: list scheduler made no progress (p={len(ranks)}, m={m})")
-    return Schedule(order, stage_to_rank, m, name=name)
+    actions = {}
+    for r in range(p):
+        warm = min(warmup(r), m)
+        delay = w_delay(r)
+        order = [Action(F, r, i) for i in range(warm)]
+        for i in range(m - warm):
+            order += [Action(B, r, i), Action(F, r, warm + i)]
+        order += [Action(B, r, i) for i in range(m - warm, m)]
+        row: list[Action] = []
+        backwards = weights = 0
+        for a in order:
+            row.append(a)
+            if a.kind is B:
+                backwards += 1
+                if backwards - 1 - delay >= 0:
+                    row.append(Action(W, r, weights))
+                    weights += 1
+        row += [Action(W, r, i) for i in range(weights, m)]
+        actions[r] = row
+    return Schedule(actions, loop_placement(p), m, name=name)
 
 
 def zb_h1(p: int, m: int) -> Schedule:
-    """ZB-H1 (Qi et al. 2024): 1F1B with the backward split into ``B`` (dx) and ``W`` (dw); the
-    ``W`` passes fill the bubbles. Same activation memory as 1F1B (``p - r`` on rank ``r``).
+    """ZB-H1 (Qi et al. 2024): 1F1B with the backward split into ``B`` (dx) and ``W`` (dw), the
+    ``W`` of rank ``r`` delayed by ``r`` backwards so the ``W`` passes fill the drain.
 
-    Idle time per rank ``(p - 1)(F + B - W)`` (``p - 1`` at unit costs), a third of 1F1B's.
+    Activation memory as 1F1B: rank ``r`` holds at most ``p`` microbatches (``p - r`` between
+    ``F`` and ``B`` plus ``r`` between ``B`` and ``W``). Idle time per rank ``(p - 1)(F + B - W)``,
+    i.e. ``p - 1`` at unit costs, a third of 1F1B's.
 
     Example:
-        >>> s = zb_h1(4, 8)
-        >>> sorted({a.kind.value for a in s[0]})
-        ['B', 'F', 'W']
+        >>> [str(a) for a in zb_h1(2, 3)[1]]
+        ['1F0', '1B0', '1F1', '1B1', '1W0', '1F2', '1B2', '1W1', '1W2']
     """
     _check_pm("zb_h1", p, m)
-    return _list_schedule(loop_placement(p), m, lambda r: p - r, "zb_h1")
+    return _split_1f1b(p, m, lambda r: p - r, lambda r: r, "zb_h1")
 
 
 def zb_h2(p: int, m: int) -> Schedule:
-    """ZB-H2 (Qi et al. 2024): more warm-up forwards (up to ``2(p - r) - 1`` in flight on rank
-    ``r``) so that, with iterations overlapped by post-validation, no rank idles between its first
-    and last action: bubble ``(p - 1)(F + B - 2W)``, zero at unit costs. Peak ``2p - 1`` on rank 0.
+    """ZB-H2 (Qi et al. 2024): ZB-H1 with a deeper warm-up, ``2(p - r) - 1`` forwards on rank
+    ``r``, and ``W`` delayed by ``2r`` backwards. With steps overlapped (post-validation) no rank
+    idles between its first and last action once ``m >= 2p``: bubble ``(p - 1)(F + B - 2W)``, zero
+    at unit costs. Every rank holds at most ``2p - 1`` microbatches.
 
     Example:
-        >>> zb_h2(2, 4).name
-        'zb_h2'
+        >>> zb_h2(2, 4)[0][:4]
+        (Action('0F0'), Action('0F1'), Action('0F2'), Action('0B0'))
     """
     _check_pm("zb_h2", p, m)
-    return _list_schedule(loop_placement(p), m, lambda r: 2 * (p - r) - 1, "zb_h2")
+    return _split_1f1b(p, m, lambda r: 2 * (p - r) - 1, lambda r: 2 * r, "zb_h2")
 
 
 def zbv(p: int, m: int) -> Schedule:
-    """ZBV (Qi et al. 2024, section 6): two stages per rank in a V (rank ``r`` holds stages ``r`` and
-    ``2p - 1 - r``), backward split into ``B`` and ``W``. Peak ``2p`` stage-chunks on rank 0, i.e.
-    ``p`` microbatches of a full stage, as 1F1B; bubble about zero.
+    """ZB-V (Qi et al. 2024, section 6): two stages per rank in a V (rank ``r`` holds chunk 0 =
+    stage ``r`` and chunk 1 = stage ``2p - 1 - r``), backward split into ``B`` and ``W``.
+
+    Rank ``r`` runs ``2(p - r) - 1`` chunk-0 forwards; ``r`` pairs (chunk-1 ``F``, chunk-0 ``F``);
+    ``p - r`` triples (chunk-1 ``F``, ``B``, ``W``); then the steady state (chunk-0 ``F``, ``B``,
+    ``W``, chunk-1 ``F``, ``B``, ``W``) until every forward is issued; then ``r`` pairs of
+    backwards (chunk 0, chunk 1) whose ``W`` wait, ``p - r`` pairs (chunk-0 ``B``, a waiting
+    chunk-0 ``W``), and the waiting ``W`` of chunk 1, then chunk 0. With fewer than ``2p - 1``
+    microbatches the schedule is built for ``2p - 1`` and the missing microbatches dropped.
+
+    At most ``2p`` stage-chunk activations per rank (``p`` microbatches of a full rank, as 1F1B),
+    counted until ``W``; no bubble between a rank's first and last action once ``m >= 2p``.
 
     Example:
         >>> zbv(2, 4).stage_to_rank
         (0, 1, 1, 0)
     """
     _check_pm("zbv", p, m)
-    return _list_schedule(v_placement(p), m, lambda r: 2 * p, "zbv")
+    n = max(m, 2 * p - 1)
+    actions = {}
+    for r in range(p):
+        stage = (r, 2 * p - 1 - r)
+        issued = {F: [0, 0], B: [0, 0], W: [0, 0]}
+        row: list[Action] = []
+
+        def do(kind: ActionKind, chunk: int) -> None:
+            i = issued[kind][chunk]
+            issued[kind][chunk] += 1
+            if i < m:
+                row.append(Action(kind, stage[chunk], i))
+
+        for _ in range(2 * (p - r) - 1):
+            do(F, 0)
+        for _ in range(r):
+            do(F, 1)
+            do(F, 0)
+        for _ in range(p - r):
+            do(F, 1)
+            do(B, 1)
+            do(W, 1)
+        while issued[F][0] < n or issued[F][1] < issued[F][0]:
+            if issued[F][0] < n:
+                do(F, 0)
+            for chunk in (0, 1):
+                if chunk == 1:
+                    do(F, 1)
+                do(B, chunk)
+                do(W, chunk)
+        for _ in range(r):
+            do(B, 0)
+            do(B, 1)
+        for _ in range(p - r):
+            do(B, 0)
+            do(W, 0)
+        for chunk in (1, 0):
+            while issued[W][chunk] < n:
+                do(W, chunk)
+        actions[r] = row
+    return Schedule(actions, v_placement(p), m, name="zbv")
 
 
 def dualpipev(p: int, m: int) -> Schedule:

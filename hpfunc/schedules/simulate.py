@@ -18,6 +18,7 @@ Measures, per rank:
   not; ``peak_inflight_mb`` divides it by the number of stages on the rank, i.e. counts
   microbatches of a full rank's worth of layers (what the schedule tables quote for interleaved
   and V schedules). ``peak_resident`` is the same count minus activations swapped out to host.
+  ``peak_until_w`` counts until the ``W`` (or ``BW``) instead: what a split backward keeps alive.
 
 Example:
     >>> from hpfunc.schedules import one_f_one_b, simulate
@@ -104,6 +105,7 @@ class SimResult:
     peak_inflight: dict[int, int]
     peak_inflight_mb: dict[int, float]
     peak_resident: dict[int, int]
+    peak_until_w: dict[int, int]
 
     @property
     def max_bubble_ratio(self) -> float:
@@ -226,16 +228,21 @@ def simulate(
     events.sort(key=lambda e: (e.rank, e.step))
     makespan = max((e.end for e in events), default=0.0)
 
-    useful, idle, ratio, steady, peak, peak_mb, resident = {}, {}, {}, {}, {}, {}, {}
+    useful, idle, ratio, steady, peak, peak_mb, resident, until_w = {}, {}, {}, {}, {}, {}, {}, {}
     spans = {}
     for r in schedule.ranks:
         mine = [e for e in events if e.rank == r]
         useful[r] = sum(e.end - e.start for e in mine if e.action.is_compute)
         idle[r] = makespan - useful[r]
         spans[r] = (max(e.end for e in mine) - min(e.start for e in mine)) if mine else 0.0
-        held = best = on_device = most_on_device = 0
+        held = best = on_device = most_on_device = stash = most_stash = 0
         for e in mine:  # in step order: F adds an activation, the first backward frees it
             kind = e.action.kind
+            if kind is K.F:
+                stash += 1
+            elif kind in (K.W, K.BW):
+                stash -= 1
+            most_stash = max(most_stash, stash)
             if kind is K.F:
                 held += 1
                 on_device += 1
@@ -250,9 +257,10 @@ def simulate(
             most_on_device = max(most_on_device, on_device)
         peak[r] = best
         resident[r] = most_on_device
+        until_w[r] = most_stash
         peak_mb[r] = best / max(1, len(schedule.stages_of(r)))
     period = max(spans.values(), default=0.0)
     for r in schedule.ranks:
         ratio[r] = idle[r] / useful[r] if useful[r] else math.inf
         steady[r] = (period - useful[r]) / useful[r] if useful[r] else math.inf
-    return SimResult(schedule, tuple(events), makespan, useful, idle, ratio, steady, peak, peak_mb, resident)
+    return SimResult(schedule, tuple(events), makespan, useful, idle, ratio, steady, peak, peak_mb, resident, until_w)

@@ -27,6 +27,7 @@ from hpfunc.schedules import (
     v_placement,
     validate,
     write_csv,
+    zbv,
 )
 
 torch_schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
@@ -165,12 +166,14 @@ def test_torch_generated_schedule_reads_and_validates(fake_world, cls_name, v_sh
 
 @pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 16)])
 def test_hpfunc_matches_torch_order(fake_world, p: int, m: int) -> None:
-    # Interleaved 1F1B and DualPipeV are written from their definitions; torch agrees step by step
+    # Interleaved 1F1B, ZBV and DualPipeV are written from their definitions; torch agrees step by step
     # (torch's fused OVERLAP_F_B cells read as forward then backward).
     assert from_torch_pipeline_order(torch_pipeline_order("ScheduleInterleaved1F1B", p, m, False)).actions == \
         interleaved_1f1b(p, m, 2).actions
     assert from_torch_pipeline_order(torch_pipeline_order("ScheduleDualPipeV", p, m, True)).actions == \
         dualpipev(p, m).actions
+    assert from_torch_pipeline_order(torch_pipeline_order("ScheduleZBVZeroBubble", p, m, True)).actions == \
+        zbv(p, m).actions
 
 
 def test_torch_runtime_loads_our_csv(fake_world, tmp_path: Path) -> None:

@@ -67,6 +67,7 @@ def test_zb_h1(p: int, m: int) -> None:
     for rank in range(p):
         assert r.idle[rank] == _approx((p - 1) * (F + B - W))
     assert r.peak_inflight[0] == min(p, m)
+    assert max(r.peak_until_w.values()) == min(p, m)  # the memory of 1F1B, even counted until W
     # "about 1/3 of 1F1B when F = B = W"
     assert r.idle[0] * 3 == _approx(simulate(one_f_one_b(p, m)).idle[0])
 
@@ -78,8 +79,10 @@ def test_zb_h2(p: int, m: int) -> None:
         # (p-1)(F + B - 2W) = 0: with steps overlapped (post-validation) no rank ever idles.
         assert max(r.steady_bubble_ratio.values()) == 0
         assert r.peak_inflight[0] == 2 * p - 1
-    # Within one isolated step only the fill/drain triangle remains, and it vanishes as m grows.
-    assert r.bubble_ratio[0] == _approx((p - 1) / (3 * m))
+        # Within one isolated step only the fill/drain triangle remains; it vanishes as m grows.
+        assert r.bubble_ratio[0] == _approx((p - 1) / (3 * m))
+    # 2p - 1 activations at most on every rank, counted until W (F..B plus B..W).
+    assert max(r.peak_until_w.values()) == min(2 * p - 1, m)
 
 
 @pytest.mark.parametrize("p,m", GRID)
@@ -90,7 +93,9 @@ def test_zbv(p: int, m: int) -> None:
         # p microbatches of a full rank = 2p activations of its half-size chunks.
         assert r.peak_inflight_mb[0] == p
         assert r.peak_inflight[0] == 2 * p
-    assert r.bubble_ratio[0] == _approx((p - 1) / (6 * m))
+        assert r.bubble_ratio[0] == _approx((p - 1) / (6 * m))
+    # the W passes stay close to their B: 2p chunk activations even counted until W
+    assert max(r.peak_until_w.values()) <= 2 * p
 
 
 @pytest.mark.parametrize("p,m", [(p, m) for p, m in GRID if m >= 2 * p])
