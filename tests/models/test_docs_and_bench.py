@@ -1,0 +1,34 @@
+"""The docstring examples of hpfunc.models run, and the model_step bench runs end to end on a tiny model."""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+import importlib.util
+import json
+import os
+
+import pytest
+
+MODULES = ["layers", "rope", "attention", "moe", "config", "qwen3", "hf", "__init__"]
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_docstring_examples(name: str) -> None:
+    module = importlib.import_module("hpfunc.models" + ("" if name == "__init__" else f".{name}"))
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    assert result.failed == 0
+
+
+def test_model_step_bench_smoke(tmp_path) -> None:
+    pytest.importorskip("transformers")
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "model_step.py")
+    spec = importlib.util.spec_from_file_location("model_step_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "r.json"
+    result = bench.main(["--preset", "qwen3-moe-tiny", "--batch", "1", "--seq", "16", "--warmup", "0",
+                         "--iters", "1", "--out", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved["ratio"] == result["ratio"] > 0
+    assert abs(saved["loss_hpfunc"] - saved["loss_transformers"]) < 1e-4
