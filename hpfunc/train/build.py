@@ -24,7 +24,7 @@ from hpfunc.train.config import Config, ConfigError, ModelConfig, OptimizerConfi
 __all__ = ["build_model_config", "build_schedule", "build_optimizer", "model_dtype", "decay_mask", "check_buildable"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
-# Fields a user sets through model.preset / model.dtype, not through overrides.
+# Nested config objects are not settable from YAML yet (the preset's value is used).
 _NOT_OVERRIDABLE = {"rope_scaling"}
 
 

@@ -201,7 +201,7 @@ def _found(value: Any) -> str:
     return "null" if value is None else f"{kind} {value!r}"
 
 
-def _schema_keys(cls: type = None, prefix: str = "") -> list[tuple[str, str]]:
+def _schema_keys(cls: type | None = None, prefix: str = "") -> list[tuple[str, str]]:
     """Every ``(section_path, key)`` of the schema, for suggestions across sections."""
     cls = Config if cls is None else cls
     out = []
@@ -250,14 +250,13 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
         args = typing.get_args(tp)
         if value is None and type(None) in args:
             return None
-        errors = []
         for a in args:
             if a is type(None):
                 continue
             try:
                 return _convert(value, a, path)
-            except ConfigError as e:
-                errors.append(e)
+            except ConfigError:
+                continue
         raise ConfigError(f"{path}: expected {_type_name(tp)}, found {_found(value)}")
     if origin is Literal:
         choices = typing.get_args(tp)
