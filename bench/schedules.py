@@ -14,7 +14,7 @@ Columns:
               activations / chunks per rank); formula beside it
 
 Usage:
-    python bench/schedules.py [--out bench/results/schedules.json] [--plots DIR]
+    python bench/schedules.py [--out bench/results/schedules.json] [--plots DIR] [--p 2 4 8]
 """
 
 from __future__ import annotations
@@ -95,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "schedules.json"))
     parser.add_argument("--plots", default=None, help="directory for one PNG chart per schedule (p=4, m=8)")
+    parser.add_argument("--p", type=int, nargs="+", default=[2, 4, 8], help="pipeline sizes (default 2 4 8)")
     args = parser.parse_args(argv)
 
     rows = []
@@ -103,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{'(vs)':6s} {'peak':>6s} {'formula':>7s}  {'makespan':>8s}  note")
     print(header)
     print("-" * len(header))
-    for p in (2, 4, 8):
+    for p in args.p:
         for m in (p, 2 * p, 4 * p, 8 * p):
             for name, s in schedules(p, m):
                 validate(insert_comms(s))
@@ -131,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
                     "formula_bubble_ratio": f_bubble,
                     "formula_compared_with": measure,
                     "peak_inflight_stage_chunks": r.peak_inflight[0],
-                    "peak_inflight_microbatches": peak,
+                    "peak_inflight_microbatches": r.peak_inflight_mb[0],
+                    "peak_until_w_stage_chunks": max(r.peak_until_w.values()),
                     "formula_peak_inflight": f_peak,
                     "peak_unit": unit,
                     "matches": not any("differs" in n for n in notes),
