@@ -241,6 +241,7 @@ def make_mesh(axis_shapes: Sequence[int], axis_names: Sequence[str], *, device_t
     """JAX-style constructor: ``make_mesh((2, 2), ("dp", "tp"))``."""
     if len(axis_shapes) != len(axis_names):
         raise ValueError(f"make_mesh got {len(axis_shapes)} sizes for {len(axis_names)} names {tuple(axis_names)}")
+    _check_names(axis_names)
     return Mesh(dict(zip(axis_names, axis_shapes)), device_type=device_type)
 
 

@@ -109,6 +109,9 @@ class P(tuple):
     def __repr__(self) -> str:
         return "P(" + ", ".join(repr(p) for p in self) + ")"
 
+    def __reduce__(self):  # pickle as P(*entries), not P(entries)
+        return (P, tuple(self))
+
 
 def as_spec(spec: Any) -> P:
     """Coerce ``None`` (replicated), a tuple or a ``P`` into a ``P``."""

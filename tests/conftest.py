@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 from hypothesis import HealthCheck, settings
 
 from hpfunc.testing import RankPool
@@ -16,6 +17,9 @@ settings.register_profile(
 )
 settings.register_profile("dev", max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+# Tests use tiny tensors: extra intra-op threads only spin (up to 60x slower under load on 2 cores).
+torch.set_num_threads(1)
 
 # Checked mode for shard_map replication promises, in the ranks and in this process.
 RANK_ENV = {"HPFUNC_CHECK_REP": "1", "PYTHONWARNINGS": "ignore"}
