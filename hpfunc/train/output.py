@@ -141,7 +141,7 @@ def plot_losses(records: Iterable[dict[str, Any]], path: str | pathlib.Path, *, 
     if val:
         ax.plot(*zip(*val), "o-", label="validation loss", color="tab:orange")
     ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_ylabel("loss (nats per token)")
     if title:
         ax.set_title(title)
     ax.grid(alpha=0.3)
