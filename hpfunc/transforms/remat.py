@@ -282,6 +282,7 @@ def _first_tensor(out: Any) -> Any:
     return ts[0] if ts else None
 
 
+@functools.lru_cache(maxsize=None)
 def _never_cache(op: Any) -> bool:
     # Collectives and other in-place ops write their buffers; caching them would let a recompute
     # mutate (or reduce again) a cached value.
