@@ -218,6 +218,16 @@ def _run(cfg: Config, *, out_dir: str | pathlib.Path | None, stream: TextIO | No
         "params": n_params,
         "out_dir": str(out),
     }
+    oc = cfg.output
+    byte_level = cfg.data.source != "ids" and not cfg.data.tokenizer
+    if oc.sample_tokens and byte_level and oc.sample_prompt:
+        from hpfunc.train.sample import sample_text
+
+        text = sample_text(state.params, model_cfg, oc.sample_prompt, oc.sample_tokens,
+                           random.fold_in(random.key(cfg.seed), 3), temperature=oc.sample_temperature)
+        (out / "sample.txt").write_text(text)
+        summary["sample"] = text
+        say(f"sample (temperature {oc.sample_temperature}):\n{'-' * 60}\n{text}\n{'-' * 60}")
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     if cfg.output.plot:
         title = f"{cfg.model.preset} on {cfg.data.source} ({tc.steps} steps, batch {tc.batch_size}x{tc.seq_len})"

@@ -21,7 +21,7 @@ TINY = {
     "data": {"source": "text", "paths": ["corpus/*.py"], "val_fraction": 0.1},
     "train": {"steps": 30, "batch_size": 4, "seq_len": 32, "log_every": 5, "eval_every": 15, "eval_batches": 2,
               "num_threads": 1},
-    "output": {"dir": "out", "progress": "lines"},
+    "output": {"dir": "out", "progress": "lines", "sample_tokens": 16, "sample_prompt": "def "},
 }
 
 
@@ -79,6 +79,8 @@ def test_train_end_to_end_loss_falls(tiny_config, tmp_path, capsys):
     assert first > 5.0  # about ln(256) at init
     assert last < first - 1.5, (first, last)
     assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    sample = (out / "sample.txt").read_text()
+    assert sample.startswith("def ") and "sample (temperature 0.8)" in printed
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 30 and summary["tokens"] == 30 * 4 * 32
     assert summary["last_loss"] < summary["first_loss"]
