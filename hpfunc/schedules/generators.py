@@ -81,7 +81,8 @@ def interleaved_1f1b(p: int, m: int, v: int = 2) -> Schedule:
     """Interleaved 1F1B (Narayanan et al. 2021): ``v`` model chunks per rank, stage ``c * p + r``
     on rank ``r``. Microbatches go through the chunks in groups of ``p``.
 
-    Rank ``r`` runs ``2 (p - 1 - r) + (v - 1) p`` warm-up chunk-forwards (at most ``m v``), then
+    Rank ``r`` runs ``2 (p - 1 - r) + (v - 1) p`` warm-up chunk-forwards (at most ``m v``; ``v = 1``
+    is plain 1F1B with ``p - 1 - r``), then
     alternates forward and full backward. Bubble ratio ``(p - 1) / (v m)``; rank 0 holds at most
     ``2 (p - 1) + (v - 1) p + 1`` chunk activations, i.e. ``p (1 + (p - 1) / (p v))`` microbatches
     of a full stage (``v`` chunks make one stage's worth), when ``m v`` exceeds the warm-up.
@@ -115,7 +116,8 @@ def interleaved_1f1b(p: int, m: int, v: int = 2) -> Schedule:
 
     actions = {}
     for r in range(p):
-        warmup = min(2 * (p - 1 - r) + (v - 1) * p, total)
+        # With one chunk this is plain 1F1B; with more, the deeper warm-up keeps every chunk busy.
+        warmup = min(p - 1 - r if v == 1 else 2 * (p - 1 - r) + (v - 1) * p, total)
         row = []
         for k in range(warmup):
             c, i = which(k, False)

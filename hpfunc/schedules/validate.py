@@ -13,7 +13,8 @@ The rules (``S`` stages, ``m`` microbatches, ``r(s)`` the rank of stage ``s``):
 * Communication: every ``SEND`` has exactly one matching ``RECV`` on the peer and vice versa;
   sends come after the compute that produced the data; peers agree with the placement.
 * FSDP: a stage that is ever unsharded is unsharded whenever it computes; ``UNSHARD``/``RESHARD``
-  alternate; ``REDUCE_GRAD`` comes once, after every weight gradient of the stage.
+  alternate; ``REDUCE_GRAD`` comes once, after every weight gradient of the stage, and (once any
+  stage has one) on every FSDP stage.
 * Swap: ``SWAP_OUT(s, i)`` between ``F(s, i)`` and its backward, ``SWAP_IN`` after it and before the
   backward.
 * No deadlock: the ranks are played forward, each running its list in order, a send completing
@@ -275,7 +276,7 @@ def dependencies(schedule: Schedule) -> dict[Pos, list[Pos]]:
             raise ScheduleError(f"stage {s} microbatch {i} is swapped out and never swapped back in",
                                 rank=rank, step=len(row))
 
-    # Pass 3: completeness (exactly-once is pass 1, presence is here) and matching receives.
+    # Pass 3: completeness (exactly-once is pass 1, presence is here).
     for stage in range(S):
         rank = schedule.stage_to_rank[stage]
         end = len(schedule.actions[rank])
@@ -291,9 +292,15 @@ def dependencies(schedule: Schedule) -> dict[Pos, list[Pos]]:
                 raise ScheduleError(
                     f"stage {stage} microbatch {i} never runs its weight gradient W (its B is at step {bp[1]})",
                     rank=rank, step=bp[1], action=Action(K.W, stage, i))
-    for (kind, stage, mb), (rank, step) in where.items():
-        if kind is K.SEND_F and pos_of(K.RECV_F, stage + 1, mb) is None:  # pragma: no cover - pass 2
-            raise ScheduleError("send without recv", rank=rank, step=step, action=Action(kind, stage, mb))
+    # Once a schedule reduces gradients explicitly (FSDP lowering), every FSDP stage must.
+    if any(kind is K.REDUCE_GRAD for kind, _, _ in where):
+        for stage in sorted(fsdp_stages):
+            if pos_of(K.REDUCE_GRAD, stage, None) is None:
+                rank = schedule.stage_to_rank[stage]
+                raise ScheduleError(
+                    f"stage {stage} is FSDP-sharded but never reduces its gradients (REDUCE_GRAD), "
+                    "while other stages do", rank=rank, step=len(schedule.actions[rank]),
+                    action=Action(K.REDUCE_GRAD, stage))
     return deps
 
 

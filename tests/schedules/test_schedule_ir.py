@@ -137,3 +137,8 @@ def test_single_rank_degenerate_cases(name: str) -> None:
 def test_generators_are_deterministic() -> None:
     for name, make in GENERATORS.items():
         assert make(4, 8) == make(4, 8), name
+
+
+@pytest.mark.parametrize("p,m", [(2, 2), (4, 8), (3, 9)])
+def test_interleaved_with_one_chunk_is_1f1b(p: int, m: int) -> None:
+    assert interleaved_1f1b(p, m, 1).actions == one_f_one_b(p, m).actions

@@ -118,6 +118,10 @@ def test_cyclic_wait_compute_only() -> None:
         ({0: ["0RESHARD", "0F0", "0BW0"]}, (0,), 1, (0, 0, "0RESHARD"), "not unsharded"),
         ({0: ["0F0", "0B0", "0REDUCE_GRAD", "0W0"]}, (0,), 1, (0, 2, "0REDUCE_GRAD"), "0 of 1 weight gradients"),
         ({0: ["0F0", "0F1", "0BW0", "0REDUCE_GRAD", "0BW1"]}, (0,), 2, (0, 3, "0REDUCE_GRAD"), "1 of 2"),
+        ({0: ["0UNSHARD", "0F0", "0BW0", "0REDUCE_GRAD"], 1: ["1UNSHARD", "1F0", "1BW0"]}, (0, 1), 1,
+         (1, 3, "1REDUCE_GRAD"), "never reduces its gradients"),
+        ({0: ["0UNSHARD", "0F0", "0BW0", "0REDUCE_GRAD", "0REDUCE_GRAD"]}, (0,), 1, (0, 4, "0REDUCE_GRAD"),
+         "duplicate"),
         # swap
         ({0: ["0F0", "0SWAP_OUT0", "0BW0"]}, (0,), 1, (0, 2, "0BW0"), "swapped out"),
         ({0: ["0F0", "0SWAP_IN0", "0BW0"]}, (0,), 1, (0, 1, "0SWAP_IN0"), "not swapped out"),
