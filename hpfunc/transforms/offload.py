@@ -141,6 +141,8 @@ class _HostBuffer:
         self.event = None
         self._on_device: torch.Tensor | None = None
         self._h2d_event = None
+        self.users = 0  # handles reading this buffer; the device copy is dropped after the last read
+        self._reads = 0
         if any(_is_fake(s) for s in sources):
             self.host = torch.empty(total, dtype=torch.uint8, device=self.device)
             return
@@ -171,6 +173,14 @@ class _HostBuffer:
             self._h2d_event = torch.cuda.Event()
             self._h2d_event.record(stream)
 
+    def release_one(self) -> None:
+        # Each saved tensor is unpacked once per backward: after the last one, the views handed to
+        # autograd keep what they need alive and the buffer's own device copy can go.
+        self._reads += 1
+        if self._reads >= self.users:
+            self._reads = 0
+            self._on_device = None
+
     def bytes_on_device(self) -> torch.Tensor:
         if self.device.type != "cuda" or _is_fake(self.host):
             return self.host
@@ -187,12 +197,13 @@ class _Handle:
     __slots__ = ("slot", "meta", "group")
 
     def __init__(self, slot: list, meta: tuple, group: "_Group") -> None:
-        self.slot, self.meta, self.group = slot, meta, group  # slot = [buffer, index] (filled on flush)
+        self.slot, self.meta, self.group = slot, meta, group  # slot = [buffer, index, handles] (buffer on flush)
 
     def get(self) -> torch.Tensor:
         self.group.touched()
-        buf, idx = self.slot
+        buf, idx, _ = self.slot
         data = buf.bytes_on_device()
+        buf.release_one()
         dtype, size, stride, offset, device = self.meta
         itemsize = torch.empty((), dtype=dtype, device="meta").element_size()
         return _view_on(data, (dtype, size, stride, offset + buf.offsets[idx] // itemsize, device))
@@ -226,7 +237,7 @@ class _Group:
         key = _record.storage_key(t)
         hit = self.slots.get(key)
         if hit is None or hit[1].expired():  # an expired hit is a freed storage whose address was reused
-            slot: list = [None, 0]
+            slot: list = [None, 0, 0]
             nbytes = _record.storage_nbytes(t)
             self.slots[key] = (slot, StorageWeakRef(t.untyped_storage()))
             self.stats.tensors_offloaded += 1
@@ -243,12 +254,16 @@ class _Group:
                 self._copy([(t, slot)])
         else:
             slot = hit[0]
+        slot[2] += 1
+        if slot[0] is not None:
+            slot[0].users += 1
         return _Handle(slot, _meta(t), self)
 
     def _copy(self, items: list[tuple[torch.Tensor, list]]) -> None:
         buf = _HostBuffer([t for t, _ in items], pin=self.pin, stream=self._stream_for(items[0][0]))
         for i, (_, slot) in enumerate(items):
             slot[0], slot[1] = buf, i
+            buf.users += slot[2]
         self.buffers.append(buf)
         self.stats.copies += 1
 

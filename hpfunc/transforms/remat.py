@@ -368,6 +368,11 @@ def _sac_context(policy: Policy, offload_options: dict) -> Callable[[], tuple]:
             return CheckpointPolicy.MUST_SAVE if decision is not Decision.RECOMPUTE else CheckpointPolicy.PREFER_RECOMPUTE
 
         caching, cached = create_selective_checkpoint_contexts(policy_fn)
+        if not (isinstance(getattr(caching, "storage", None), dict) and isinstance(getattr(cached, "storage", None), dict)):
+            raise RuntimeError(
+                "hpfunc.remat: torch's selective checkpoint modes no longer expose a `storage` dict "
+                f"(torch {torch.__version__}); the cache hook that applies offload decisions and reports "
+                "cached bytes needs updating for this torch version")
         from hpfunc.transforms.offload import CacheOffloader
 
         offloader = CacheOffloader(recorder=recorder, **offload_options)

@@ -30,7 +30,9 @@ def reports():
         x = torch.empty(B, S, H, dtype=torch.bfloat16)
         for key, pol in [("none", None), ("full", R.nothing_saveable),
                          ("selective", R.dots_with_no_batch_dims_saveable), ("dots", R.dots_saveable),
-                         ("names", R.save_only_these_names("q", "k", "v", "mlp_hidden"))]:
+                         ("names", R.save_only_these_names("q", "k", "v", "mlp_hidden")),
+                         ("swap", R.save_and_offload_only_these_names(
+                             names_which_can_be_saved=["q", "k", "v"], names_which_can_be_offloaded=["mlp_hidden"]))]:
             out[key] = saved_activations(block, params, x, CFG, policy=pol, state_argnums=(0,))
     return out
 
@@ -71,3 +73,21 @@ def test_names_policy_saves_exactly_the_named_values(reports):
     by = r.by_name()
     assert by == {"(untagged)": 2 * SBH, "q": 4 * SBH, "k": SBH // 2, "v": SBH // 2, "mlp_hidden": 6 * SBH}
     assert r.device_bytes == 13 * SBH
+
+
+def test_selective_swap_moves_the_named_bytes_to_host(reports):
+    r = reports["swap"]
+    assert r.device_bytes == (2 + 4 + 0.5 + 0.5) * SBH  # input, q, k, v
+    assert r.host_bytes == 6 * SBH  # mlp_hidden (s b 3h, bf16)
+    assert r.by_name("host") == {"mlp_hidden": 6 * SBH}
+
+
+def test_whole_layer_offload_at_real_shapes(reports):
+    from hpfunc.transforms.offload import offload
+
+    with FakeTensorMode():
+        params = {k: torch.empty(v.shape, dtype=torch.bfloat16) for k, v in init_block(CFG, device="meta").items()}
+        x = torch.empty(B, S, H, dtype=torch.bfloat16)
+        r = saved_activations(offload(block), params, x, CFG, state_argnums=(0,))
+    assert r.device_bytes == 0
+    assert r.host_bytes == reports["none"].device_bytes
