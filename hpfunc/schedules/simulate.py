@@ -153,11 +153,11 @@ class SimResult:
         return "\n".join(lines)
 
     def plot(self, path: str | os.PathLike[str], *, title: str | None = None) -> str:
-        """Write a Gantt chart (PNG, matplotlib Agg backend) to ``path`` and return the path."""
-        import matplotlib
-
-        matplotlib.use("Agg", force=False)
+        """Write a Gantt chart (PNG, rendered by matplotlib's Agg canvas) to ``path``; return the path."""
+        # The object API renders PNG with the Agg canvas without touching the global backend
+        # (pyplot state), so plotting never interferes with the caller's matplotlib setup.
         from matplotlib.figure import Figure
+        from matplotlib.patches import Patch
 
         colors = {K.F: "#4c78a8", K.B: "#f58518", K.W: "#54a24b", K.BW: "#e45756"}
         ranks = self.schedule.ranks
@@ -167,7 +167,10 @@ class SimResult:
             if e.end <= e.start:
                 continue
             y = ranks.index(e.rank)
-            ax.broken_barh([(e.start, e.end - e.start)], (y - 0.4, 0.8),
+            # Later chunks of a rank (interleaved, V) are drawn lighter.
+            chunks = self.schedule.stages_of(e.rank)
+            alpha = 1.0 - 0.45 * chunks.index(e.action.stage) / max(1, len(chunks) - 1)
+            ax.broken_barh([(e.start, e.end - e.start)], (y - 0.4, 0.8), alpha=alpha,
                            facecolors=colors.get(e.action.kind, "#bab0ac"), edgecolor="white", linewidth=0.5)
             if e.action.microbatch is not None:
                 ax.text((e.start + e.end) / 2, y, str(e.action.microbatch), ha="center", va="center",
@@ -178,7 +181,7 @@ class SimResult:
         ax.set_xlabel("time")
         ax.set_title(title or f"{self.schedule.name}: makespan {self.makespan:g}, "
                               f"max bubble {self.max_bubble_ratio:.3f}")
-        handles = [matplotlib.patches.Patch(color=c, label=k.value) for k, c in colors.items()]
+        handles = [Patch(color=c, label=k.value) for k, c in colors.items()]
         ax.legend(handles=handles, loc="upper right", fontsize=7, ncol=4)
         fig.tight_layout()
         fig.savefig(os.fspath(path), dpi=120)
