@@ -89,7 +89,11 @@ def build_schedule(sc: ScheduleConfig, steps: int) -> Callable[[int], float]:
 
 
 def decay_mask(path: str, leaf: torch.Tensor) -> bool:
-    """Weight decay applies to matrices and expert stacks, not to norms, biases or embeddings."""
+    """Weight decay applies to matrices and expert stacks, not to norms, biases or embeddings.
+
+    >>> decay_mask("layers.0.attn.wq", torch.zeros(4, 4)), decay_mask("embed", torch.zeros(9, 4))
+    (True, False)
+    """
     lowered = path.lower()
     return leaf.ndim >= 2 and "embed" not in lowered and "norm" not in lowered
 
@@ -102,7 +106,16 @@ def _scaled(peak: float, factor: Callable[[int], float]) -> Callable[[int], floa
 
 
 def build_optimizer(oc: OptimizerConfig, factor: Callable[[int], float]) -> tuple[Any, Callable[[int], float]]:
-    """``(optimizer, lr)``: the gradient transformation and the (AdamW) learning-rate schedule it uses."""
+    """``(optimizer, lr)``: the gradient transformation and the (AdamW) learning-rate schedule it uses.
+
+    The schedule ``factor`` multiplies each peak rate (``lr``, and ``muon_lr`` for ``muon_adamw``);
+    ``clip_norm`` chains a global-norm clip in front.
+
+    >>> from hpfunc.train.config import load_config_dict
+    >>> tx, lr = build_optimizer(load_config_dict({"optimizer": {"lr": 0.01}}).optimizer, lambda s: 0.5)
+    >>> lr(0)
+    0.005
+    """
     from hpfunc import optim
 
     lr = _scaled(oc.lr, factor)

@@ -101,7 +101,15 @@ def stdlib_files(root: str | pathlib.Path | None = None) -> list[pathlib.Path]:
 
 
 def expand_globs(patterns: Sequence[str], *, what: str = "data.paths") -> list[pathlib.Path]:
-    """Files matched by the glob patterns (``**`` recursive), each pattern's matches sorted, no repeats."""
+    """Files matched by the glob patterns (``**`` recursive), each pattern's matches sorted, no repeats.
+
+    >>> import tempfile, pathlib
+    >>> d = pathlib.Path(tempfile.mkdtemp()); (d / "b.txt").write_text("b"); (d / "a.txt").write_text("a")
+    1
+    1
+    >>> [p.name for p in expand_globs([str(d / "*.txt"), str(d / "a.txt")])]
+    ['a.txt', 'b.txt']
+    """
     out: list[pathlib.Path] = []
     seen = set()
     for i, pattern in enumerate(patterns):
@@ -163,7 +171,14 @@ def read_jsonl(files: Sequence[pathlib.Path], text_field: str = "text", *, max_b
 
 
 def read_ids(files: Sequence[pathlib.Path]) -> torch.Tensor:
-    """Pre-tokenised ids from ``.npy`` / ``.pt`` files, flattened and concatenated (int64)."""
+    """Pre-tokenised ids from ``.npy`` / ``.pt`` files, flattened and concatenated (int64).
+
+    >>> import tempfile, pathlib
+    >>> f = pathlib.Path(tempfile.mkdtemp()) / "ids.npy"
+    >>> np.save(f, np.array([[3, 1], [4, 1]], dtype=np.uint16))
+    >>> read_ids([f]).tolist()
+    [3, 1, 4, 1]
+    """
     parts = []
     for f in files:
         f = pathlib.Path(f)
@@ -239,7 +254,13 @@ def split_train_val(ids: torch.Tensor, val_fraction: float) -> tuple[torch.Tenso
 
 
 def load_data(cfg: DataConfig) -> TokenData:
-    """Read and tokenise the corpus the config names; split it into train and validation streams."""
+    """Read and tokenise the corpus the config names; split it into train and validation streams.
+
+    >>> from hpfunc.train.config import load_config_dict
+    >>> data = load_data(load_config_dict({"data": {"max_bytes": 1000, "val_fraction": 0.1}}).data)
+    >>> data.vocab_size, data.train.dtype, data.val.numel() > 0
+    (256, torch.uint8, True)
+    """
     vocab = BYTE_VOCAB
     if cfg.source == "ids":
         files = expand_globs(cfg.paths or [])
@@ -279,6 +300,9 @@ def window_starts(key: torch.Tensor, step: int, num_tokens: int, batch_size: int
     """Start offsets of the ``batch_size`` windows of ``seq_len + 1`` tokens for ``step``.
 
     A pure function of its arguments (``fold_in(key, step)`` then :func:`hpfunc.random.randint`).
+
+    >>> window_starts(random.key(0), 0, 1_000_000, 4, 128).tolist()  # the same on every machine
+    [632157, 856104, 715626, 752078]
     """
     span = num_tokens - seq_len
     if span < 1:
@@ -302,5 +326,9 @@ def sample_batch(
 def eval_batches(
     tokens: torch.Tensor, key: torch.Tensor, num_batches: int, batch_size: int, seq_len: int
 ) -> list[dict[str, torch.Tensor]]:
-    """A fixed list of validation batches (the same at every evaluation of a run)."""
+    """A fixed list of validation batches (the same at every evaluation of a run).
+
+    >>> [b["tokens"].shape for b in eval_batches(torch.arange(100), random.key(0), 2, 3, 5)]
+    [torch.Size([3, 5]), torch.Size([3, 5])]
+    """
     return [sample_batch(tokens, key, i, batch_size, seq_len) for i in range(num_batches)]

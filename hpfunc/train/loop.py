@@ -129,13 +129,13 @@ def _run(cfg: Config, *, out_dir: str | pathlib.Path | None, stream: TextIO | No
 
     init_key, train_key, val_key = data_keys(cfg.seed)
     params = qwen3.init(init_key, model_cfg, dtype=model_dtype(cfg.model))
-    n_params = qwen3.count_params(model_cfg) if hasattr(qwen3, "count_params") else None
-    active = qwen3.active_params(model_cfg) if hasattr(qwen3, "active_params") else None
-    if n_params is not None:
-        moe = f", {model_cfg.num_experts} experts top-{model_cfg.num_experts_per_tok}" if model_cfg.is_moe else ""
-        act = f" ({active:,} active)" if active is not None and active != n_params else ""
-        say(f"model: {cfg.model.preset}, {model_cfg.num_hidden_layers} layers, hidden {model_cfg.hidden_size}"
-            f"{moe}: {n_params:,} params{act}")
+    n_params, active = qwen3.count_params(model_cfg), qwen3.active_params(model_cfg)
+    moe = f", {model_cfg.num_experts} experts top-{model_cfg.num_experts_per_tok}" if model_cfg.is_moe else ""
+    act = f" ({active:,} active)" if active != n_params else ""
+    say(f"model: {cfg.model.preset}, {model_cfg.num_hidden_layers} layers, hidden {model_cfg.hidden_size}"
+        f"{moe}: {n_params:,} params{act}")
+    say(f"train: {tc.steps} steps of {tc.batch_size} x {tc.seq_len} tokens, {cfg.optimizer.name}, "
+        f"{cfg.schedule.name} schedule")
 
     state = init_train_state(params, optimizer)
     train_step = make_train_step(model_cfg, optimizer, expert_bias_rate=tc.expert_bias_rate, lr_schedule=lr)

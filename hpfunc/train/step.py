@@ -82,6 +82,13 @@ def init_train_state(
     """The state before the first step: ``optimizer.init`` over the trained params only.
 
     ``is_frozen`` defaults to the expert-bias predicate of ``hpfunc.models`` (when importable).
+
+    >>> from hpfunc import optim
+    >>> params = {"w": torch.ones(2), "moe": {"expert_bias": torch.zeros(4)}}
+    >>> state = init_train_state(params, optim.adamw(1e-3))
+    >>> from hpfunc import tree
+    >>> int(state.step), any(x.shape == (4,) for x in tree.leaves(state.opt_state))  # no moments for the bias
+    (0, False)
     """
     is_frozen = _default_is_frozen() if is_frozen is None else is_frozen
     trained, _ = split_params(params, is_frozen)
@@ -186,7 +193,12 @@ def make_train_step(
 
 
 def make_eval_step(model_cfg: Any, *, loss_fn: LossFn | None = None) -> Callable[[Any, Mapping[str, torch.Tensor]], torch.Tensor]:
-    """``eval_step(params, batch) -> ce_loss`` (no gradient)."""
+    """``eval_step(params, batch) -> ce_loss`` (no gradient).
+
+    >>> loss_fn = lambda params, batch, cfg: (params["w"].sum(), {"ce_loss": params["w"].sum()})
+    >>> float(make_eval_step(None, loss_fn=loss_fn)({"w": torch.ones(3)}, {}))
+    3.0
+    """
     loss_fn = _default_loss() if loss_fn is None else loss_fn
 
     def eval_step(params: Any, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
