@@ -121,7 +121,7 @@ def saved_activations(fn: Callable, *args: Any, policy: Any = None, state_argnum
 
         scope = current_scope()
         rec.record(t, kind="saved", where="device", name=scope.name_of(t) if scope else None)
-        return t
+        return t.detach()  # not t itself: a saved output would then keep its own graph alive (a cycle)
 
     with torch.enable_grad(), recording(rec), name_scope():
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _producer_mode(rec):

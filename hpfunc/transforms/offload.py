@@ -120,6 +120,12 @@ class OffloadStats:
         self.copies = 0
         self.tensors_offloaded = 0
         self.per_call: list[int] = []  # offloaded bytes of each call, in order (one entry per layer)
+        # Backward: the calls in the order backward first read them, and (call, call prefetched then).
+        # Calls are numbered per stats object, from 0. Prefetch copies on CUDA only; elsewhere it
+        # is requested (recorded here) and the values are read from the host buffer.
+        self.backward_order: list[int] = []
+        self.prefetched: list[tuple[int, int]] = []
+        self._calls = 0
 
     def __repr__(self) -> str:
         return (f"OffloadStats(offloaded_bytes={self.offloaded_bytes}, kept_bytes={self.kept_bytes}, "
@@ -225,6 +231,7 @@ class _Group:
         self.prev: Any = None  # weakref to the group created before this one (backward needs it next)
         self._touched = False
         self.offloaded_bytes = 0
+        self.call = 0
 
     def _stream_for(self, t: torch.Tensor) -> Any:
         if t.device.type == "cuda" and not _is_fake(t):
@@ -276,8 +283,10 @@ class _Group:
         # First use in backward: start bringing back the previous region, which backward needs next.
         if not self._touched:
             self._touched = True
+            self.stats.backward_order.append(self.call)
             prev = self.prev() if self.prev is not None else None
-            if prev is not None:
+            if prev is not None and not prev._touched:  # touched: an earlier backward (previous step)
+                self.stats.prefetched.append((self.call, prev.call))
                 for b in prev.buffers:
                     b.prefetch()
 
@@ -342,8 +351,9 @@ def offload(f: Callable | None = None, *, policy: Any = None, memory_kind: str |
             return f(*args, **kwargs)
         rec = _record.current_recorder()
         group = _Group(pin, bucket_bytes, counters, rec)
-        last = _LAST_GROUP.get()
-        group.prev = last
+        group.call = counters._calls
+        counters._calls += 1
+        group.prev = _LAST_GROUP.get()
         producers: dict[int, str] = {}
         ops: dict[int, Any] = {}
         # Arguments without a grad_fn (parameters, data) are held by the caller anyway: moving them
@@ -361,7 +371,9 @@ def offload(f: Callable | None = None, *, policy: Any = None, memory_kind: str |
                 counters.kept_bytes += t.numel() * t.element_size()
                 if rec is not None:
                     rec.record(t, kind="saved", where="device", name=name, op=producers.get(key))
-                return t
+                # detached: a saved output returned as itself would hold its own grad_fn (a reference
+                # cycle that keeps a graph nobody runs backward on alive until the garbage collector)
+                return t.detach()
 
             def unpack(h: Any) -> torch.Tensor:
                 return h.get() if isinstance(h, _Handle) else h

@@ -98,8 +98,14 @@ def test_every_layer_of_a_loop_offloads():
     assert stats.per_call == [named] * n  # no silent no-op on any layer
     assert r.host_bytes == n * named
     assert r.device_bytes == none.device_bytes - n * named
-    # and backward through all 8 still matches
+    # and backward through all 8 still matches, reading layers last to first, each one asking for
+    # the one before it to be brought back (prefetch) when it is first read
+    stats.backward_order.clear()
+    stats.prefetched.clear()
+    first = stats._calls
     assert_equal_trees(reference(ps, x), grads(loss, ps, x))
+    assert stats.backward_order == [first + i for i in reversed(range(n))]
+    assert stats.prefetched == [(first + i, first + i - 1) for i in reversed(range(1, n))]
 
 
 def test_whole_layer_swap_leaves_only_parameters_and_inputs():
