@@ -20,6 +20,15 @@ def test_docstring_examples(name: str) -> None:
     assert result.failed == 0
 
 
+def test_models_guide_example_runs() -> None:
+    import re
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "models.md")
+    with open(path) as f:
+        code = re.search(r"```python\n(.*?)```", f.read(), re.S).group(1)
+    exec(compile(code, "docs/models.md", "exec"), {})
+
+
 def test_model_step_bench_smoke(tmp_path) -> None:
     pytest.importorskip("transformers")
     path = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "model_step.py")
