@@ -77,7 +77,9 @@ def build_schedule(sc: ScheduleConfig, steps: int) -> Callable[[int], float]:
             return schedules.constant(1.0)
         return schedules.linear(0.0, 1.0, sc.warmup_steps)
     if sc.name == "cosine":
-        return schedules.linear_warmup_cosine_decay(1.0, sc.warmup_steps, max(steps - 1, sc.warmup_steps), sc.end_factor)
+        # The last step (steps - 1) is the one that reaches end_factor.
+        total = max(steps - 1, sc.warmup_steps)
+        return schedules.linear_warmup_cosine_decay(1.0, sc.warmup_steps, total, sc.end_factor)
     decay = int(round(sc.decay_fraction * steps))
     stable = steps - sc.warmup_steps - decay
     if stable < 0:

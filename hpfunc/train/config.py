@@ -112,7 +112,7 @@ class TrainConfig:
     log_every: int = 10
     eval_every: int = 0  # 0: evaluate only at the end
     eval_batches: int = 4
-    aux_loss_coef: Union[float, None] = None  # router load-balancing loss weight; null: the model's router_aux_loss_coef
+    aux_loss_coef: Union[float, None] = None  # load-balancing loss weight; null: model.router_aux_loss_coef
     expert_bias_rate: float = 1e-3  # aux-loss-free balancing: bias += rate * sign(mean_load - load)
     num_threads: Union[int, None] = None  # torch intra-op threads; null keeps torch's default
 
@@ -242,7 +242,8 @@ def _unknown_key_message(path: str, key: str, allowed: Sequence[str]) -> str:
             scored = [t for t in scored if t[0] > 0]
             if scored:
                 best, same, s, k = max(scored, key=lambda t: (t[0], t[1]))
-                hint = f"did you mean {k!r}? " if same else f"did you mean {k!r} (in {s or 'the top level'}: {_join(s, k)})? "
+                where = "" if same else f" (in {s or 'the top level'}: {_join(s, k)})"
+                hint = f"did you mean {k!r}{where}? "
     return f"{_join(path, key)}: unknown key; {hint}expected one of {', '.join(sorted(allowed))}"
 
 

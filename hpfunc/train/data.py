@@ -164,7 +164,9 @@ def read_jsonl(files: Sequence[pathlib.Path], text_field: str = "text", *, max_b
                         )
                     text = record[text_field]
                     if not isinstance(text, str):
-                        raise DataError(f"{f}:{lineno}: field {text_field!r} must be a string, found {type(text).__name__}")
+                        raise DataError(
+                            f"{f}:{lineno}: field {text_field!r} must be a string, found {type(text).__name__}"
+                        )
                     yield text
 
     return _take_bytes(gen(), max_bytes)

@@ -109,7 +109,12 @@ def _run(cfg: Config, *, out_dir: str | pathlib.Path | None, stream: TextIO | No
     from hpfunc.models import qwen3
 
     progress_mode = cfg.output.progress
-    say = (lambda text: print(text, file=stream, flush=True)) if echo and progress_mode != "none" else (lambda text: None)
+    quiet = not echo or progress_mode == "none"
+
+    def say(text: str) -> None:
+        if not quiet:
+            print(text, file=stream, flush=True)
+
     out = pathlib.Path(cfg.output.dir if out_dir is None else out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tc = cfg.train

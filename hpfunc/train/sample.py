@@ -43,7 +43,9 @@ def generate(
     from hpfunc.models import qwen3
 
     if prompt.dim() != 1 or prompt.numel() == 0:
-        raise ValueError(f"generate: the prompt must be a non-empty 1-D tensor of ids, found shape {tuple(prompt.shape)}")
+        raise ValueError(
+            f"generate: the prompt must be a non-empty 1-D tensor of ids, found shape {tuple(prompt.shape)}"
+        )
     ids = prompt.to(torch.int64)
     out = []
     with torch.no_grad():

@@ -183,7 +183,7 @@ def make_train_step(
             "ce_loss": torch.as_tensor(aux.get("ce_loss", loss)).detach(),
             "aux_loss": torch.as_tensor(aux.get("aux_loss", 0.0)).detach(),
             "grad_norm": global_norm(grads).detach(),
-            "lr": torch.tensor(float(lr_schedule(step)) if lr_schedule is not None else float("nan"), dtype=torch.float64),
+            "lr": torch.tensor(float("nan") if lr_schedule is None else float(lr_schedule(step)), dtype=torch.float64),
         }
         if load is not None:
             metrics["expert_load"] = load.detach()
@@ -192,7 +192,9 @@ def make_train_step(
     return train_step
 
 
-def make_eval_step(model_cfg: Any, *, loss_fn: LossFn | None = None) -> Callable[[Any, Mapping[str, torch.Tensor]], torch.Tensor]:
+def make_eval_step(
+    model_cfg: Any, *, loss_fn: LossFn | None = None
+) -> Callable[[Any, Mapping[str, torch.Tensor]], torch.Tensor]:
     """``eval_step(params, batch) -> ce_loss`` (no gradient).
 
     >>> loss_fn = lambda params, batch, cfg: (params["w"].sum(), {"ce_loss": params["w"].sum()})
