@@ -310,6 +310,32 @@ class Schedule:
                 f"{len(self.stage_to_rank)} stages"
             )
 
+    @classmethod
+    def from_strings(
+        cls,
+        rows: Mapping[int, Iterable[str]],
+        stage_to_rank: Sequence[int],
+        num_microbatches: int,
+        **kwargs: object,
+    ) -> Schedule:
+        """Build a schedule from hpfunc action strings (see :meth:`Action.parse`).
+
+        Example:
+            >>> s = Schedule.from_strings({0: ["0F0", "0BW0"]}, (0,), 1)
+            >>> s[0]
+            (Action('0F0'), Action('0BW0'))
+        """
+        actions = {}
+        for rank, row in rows.items():
+            parsed = []
+            for step, text in enumerate(row):
+                try:
+                    parsed.append(Action.parse(text))
+                except ValueError as err:
+                    raise ValueError(f"rank {rank} step {step}: {err}") from None
+            actions[rank] = parsed
+        return cls(actions, stage_to_rank, num_microbatches, **kwargs)  # type: ignore[arg-type]
+
     # -- shape ----------------------------------------------------------------------------------
     @property
     def num_stages(self) -> int:

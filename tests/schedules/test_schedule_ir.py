@@ -142,3 +142,8 @@ def test_generators_are_deterministic() -> None:
 @pytest.mark.parametrize("p,m", [(2, 2), (4, 8), (3, 9)])
 def test_interleaved_with_one_chunk_is_1f1b(p: int, m: int) -> None:
     assert interleaved_1f1b(p, m, 1).actions == one_f_one_b(p, m).actions
+
+
+def test_from_strings_names_the_bad_cell() -> None:
+    with pytest.raises(ValueError, match="rank 1 step 2: cannot parse action 'X'"):
+        Schedule.from_strings({0: ["0F0"], 1: ["1F0", "1BW0", "X"]}, (0, 1), 1)

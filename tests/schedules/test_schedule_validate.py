@@ -27,7 +27,7 @@ A = Action.parse
 
 
 def sched(rows: dict[int, list[str]], placement: tuple[int, ...], m: int) -> Schedule:
-    return Schedule({r: [A(x) for x in row] for r, row in rows.items()}, placement, m)
+    return Schedule.from_strings(rows, placement, m)
 
 
 def raises_at(s: Schedule, rank: int, step: int, action: str, match: str | None = None) -> ScheduleError:
