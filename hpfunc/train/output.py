@@ -125,10 +125,8 @@ def _short(record: dict[str, Any]) -> str:
 
 
 def plot_losses(records: Iterable[dict[str, Any]], path: str | pathlib.Path, *, title: str = "") -> pathlib.Path:
-    """Training (and validation) loss against steps, saved as a PNG (matplotlib's Agg backend)."""
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)  # no display needed; harmless if a backend is already set
+    """Training (and validation) loss against steps, saved as a PNG (matplotlib's Agg canvas, no pyplot)."""
+    # A bare Figure renders with the Agg canvas and leaves pyplot's global backend and state alone.
     from matplotlib.figure import Figure
 
     records = list(records)
