@@ -96,3 +96,19 @@ def test_divergence_stops_with_a_clear_message(tiny_config, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "training diverged at step" in err and "lower optimizer.lr" in err
     assert (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+def test_ids_beyond_the_model_vocabulary_name_the_fix(tmp_path, capsys):
+    import numpy as np
+
+    np.save(tmp_path / "ids.npy", np.arange(1000) % 300)
+    cfg = {"data": {"source": "ids", "paths": ["ids.npy"]}, "train": {"steps": 1},
+           "output": {"dir": str(tmp_path / "out"), "progress": "none"}}
+    (tmp_path / "ids.yaml").write_text(yaml.safe_dump(cfg))
+    with pytest.raises(SystemExit) as info:
+        train_main([str(tmp_path / "ids.yaml")])
+    assert info.value.code == 2
+    assert "set model.vocab_size: 300" in capsys.readouterr().err
+    train_main([str(tmp_path / "ids.yaml"), "--set", "model.vocab_size=300", "--set", "train.num_threads=1",
+                "--set", "train.seq_len=16", "--set", "train.batch_size=2"])
+    assert read_metrics(tmp_path / "out" / "metrics.jsonl")[0]["step"] == 1
