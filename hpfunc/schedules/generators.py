@@ -185,7 +185,8 @@ def zb_h2(p: int, m: int) -> Schedule:
     """ZB-H2 (Qi et al. 2024): ZB-H1 with a deeper warm-up, ``2(p - r) - 1`` forwards on rank
     ``r``, and ``W`` delayed by ``2r`` backwards. With steps overlapped (post-validation) no rank
     idles between its first and last action once ``m >= 2p``: bubble ``(p - 1)(F + B - 2W)``, zero
-    at unit costs. Every rank holds at most ``2p - 1`` microbatches.
+    at unit costs. Every rank holds at most ``2p - 1`` microbatches. Below ``m = 2p - 1`` the deep
+    warm-up cannot fill and :func:`zb_h1` is the better choice.
 
     Example:
         >>> zb_h2(2, 4)[0][:4]

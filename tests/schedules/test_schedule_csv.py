@@ -128,7 +128,8 @@ def fake_world():
         pytest.skip("a default process group already exists")
 
 
-def torch_pipeline_order(cls_name: str, p: int, m: int, v_shape: bool) -> dict:
+def torch_schedule(cls_name: str, p: int, m: int, v_shape: bool):
+    """A torch schedule object for rank 0 of p (dummy Linear stages on the fake process group)."""
     import torch
     from torch.distributed.pipelining import PipelineStage
 
@@ -136,7 +137,11 @@ def torch_pipeline_order(cls_name: str, p: int, m: int, v_shape: bool) -> dict:
     ids = [0, 2 * p - 1] if v_shape else [0, p]
     group = torch.distributed.new_group(list(range(p)))
     stages = [PipelineStage(torch.nn.Linear(2, 2), i, 2 * p, torch.device("cpu"), group=group) for i in ids]
-    return cls(stages, m, loss_fn=lambda out, target: out.sum()).pipeline_order
+    return cls(stages, m, loss_fn=lambda out, target: out.sum())
+
+
+def torch_pipeline_order(cls_name: str, p: int, m: int, v_shape: bool) -> dict:
+    return torch_schedule(cls_name, p, m, v_shape).pipeline_order
 
 
 @pytest.mark.parametrize("cls_name,v_shape", [
@@ -162,6 +167,26 @@ def test_torch_generated_schedule_reads_and_validates(fake_world, cls_name, v_sh
     assert from_torch_pipeline_order(order) == s
     r = simulate(s)
     assert r.makespan > 0
+
+
+@pytest.mark.parametrize("cls_name,v_shape", [("ScheduleZBVZeroBubble", True), ("ScheduleInterleaved1F1B", False)])
+def test_torch_dump_csv_reads_and_validates(fake_world, cls_name, v_shape, tmp_path: Path) -> None:
+    # torch's own writer, both of its formats: compute only, and lowered with its comms (and
+    # its names for the comm actions) -- both read into hpfunc and validate.
+    p, m = 4, 8
+    sched = torch_schedule(cls_name, p, m, v_shape)
+    for fmt in ("compute_only", "compute_comms"):
+        path = tmp_path / f"{fmt}.csv"
+        sched._dump_csv(str(path), format=fmt)
+        s = read_csv(path)
+        validate(s)
+        assert s.has_comms == (fmt == "compute_comms")
+    # and the lowering torch computed agrees with ours on the set of transfers per rank
+    theirs = read_csv(tmp_path / "compute_comms.csv")
+    ours = insert_comms(read_csv(tmp_path / "compute_only.csv"))
+    for rank in ours.ranks:
+        assert sorted(map(repr, (a for a in theirs[rank] if a.is_comm))) == \
+            sorted(map(repr, (a for a in ours[rank] if a.is_comm)))
 
 
 @pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 16)])
