@@ -474,10 +474,10 @@ def _run_checkpointed(f: Callable, pol: Policy, offload_options: dict, preserve_
     rec = _record.current_recorder()
     if rec is not None:
         # The region keeps its inputs alive (torch.utils.checkpoint holds them for the recompute).
+        scope = _record.current_scope()
         for x in leaves:
             if isinstance(x, torch.Tensor):
-                rec.record(x, kind="remat_input", where="device", name=_record.current_scope().name_of(x)
-                           if _record.current_scope() else None)
+                rec.record(x, kind="remat_input", where="device", name=scope.name_of(x) if scope else None)
     if pol.saves_nothing:
         return checkpoint(body, *leaves, use_reentrant=False, preserve_rng_state=preserve_rng_state)
     return checkpoint(body, *leaves, use_reentrant=False, preserve_rng_state=preserve_rng_state,
