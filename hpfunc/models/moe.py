@@ -80,7 +80,10 @@ def expert_counts(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
     >>> expert_counts(torch.tensor([[0, 2], [2, 1]]), 4).tolist()
     [1, 1, 2, 0]
     """
-    return torch.bincount(indices.reshape(-1), minlength=num_experts)
+    # scatter_add rather than bincount: the output shape does not depend on values (FakeTensor dry runs).
+    flat = indices.reshape(-1)
+    return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat, dtype=torch.int64))
 
 
 def grouped_experts(
@@ -114,19 +117,28 @@ def grouped_experts(
     with torch.no_grad():
         order = torch.argsort(flat, stable=True)
         sorted_experts = flat[order]
-        counts = torch.bincount(flat, minlength=E)
+        counts = expert_counts(flat, E)
         token_of = order // k
     combine = weights.reshape(-1)[order].unsqueeze(-1)
+    fake = _is_fake(x)
     if impl == "auto":
-        impl = "grouped_mm" if hasattr(torch, "_grouped_mm") else "bmm"
+        impl = "grouped_mm" if _grouped_mm_supported(x, fake) else "bmm"
     if impl == "grouped_mm":
         # The grouped_mm outputs' gradients are always fresh contiguous tensors here (they come
         # through a multiply), which torch._grouped_mm's CPU backward needs.
         offs = torch.cumsum(counts, 0).to(torch.int32)
+        # torch's shape-only (fake/meta) kernel insists on bf16: dry runs compute in bf16 (values are
+        # meaningless there anyway) and cast back.
+        cast = fake and x.dtype != torch.bfloat16
+
+        def gmm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            if cast:
+                return torch._grouped_mm(a.bfloat16(), w.transpose(1, 2).bfloat16(), offs=offs).to(a.dtype)
+            return torch._grouped_mm(a, w.transpose(1, 2), offs=offs)
+
         xs = x[token_of]
-        h = F.silu(torch._grouped_mm(xs, w_gate.transpose(1, 2), offs=offs)) * torch._grouped_mm(
-            xs, w_up.transpose(1, 2), offs=offs)
-        ys = torch._grouped_mm(h, w_down.transpose(1, 2), offs=offs)
+        h = F.silu(gmm(xs, w_gate)) * gmm(xs, w_up)
+        ys = gmm(h, w_down)
     elif impl == "bmm":
         with torch.no_grad():
             cap = int(counts.max()) if flat.numel() else 0
@@ -142,6 +154,19 @@ def grouped_experts(
         raise ValueError(f"grouped_experts: impl must be 'auto', 'bmm' or 'grouped_mm', found {impl!r}")
     ys = ys * combine
     return x.new_zeros(T, ys.shape[-1]).index_add(0, token_of, ys)
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return t.device.type == "meta" or is_fake(t)
+
+
+def _grouped_mm_supported(x: torch.Tensor, fake: bool) -> bool:
+    # CPU runs any float dtype; CUDA kernels need bf16 (and sm80+); dry runs take the bf16 detour.
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    return fake or x.device.type == "cpu" or x.dtype == torch.bfloat16
 
 
 def moe_block(

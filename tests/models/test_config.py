@@ -112,3 +112,16 @@ def test_dense_layers_inside_moe_model() -> None:
     assert cfg.moe_layers == (1,)
     shapes = qwen3.param_shapes(cfg)
     assert "mlp" in shapes["layers"][0] and "moe" in shapes["layers"][1] and "mlp" in shapes["layers"][3]
+
+
+def test_full_model_forward_backward_under_fake_tensors() -> None:
+    # Dry runs (FLOP / memory accounting) trace the real model without values or memory.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    cfg = preset("qwen3-30b-a3b", num_hidden_layers=2)  # real shapes, fewer layers to keep the test short
+    with FakeTensorMode():
+        params = hpfunc.tree.tree_map(lambda s: torch.empty(s, dtype=torch.bfloat16), qwen3.param_shapes(cfg))
+        tokens = torch.zeros(1, 8, dtype=torch.long)
+        (value, aux), grads = hpfunc.value_and_grad(qwen3.loss, has_aux=True)(params, {"tokens": tokens}, cfg)
+        assert value.shape == () and aux["expert_load"].shape == (2, 128)
+        assert grads["layers"][1]["moe"]["experts"]["w_up"].shape == (128, 768, 2048)
