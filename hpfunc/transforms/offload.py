@@ -37,7 +37,6 @@ import warnings
 import weakref
 from typing import Any, Callable, Iterable, Iterator
 
-import optree
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode

@@ -365,10 +365,12 @@ def _sac_context(policy: Policy, offload_options: dict) -> Callable[[], tuple]:
             else:
                 decision = policy.decide(op, name, _first_tensor(ctx.op_output))
             pending.append((decision, name, op, cached_by_storage))
-            return CheckpointPolicy.MUST_SAVE if decision is not Decision.RECOMPUTE else CheckpointPolicy.PREFER_RECOMPUTE
+            if decision is Decision.RECOMPUTE:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+            return CheckpointPolicy.MUST_SAVE
 
         caching, cached = create_selective_checkpoint_contexts(policy_fn)
-        if not (isinstance(getattr(caching, "storage", None), dict) and isinstance(getattr(cached, "storage", None), dict)):
+        if not all(isinstance(getattr(m, "storage", None), dict) for m in (caching, cached)):
             raise RuntimeError(
                 "hpfunc.remat: torch's selective checkpoint modes no longer expose a `storage` dict "
                 f"(torch {torch.__version__}); the cache hook that applies offload decisions and reports "

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import hpfunc
-from _remat_block import NAMES, BlockConfig, block, init_block, stack_loss
+from _remat_block import BlockConfig, block, init_block, stack_loss
 from hpfunc.memory import saved_activations
 from hpfunc.transforms import remat as R
 from hpfunc.transforms import offload as O

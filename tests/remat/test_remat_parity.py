@@ -210,3 +210,36 @@ def test_in_place_ops_on_cached_values_are_replayed_once():
     want = hpfunc.grad(f)(w, x)
     for pol in (lambda op, name, t: True, R.dots_saveable):
         assert torch.equal(hpfunc.grad(R.remat(f, policy=pol))(w, x), want)
+
+
+def test_tags_are_per_thread():
+    # Tag names live in context variables: two threads remat-ing at once see only their own names.
+    import threading
+
+    ps, x = setup(layers=1)
+    want = hpfunc.grad(lambda p: block(p, x, CFG).sum())(ps[0])
+    results, errors = {}, []
+
+    def work(k):
+        try:
+            seen = []
+
+            def spy(op, name, t):
+                if name is not None:
+                    seen.append(name)
+                return name == "q"
+
+            for _ in range(5):
+                g = hpfunc.grad(R.remat(lambda p: block(p, x, CFG).sum(), policy=spy))(ps[0])
+                assert_equal_trees(want, g)
+            results[k] = seen
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert results[0] == results[1] == list(NAMES) * 5
