@@ -123,7 +123,7 @@ def merge_backward(schedule: Schedule) -> Schedule:
     return schedule.replace(actions=out)
 
 
-def insert_fsdp(schedule: Schedule, *, max_unsharded: int | None = None) -> Schedule:
+def insert_fsdp(schedule: Schedule, *, max_unsharded: int | None = None, prefetch: int = 0) -> Schedule:
     """Add FSDP actions for PP x FSDP: each stage's parameters are gathered (``UNSHARD``) before
     its first compute, its gradients reduce-scattered (``REDUCE_GRAD``) right after its last weight
     gradient, and its parameters freed (``RESHARD``) after its last use.
@@ -132,6 +132,10 @@ def insert_fsdp(schedule: Schedule, *, max_unsharded: int | None = None) -> Sche
     when another is needed, the gathered stage whose next use is farthest away is resharded first
     (and gathered again when next needed).
 
+    With ``prefetch=k`` each ``UNSHARD`` moves up to ``k`` compute actions earlier (never past an
+    action of its own stage or another FSDP action), so the all-gather can overlap that compute;
+    up to ``k`` more stages may then be gathered at once.
+
     Example:
         >>> from hpfunc.schedules import gpipe
         >>> [str(a) for a in insert_fsdp(gpipe(1, 1))[0]]
@@ -139,6 +143,7 @@ def insert_fsdp(schedule: Schedule, *, max_unsharded: int | None = None) -> Sche
     """
     if max_unsharded is not None:
         _require_int("max_unsharded", max_unsharded, minimum=1)
+    _require_int("prefetch", prefetch, minimum=0)
     if any(a.kind in (K.UNSHARD, K.RESHARD, K.REDUCE_GRAD) for row in schedule.actions.values() for a in row):
         raise ValueError(f"insert_fsdp: schedule {schedule.name!r} already has FSDP actions")
     m = schedule.num_microbatches
@@ -172,8 +177,28 @@ def insert_fsdp(schedule: Schedule, *, max_unsharded: int | None = None) -> Sche
             if a.is_compute and last_use[s] == step:
                 gathered.remove(s)
                 new.append(Action(K.RESHARD, s))
-        out[rank] = new
+        out[rank] = _hoist_unshards(new, prefetch) if prefetch else new
     return schedule.replace(actions=out)
+
+
+def _hoist_unshards(row: list[Action], prefetch: int) -> list[Action]:
+    """Move each UNSHARD up to ``prefetch`` compute actions earlier (see :func:`insert_fsdp`)."""
+    row = list(row)
+    for j in range(len(row)):
+        a = row[j]
+        if a.kind is not K.UNSHARD:
+            continue
+        target, computes = j, 0
+        while target > 0 and computes < prefetch:
+            prev = row[target - 1]
+            if prev.stage == a.stage and (prev.is_compute or prev.kind in (K.RESHARD, K.REDUCE_GRAD)):
+                break
+            if prev.kind in (K.UNSHARD, K.RESHARD, K.REDUCE_GRAD):
+                break
+            target -= 1
+            computes += prev.is_compute
+        row.insert(target, row.pop(j))
+    return row
 
 
 def insert_swaps(schedule: Schedule, *, max_resident: int, prefetch: int = 1) -> Schedule:

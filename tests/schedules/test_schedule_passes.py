@@ -151,3 +151,25 @@ def test_passes_do_not_mutate_inputs() -> None:
     insert_fsdp(insert_swaps(insert_comms(split_backward(merge_backward(s))), max_resident=1))
     assert before == dict(s.actions)
     assert isinstance(s[0][0], Action)
+
+
+@pytest.mark.parametrize("name", sorted(GENERATORS))
+@pytest.mark.parametrize("prefetch", [1, 2])
+def test_fsdp_prefetch(name: str, prefetch: int) -> None:
+    s = insert_comms(GENERATORS[name](3, 6))
+    for limit in (None, 1):
+        plain = insert_fsdp(s, max_unsharded=limit)
+        early = validate(insert_fsdp(s, max_unsharded=limit, prefetch=prefetch))
+        assert Counter(early[0]) == Counter(plain[0])  # same actions, UNSHARDs earlier
+        for rank in s.ranks:
+            def first_unshard_step(row):
+                return [i for i, a in enumerate(row) if a.kind is K.UNSHARD]
+            assert all(e <= p for e, p in zip(first_unshard_step(early[rank]), first_unshard_step(plain[rank])))
+
+
+def test_fsdp_prefetch_example() -> None:
+    s = insert_fsdp(interleaved_1f1b(1, 1, 2), prefetch=1)
+    assert [str(a) for a in s[0]] == ["0UNSHARD", "1UNSHARD", "0F0", "1F0", "1BW0", "1REDUCE_GRAD", "1RESHARD",
+                                      "0BW0", "0REDUCE_GRAD", "0RESHARD"]
+    with pytest.raises(ValueError, match="prefetch must be >= 0"):
+        insert_fsdp(s.replace(actions={0: []}), prefetch=-1)
