@@ -35,9 +35,9 @@ import torch.nn.functional as F
 from hpfunc import random as _random
 from hpfunc import tree as _tree
 from hpfunc.models.attention import gqa_attention
-from hpfunc.models.config import Qwen3Config
+from hpfunc.models.config import ConfigError, Qwen3Config, RopeScaling, preset  # noqa: F401  (re-exported)
 from hpfunc.models.layers import rms_norm, swiglu_mlp
-from hpfunc.models.moe import expert_counts, is_expert_bias, load_balancing_loss, moe_block
+from hpfunc.models.moe import expert_counts, is_expert_bias, load_balancing_loss, moe_block, update_expert_bias
 from hpfunc.models.rope import rope_inv_freq, rope_tables
 
 IGNORE_INDEX = -100
@@ -295,9 +295,6 @@ def save_pretrained(params: dict, cfg: Qwen3Config, path: Any, *, max_shard_size
 
     hf.save_pretrained(params, cfg, path, max_shard_size=max_shard_size)
 
-
-from hpfunc.models.config import ConfigError, RopeScaling, preset  # noqa: E402  (re-exports)
-from hpfunc.models.moe import update_expert_bias  # noqa: E402
 
 __all__ = ["Qwen3Config", "RopeScaling", "ConfigError", "preset", "param_shapes", "init", "apply", "loss",
            "shift_labels", "count_params", "active_params", "check_tokens", "from_pretrained",
