@@ -204,3 +204,20 @@ def test_gradients_and_optimizer_state_roundtrip_through_host():
     state = {"grads": g, "mu": hpfunc.tree.tree_map(torch.zeros_like, g)}
     host = O.offload_state(state, lambda path, leaf: path.startswith("grads") or path.startswith("mu"))
     assert_equal_trees(state, O.stream_to(host, "cpu"))
+
+
+def test_offload_around_remat_moves_the_layer_inputs():
+    # torch.utils.checkpoint keeps a region's inputs as saved tensors, so an enclosing offload moves
+    # them: full recompute with the layer inputs in host memory.
+    n = 4
+    ps, x = setup(layers=n)
+    layer = O.offload(R.remat(block))
+    loss = lambda ps, x: stack_loss(ps, x, CFG, layer_fn=layer)  # noqa: E731
+    plain = saved_activations(lambda ps, x: stack_loss(ps, x, CFG, layer_fn=R.remat(block)), ps, x,
+                              state_argnums=(0,))
+    r = saved_activations(loss, ps, x, state_argnums=(0,))
+    per_input = x.numel() * 4
+    assert plain.by_kind()["remat_input"] == n * per_input
+    assert r.host_bytes == (n - 1) * per_input  # layers 1..n-1; layer 0's input is the caller's x
+    assert r.device_bytes == plain.device_bytes - (n - 1) * per_input
+    assert_equal_trees(reference(ps, x), grads(loss, ps, x))
