@@ -4,7 +4,7 @@
 backward, deduplicated by storage, with the mechanism that keeps it:
 
 * ``saved``: saved by autograd (seen by a ``saved_tensors_hooks`` pack hook), kept on device;
-* ``remat_input``: an input of a ``remat`` region (``torch.utils.checkpoint`` holds it for the recompute);
+* ``remat_input``: an input of a ``remat`` region, kept for its recompute;
 * ``cached``: an op output cached by selective checkpointing (these bypass saved-tensor hooks;
   remat's cache reports them as it stores them);
 * ``offloaded``: moved to host memory by ``offload`` or an ``OFFLOAD`` policy decision.

@@ -326,7 +326,8 @@ def offload(f: Callable | None = None, *, policy: Any = None, memory_kind: str |
         stats: an :class:`OffloadStats` to accumulate counters into (offloaded bytes, copies).
 
     Inside a recomputed ``remat`` region nothing is offloaded (the region's saved tensors are
-    dropped and recomputed anyway).
+    dropped and recomputed anyway); around one (``offload(remat(layer))``) the region's inputs,
+    which the recompute needs, are offloaded.
     """
     if f is None:
         return functools.partial(offload, policy=policy, memory_kind=memory_kind, bucket_bytes=bucket_bytes,

@@ -475,7 +475,8 @@ def _run_checkpointed(f: Callable, pol: Policy, offload_options: dict, preserve_
 
     rec = _record.current_recorder()
     if rec is not None:
-        # The region keeps its inputs alive (torch.utils.checkpoint holds them for the recompute).
+        # The region keeps its inputs for the recompute (torch.utils.checkpoint stores them as saved
+        # tensors under the hooks active here, so an enclosing offload moves them).
         scope = _record.current_scope()
         for x in leaves:
             if isinstance(x, torch.Tensor):
