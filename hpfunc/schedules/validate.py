@@ -18,8 +18,9 @@ The rules (``S`` stages, ``m`` microbatches, ``r(s)`` the rank of stage ``s``):
 * Swap: ``SWAP_OUT(s, i)`` between ``F(s, i)`` and its backward, ``SWAP_IN`` after it and before the
   backward.
 * No deadlock: the ranks are played forward, each running its list in order, a send completing
-  at once (asynchronous, like ``isend``) and a receive or a cross-rank compute dependency
-  blocking until its producer has run. If no rank can move, the cycle of waits is reported.
+  at once (asynchronous, like ``isend``; or, with ``blocking_sends=True``, only when its receive is
+  reached too) and a receive or a cross-rank compute dependency blocking until its producer has
+  run. If no rank can move, the cycle of waits is reported.
 
 Every failure is a :class:`ScheduleError` naming the rank, the step index and the action.
 
@@ -304,37 +305,79 @@ def dependencies(schedule: Schedule) -> dict[Pos, list[Pos]]:
     return deps
 
 
-def execution_order(schedule: Schedule, deps: dict[Pos, list[Pos]] | None = None) -> list[Pos]:
+def _matching_recv(schedule: Schedule) -> dict[Pos, Pos]:
+    """Position of the RECV that matches each SEND (for rendezvous semantics)."""
+    recv_at = {(a.kind, a.stage, a.microbatch): (r, i) for r, i, a in _iter(schedule) if a.is_recv}
+    out = {}
+    for r, i, a in _iter(schedule):
+        if a.kind is K.SEND_F:
+            out[(r, i)] = recv_at[(K.RECV_F, a.stage + 1, a.microbatch)]
+        elif a.kind is K.SEND_B:
+            out[(r, i)] = recv_at[(K.RECV_B, a.stage - 1, a.microbatch)]
+    return out
+
+
+def execution_order(
+    schedule: Schedule,
+    deps: dict[Pos, list[Pos]] | None = None,
+    *,
+    blocking_sends: bool = False,
+) -> list[Pos]:
     """Play the ranks forward and return the positions in an order they can all complete in.
+
+    Sends complete at once (``isend`` semantics) unless ``blocking_sends``, where a send and its
+    receive must meet: each waits until the other is at the head of its rank (``send``/``recv``
+    semantics, as a blocking transport would have).
 
     Raises:
         ScheduleError: a deadlock; the message lists the cycle of waits (rank, step, action each).
     """
     if deps is None:
         deps = dependencies(schedule)
+    partner = _matching_recv(schedule) if blocking_sends else {}
     head = dict.fromkeys(schedule.ranks, 0)
     length = {r: len(schedule.actions[r]) for r in schedule.ranks}
     done: set[Pos] = set()
     order: list[Pos] = []
     total = sum(length.values())
+
+    def ready(pos: Pos, ignoring: Pos | None = None) -> bool:
+        return all(p in done or p == ignoring for p in deps[pos])
+
     while len(order) < total:
         moved = False
         for r in schedule.ranks:
-            while head[r] < length[r] and all(p in done for p in deps[(r, head[r])]):
+            while head[r] < length[r]:
                 pos = (r, head[r])
+                if pos in partner:
+                    other = partner[pos]
+                    if not (ready(pos) and head[other[0]] == other[1] and ready(other, ignoring=pos)):
+                        break
+                    done.update((pos, other))
+                    order += [pos, other]
+                    head[r] += 1
+                    head[other[0]] += 1
+                    moved = True
+                    continue
+                if not ready(pos):
+                    break
                 done.add(pos)
                 order.append(pos)
                 head[r] += 1
                 moved = True
         if not moved:
-            raise _deadlock(schedule, deps, head, length, done)
+            raise _deadlock(schedule, deps, head, length, done, partner)
     return order
 
 
 def _deadlock(schedule: Schedule, deps: dict[Pos, list[Pos]], head: dict[int, int],
-              length: dict[int, int], done: set[Pos]) -> ScheduleError:
+              length: dict[int, int], done: set[Pos], partner: dict[Pos, Pos]) -> ScheduleError:
     def waits_on(r: int) -> Pos:
-        return next(p for p in deps[(r, head[r])] if p not in done)
+        pos = (r, head[r])
+        pending = [p for p in deps[pos] if p not in done]
+        if pending:
+            return pending[0]
+        return partner[pos]  # a blocking send whose receive is not at the head of its rank
 
     start = next(r for r in schedule.ranks if head[r] < length[r])
     seen: list[int] = []
@@ -353,13 +396,17 @@ def _deadlock(schedule: Schedule, deps: dict[Pos, list[Pos]], head: dict[int, in
                          rank=first, step=head[first], action=schedule.actions[first][head[first]])
 
 
-def validate(schedule: Schedule) -> Schedule:
+def validate(schedule: Schedule, *, blocking_sends: bool = False) -> Schedule:
     """Check every rule in the module docstring; return the schedule unchanged if it passes.
+
+    ``blocking_sends=True`` checks deadlock freedom for a transport whose sends block until the
+    receive is posted (plain ``send``/``recv``); the default models asynchronous sends (``isend``),
+    which is what :func:`insert_comms` orders for.
 
     Raises:
         ScheduleError: the first broken rule, naming rank, step and action.
     """
     if not isinstance(schedule, Schedule):
         raise TypeError(f"validate expects a Schedule, got {type(schedule).__name__}")
-    execution_order(schedule, dependencies(schedule))
+    execution_order(schedule, dependencies(schedule), blocking_sends=blocking_sends)
     return schedule

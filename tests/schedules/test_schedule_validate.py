@@ -250,3 +250,29 @@ def test_validate_agrees_with_naive_checker_on_mutations(case: tuple[Schedule, S
     assert accepted == expected, (kind, str(mutated))
     if kind in ("drop", "duplicate"):
         assert not accepted  # always breaks exactly-once (or a send/recv pair)
+
+
+def test_blocking_sends_find_the_classic_1f1b_deadlock() -> None:
+    # With isend semantics the lowering is deadlock-free; with blocking sends the steady state of
+    # 1F1B deadlocks (rank 0 sends F while rank 1 sends B), which is why executors post sends
+    # asynchronously (or pair them with the next receive, as Megatron does).
+    s = insert_comms(one_f_one_b(2, 4))
+    validate(s)
+    with pytest.raises(ScheduleError, match="deadlock") as info:
+        validate(s, blocking_sends=True)
+    assert "SEND" in str(info.value)
+    # GPipe has no crossing sends: fine either way.
+    g = insert_comms(GENERATORS["gpipe"](3, 4))
+    assert validate(g, blocking_sends=True) is g
+
+
+def test_blocking_sends_accepts_a_hand_paired_order() -> None:
+    s = sched(
+        {
+            0: ["0F0", "0SEND_F0", "0F1", "0RECV_B0", "0SEND_F1", "0BW0", "0RECV_B1", "0BW1"],
+            1: ["1RECV_F0", "1F0", "1BW0", "1SEND_B0", "1RECV_F1", "1F1", "1BW1", "1SEND_B1"],
+        },
+        (0, 1),
+        2,
+    )
+    validate(s, blocking_sends=True)
