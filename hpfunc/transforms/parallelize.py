@@ -1,0 +1,432 @@
+"""``parallel_train_step``: a single-device loss + optimizer, run data / fully-sharded / tensor parallel.
+
+    plan = plans.fsdp("fsdp") + plans.tp("tp")
+    step = parallel_train_step(lambda p, b: parallel.loss(p, b, cfg), optim.adamw(1e-3), mesh, plan)
+    params = init_sharded(functools.partial(parallel.init, cfg=cfg), mesh, plan, key,
+                          shapes=qwen3.param_shapes(cfg))        # or step.shard_params(full_params)
+    opt_state = step.init_opt_state(params)
+    params, opt_state, metrics = step(params, opt_state, batch)  # same specs in and out
+
+One ``shard_map`` runs the whole step on local blocks, and every byte it moves is an
+:mod:`hpfunc.lax` collective (so :func:`hpfunc.comm_stats` sees all of it):
+
+* **use** (FSDP / ZeRO-3): the loss receives the parameters as a lazy tree; reading a leaf
+  ``all_gather`` s its storage block to its compute block at that moment, i.e. per layer, in the order
+  the model uses them. The all-gather's transpose is a reduce-scatter, so the gradient comes out
+  already summed over the FSDP axis and sharded like the storage.
+  ``reshard_after_forward=True``: saved-tensor hooks replace every gathered parameter autograd would
+  keep for the backward by a marker, and the backward gathers it again (once per parameter) when it
+  needs it: 3 Psi (n-1)/n bytes per rank per step instead of 2 Psi (n-1)/n, without the full
+  parameters alive between forward and backward.
+* **reduce**: a gradient still replicated along a mesh axis (DDP, the replicate axis of HSDP,
+  parameters replicated over TP) is summed over it with ``psum``; ZeRO-1/2 use ``psum_scatter`` over
+  their axis instead and keep the block their optimizer-state shard needs.
+* **update**: the optimizer runs on local blocks (elementwise transforms are exact on blocks);
+  optional ``clip_norm`` clips by the true global norm (one scalar ``psum``). ZeRO-1/2 ``all_gather``
+  the updated blocks back to replicated parameters.
+
+The loss sees the local batch (dimension 0 split over the plan's data axes) and the gradient is
+seeded with ``1 / mesh.size``: the mean over data shards and, on replicated (e.g. TP) axes, the
+per-rank split that :mod:`hpfunc.lax` semantics prescribe. The loss must therefore be a mean over
+the batch with the same number of counted targets on each data shard (so that the mean of shard
+means is the global mean); ``metrics["loss"]`` is that mean.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, Callable
+
+import attrs
+import optree
+import torch
+from torch.distributed.tensor import DTensor
+from torch.utils.weak import WeakIdKeyDictionary
+
+from hpfunc import lax
+from hpfunc import tree as _tree
+from hpfunc.mesh import Mesh
+from hpfunc.sharding import NamedSharding, P, shard, sharding_of
+from hpfunc.transforms.plans import Plan, PlanError, ResolvedLeaf
+from hpfunc.transforms.shard_map import shard_map
+
+__all__ = ["parallel_train_step", "parallelize", "ParallelStep", "init_sharded", "PlanError"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Gather on use, and re-gather in the backward instead of keeping the full parameter
+
+
+class _Regather:
+    """Saved-tensor hooks that store gathered parameters as (block, how to gather) markers.
+
+    A gathered parameter (or a view of it, e.g. ``w.t()`` saved by ``F.linear``) is identified by its
+    root tensor; the backward gathers each root once and frees it after its last saved use.
+    """
+
+    _MARK = object()
+
+    def __init__(self, mesh: Mesh):
+        self.mesh = mesh
+        self.roots: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.pending: dict[int, list] = {}  # instance id -> [remaining unpacks, regathered root]
+        self.ids = itertools.count()
+
+    @staticmethod
+    def _root(t: torch.Tensor) -> torch.Tensor:
+        return t._base if t._base is not None else t
+
+    def register(self, full: torch.Tensor, block: torch.Tensor, gather: tuple) -> None:
+        self.roots[self._root(full)] = (next(self.ids), block, gather)
+
+    def pack(self, t: torch.Tensor) -> Any:
+        info = self.roots.get(self._root(t))
+        if info is None:
+            return t
+        entry = self.pending.setdefault(info[0], [0, None])
+        entry[0] += 1
+        return (self._MARK, info, t.size(), t.stride(), t.storage_offset())
+
+    def unpack(self, obj: Any) -> torch.Tensor:
+        if not (isinstance(obj, tuple) and len(obj) == 5 and obj[0] is self._MARK):
+            return obj
+        _, (iid, block, gather), size, stride, offset = obj
+        entry = self.pending[iid]
+        if entry[1] is None:
+            with torch.no_grad(), self.mesh:
+                entry[1] = self._root(_gather_block(block.detach(), gather))
+        root = entry[1]
+        entry[0] -= 1
+        if entry[0] == 0:
+            del self.pending[iid]
+        return torch.as_strided(root, size, stride, offset)
+
+
+def _gather_block(x: torch.Tensor, gather: tuple) -> torch.Tensor:
+    for d, axes in gather:
+        x = lax.all_gather(x, axes if len(axes) > 1 else axes[0], axis=d, tiled=True)
+    return x
+
+
+class _LazyDict(Mapping):
+    """A read-only view of a dict of parameters that gathers each leaf when it is read."""
+
+    __slots__ = ("_d", "_get")
+
+    def __init__(self, d: Mapping, get: Callable):
+        self._d, self._get = d, get
+
+    def __getitem__(self, k: Any) -> Any:
+        return self._get(self._d[k])
+
+    def __iter__(self):
+        return iter(self._d)
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+    def __contains__(self, k: Any) -> bool:  # without gathering
+        return k in self._d
+
+    def __repr__(self) -> str:
+        return f"LazyParams({list(self._d)})"
+
+
+class _LazyList(Sequence):
+    __slots__ = ("_l", "_get")
+
+    def __init__(self, seq: Sequence, get: Callable):
+        self._l, self._get = seq, get
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self._get(v) for v in self._l[i]]
+        return self._get(self._l[i])
+
+    def __len__(self) -> int:
+        return len(self._l)
+
+
+def _lazy(tree: Any, gather_leaf: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    def get(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return gather_leaf(v)
+        if isinstance(v, Mapping):
+            return _LazyDict(v, get)
+        if isinstance(v, (list, tuple)) and not hasattr(v, "_fields"):
+            return _LazyList(v, get)
+        return v
+
+    return get(tree)
+
+
+# ---------------------------------------------------------------------------------------------
+# Spec trees
+
+
+def _spec_tree(tree: Any, by_path: Mapping[str, P]) -> Any:
+    return _tree.map_with_path(lambda p, x: by_path[p], tree)
+
+
+def _state_specs(state: Any, params_treedef: Any, param_specs: Any) -> Any:
+    """Specs for an optimizer state: subtrees shaped like the params take the params' opt specs,
+    scalar leaves are replicated."""
+
+    def like_params(x: Any) -> bool:
+        return not isinstance(x, torch.Tensor) and optree.tree_structure(x, none_is_leaf=True) == params_treedef
+
+    leaves, treedef = optree.tree_flatten(state, is_leaf=like_params, none_is_leaf=True)
+    paths = optree.tree_paths(state, is_leaf=like_params, none_is_leaf=True)
+    specs = []
+    for path, leaf in zip(paths, leaves):
+        if like_params(leaf):
+            specs.append(param_specs)
+        elif isinstance(leaf, torch.Tensor) and leaf.ndim > 0:
+            raise PlanError(f"optimizer state leaf {_tree.path_str(path)!r} of shape {tuple(leaf.shape)} is not "
+                            f"part of a subtree shaped like the parameters; its sharding cannot be inferred")
+        else:
+            specs.append(P())
+    return optree.tree_unflatten(treedef, specs)
+
+
+def _narrow_blocks(x: torch.Tensor, extra: tuple) -> torch.Tensor:
+    for d, axes in extra:
+        n = lax.axis_size(axes)
+        i = lax.axis_index(axes)
+        k = x.shape[d] // n
+        x = x.narrow(d, i * k, k)
+    return x
+
+
+# ---------------------------------------------------------------------------------------------
+# The step
+
+
+@attrs.frozen(eq=False)
+class ParallelStep:
+    """``params, opt_state, metrics = step(params, opt_state, batch)`` (see the module docstring)."""
+
+    loss_fn: Callable
+    optimizer: Any
+    mesh: Mesh
+    plan: Plan
+    has_aux: bool = False
+    clip_norm: float | None = None
+    return_grads: bool = False
+
+    # -- planning (no communication) ------------------------------------------------------------
+    def resolve(self, params: Any) -> dict[str, ResolvedLeaf]:
+        """``{path: ResolvedLeaf}``; raises :class:`PlanError` for a plan that does not fit."""
+        return self.plan.resolve(params, self.mesh)
+
+    def param_specs(self, params: Any, which: str = "storage") -> Any:
+        res = self.resolve(params)
+        return _spec_tree(params, {p: getattr(r.spec, which) for p, r in res.items()})
+
+    def shard_params(self, params: Any) -> Any:
+        """Full parameters (identical on every rank) -> DTensors with the plan's storage specs."""
+        return shard(params, self.mesh, self.param_specs(params))
+
+    def init_opt_state(self, params: Any) -> Any:
+        """``optimizer.init`` on the optimizer blocks (no communication): DTensors with the opt specs."""
+        res = self.resolve(params)
+        _check_params(params, res, self.mesh)
+
+        opt_specs = self.param_specs(params, "opt")
+        storage = self.param_specs(params)
+        treedef = optree.tree_structure(params, none_is_leaf=True)
+        extra = {p: r.opt_extra for p, r in res.items()}
+
+        def body(p):
+            blocks = _tree.map_with_path(lambda path, x: _narrow_blocks(x, extra[path]).clone(), p)
+            return self.optimizer.init(blocks)
+
+        shapes = _tree.map_with_path(lambda path, x: torch.empty(x.shape, dtype=x.dtype, device="meta"), params)
+        state_specs = _state_specs(self.optimizer.init(shapes), treedef, opt_specs)
+        return shard_map(body, mesh=self.mesh, in_specs=(storage,), out_specs=state_specs)(params)
+
+    # -- the step -----------------------------------------------------------------------------
+    def __call__(self, params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, dict]:
+        mesh, plan = self.mesh, self.plan
+        res = self.resolve(params)
+        _check_params(params, res, mesh)
+        batch_spec = plan.batch_spec(mesh)
+        _check_batch(batch, batch_spec, mesh)
+        storage = _spec_tree(params, {p: r.spec.storage for p, r in res.items()})
+        opt_specs = _spec_tree(params, {p: r.spec.opt for p, r in res.items()})
+        treedef = optree.tree_structure(params, none_is_leaf=True)
+        state_specs = _state_specs(opt_state, treedef, opt_specs)
+        out_specs = (storage, state_specs, P()) if not self.return_grads else (storage, state_specs, P(), opt_specs)
+        body = functools.partial(self._local_step, [res[p] for p, _ in _tree.leaves_with_paths(params)], treedef)
+        return shard_map(body, mesh=mesh, in_specs=(storage, state_specs, batch_spec),
+                         out_specs=out_specs)(params, opt_state, batch)
+
+    def _local_step(self, leaves_plan: list[ResolvedLeaf], treedef: Any, params: Any, opt_state: Any,
+                    batch: Any):
+        from hpfunc.models.parallel import tensor_parallel
+        from hpfunc.optim import apply_updates
+
+        mesh, plan = self.mesh, self.plan
+        leaves = optree.tree_leaves(params, none_is_leaf=True)
+        ws = [x.detach().requires_grad_(x.is_floating_point()) for x in leaves]
+        index = {id(w): i for i, w in enumerate(ws)}
+        regather = _Regather(mesh) if plan.reshard_after_forward else None
+
+        def gather_leaf(w: torch.Tensor) -> torch.Tensor:
+            i = index.get(id(w))
+            if i is None or not leaves_plan[i].gather:
+                return w
+            full = _gather_block(w, leaves_plan[i].gather)
+            if regather is not None:
+                regather.register(full, w, leaves_plan[i].gather)
+            return full
+
+        any_gather = any(r.gather for r in leaves_plan)
+        tree_in = optree.tree_unflatten(treedef, ws)
+        view = _lazy(tree_in, gather_leaf) if any_gather else tree_in
+        hooks = (torch.autograd.graph.saved_tensors_hooks(regather.pack, regather.unpack)
+                 if regather is not None and any_gather else _nullcontext())
+        with hooks, tensor_parallel(plan.tp_axis):
+            out = self.loss_fn(view, batch)
+        loss, aux = out if self.has_aux else (out, None)
+        if not (isinstance(loss, torch.Tensor) and loss.ndim == 0 and loss.is_floating_point()):
+            raise TypeError(f"parallel_train_step: loss_fn must return a floating 0-d tensor"
+                            f"{' (as the first element, has_aux=True)' if self.has_aux else ''}; found {loss!r}")
+        diff = [i for i, w in enumerate(ws) if w.requires_grad]
+        seed = torch.full_like(loss, 1.0 / mesh.size)
+        gs = torch.autograd.grad(loss, [ws[i] for i in diff], grad_outputs=seed, allow_unused=True)
+        grads = [torch.zeros_like(w) for w in ws]
+        for i, g in zip(diff, gs):
+            if g is not None:
+                grads[i] = g
+        with torch.no_grad():
+            data_axes = tuple(a for a in mesh.axis_names if a in plan.data_axes and mesh.axis_size(a) > 1)
+            red = []
+            sq_terms = []
+            for r, g in zip(leaves_plan, grads):
+                for d, axes in r.opt_extra:
+                    g = lax.psum_scatter(g, axes if len(axes) > 1 else axes[0], scatter_dimension=d, tiled=True)
+                done = {a for _, axes in r.opt_extra for a in axes}
+                rest = tuple(a for a in r.replicated if a not in done)
+                if rest:
+                    g = lax.psum(g, rest)
+                red.append(g)
+                # each opt block is replicated on the axes its opt spec does not name
+                reps = math.prod(mesh.axis_size(a) for a in mesh.axis_names if a not in r.spec.opt.axes)
+                sq_terms.append(g.double().pow(2).sum() / reps)
+            sq = torch.stack(sq_terms).sum() if sq_terms else torch.zeros((), dtype=torch.float64)
+            sq = lax.psum(sq, mesh.axis_names) if mesh.size > 1 else sq
+            gnorm = sq.sqrt()
+            if self.clip_norm is not None:
+                scale = torch.clamp(self.clip_norm / (gnorm + 1e-6), max=1.0)
+                red = [(g * scale).to(g.dtype) for g in red]
+            p_opt = [_narrow_blocks(w.detach(), r.opt_extra) for w, r in zip(ws, leaves_plan)]
+            g_tree = optree.tree_unflatten(treedef, red)
+            p_tree = optree.tree_unflatten(treedef, p_opt)
+            updates, new_state = self.optimizer.update(g_tree, opt_state, p_tree)
+            new_p = optree.tree_leaves(apply_updates(p_tree, updates), none_is_leaf=True)
+            new_p = [_gather_back(x, r.opt_extra) for x, r in zip(new_p, leaves_plan)]
+            metrics = {"loss": lax.pmean(loss.detach(), data_axes) if data_axes else loss.detach(),
+                       "grad_norm": gnorm.float()}
+            if aux is not None:
+                metrics.update(_reduce_aux(aux, data_axes))
+        out = (optree.tree_unflatten(treedef, new_p), new_state, metrics)
+        if self.return_grads:
+            out = out + (g_tree,)
+        return out
+
+
+def _gather_back(x: torch.Tensor, extra: tuple) -> torch.Tensor:
+    for d, axes in reversed(extra):
+        x = lax.all_gather(x, axes if len(axes) > 1 else axes[0], axis=d, tiled=True)
+    return x
+
+
+def _reduce_aux(aux: Any, data_axes: tuple[str, ...]) -> dict:
+    out = {}
+    if not isinstance(aux, Mapping):
+        return out
+    for k, v in aux.items():
+        if not isinstance(v, torch.Tensor):
+            continue
+        v = v.detach()
+        if data_axes:
+            v = lax.pmean(v, data_axes) if v.is_floating_point() else lax.psum(v, data_axes)
+        out[k] = v
+    return out
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return None
+
+
+def _check_params(params: Any, res: Mapping[str, ResolvedLeaf], mesh: Mesh) -> None:
+    for path, x in _tree.leaves_with_paths(params):
+        r = res[path]
+        if isinstance(x, DTensor):
+            sh = sharding_of(x)
+            if sh.mesh != mesh or tuple(sh.spec) != tuple(r.spec.storage) and _norm(sh.spec) != _norm(r.spec.storage):
+                raise PlanError(f"parameter {path!r} is stored as {sh.spec!r} but the plan stores it as "
+                                f"{r.spec.storage!r}; use step.shard_params / hpfunc.reshard first")
+
+
+def _norm(spec: P) -> tuple:
+    s = list(spec)
+    while s and s[-1] is None:
+        s.pop()
+    return tuple(s)
+
+
+def _check_batch(batch: Any, spec: P, mesh: Mesh) -> None:
+    axes = spec.dim_axes(0)
+    n = mesh.axis_size(axes) if axes else 1
+    for path, x in _tree.leaves_with_paths(batch):
+        if not isinstance(x, torch.Tensor):
+            continue
+        if x.ndim == 0 or x.shape[0] % n:
+            raise PlanError(f"batch leaf {path!r} of shape {tuple(x.shape)}: dimension 0 must divide evenly over "
+                            f"the data axes {axes} ({n} ranks)")
+
+
+def parallel_train_step(loss_fn: Callable, optimizer: Any, mesh: Mesh, plan: Plan, *, has_aux: bool = False,
+                        clip_norm: float | None = None, return_grads: bool = False) -> ParallelStep:
+    """A training step ``(params, opt_state, batch) -> (params, opt_state, metrics)`` on ``mesh``.
+
+    Args:
+        loss_fn: ``loss_fn(params, batch) -> loss`` (or ``(loss, aux)`` with ``has_aux``) written for one
+            device: a mean over the batch. For a ``tp`` plan use the tensor-parallel-aware model
+            (:mod:`hpfunc.models.parallel`), which reduces row-parallel outputs over the bound axis.
+        optimizer: an :mod:`hpfunc.optim` transformation whose update is elementwise per parameter
+            (adamw, sgd, scale, ...). Do not chain ``clip_by_global_norm`` into it under a sharded
+            plan (it would see local blocks); pass ``clip_norm`` here instead.
+        mesh, plan: where and how (:mod:`hpfunc.transforms.plans`).
+        clip_norm: clip gradients by their true global L2 norm (``torch.nn.utils.clip_grad_norm_``'s
+            formula) before the optimizer.
+        return_grads: also return the reduced gradients (DTensors with the plan's opt specs).
+
+    ``metrics``: ``loss`` (mean over the global batch), ``grad_norm`` (global, before clipping) and,
+    with ``has_aux``, the aux tensors (floats averaged, integers summed over data shards).
+    """
+    return ParallelStep(loss_fn, optimizer, mesh, plan, has_aux, clip_norm, return_grads)
+
+
+parallelize = parallel_train_step
+
+
+def init_sharded(init_fn: Callable, mesh: Mesh, plan: Plan, key: torch.Tensor, *, shapes: Any) -> Any:
+    """Parameters created directly with the plan's storage specs: ``init_fn(key, shardings)`` must create
+    each leaf with ``sharding=shardings[...]`` (a tree of :class:`NamedSharding` shaped like
+    ``shapes``); with counter-based :mod:`hpfunc.random` each rank samples only its block, and the
+    values equal single-device ``init(key)``. See :func:`hpfunc.models.parallel.init`.
+    """
+    res = plan.resolve(shapes, mesh)
+    shardings = _tree.map_with_path(lambda p, s: NamedSharding(mesh, res[p].spec.storage), shapes,
+                                    is_leaf=lambda x: isinstance(x, torch.Size))
+    return init_fn(key, shardings=shardings)

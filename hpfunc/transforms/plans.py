@@ -1,0 +1,343 @@
+"""Parallelism plans: per parameter, where it is stored, how it is used, and where its optimizer state lives.
+
+A :class:`Plan` resolves, for every parameter path of a model, a :class:`LeafSpec` of three partition
+specs (the haliax/levanter "parameter mapping vs compute mapping", plus ZeRO's optimizer mapping):
+
+``storage``  the parameter at rest (the DTensor the step takes and returns);
+``compute``  the block the model sees inside the step; on every dimension it is a *prefix* of
+             ``storage`` and the remaining axes are all-gathered before use (FSDP / ZeRO-3);
+``opt``      the optimizer-state block; on every dimension ``storage`` is a prefix of it and the extra
+             axes are those ZeRO-1/2 shard the optimizer state (and the reduced gradient) over.
+
+Plans are built from layers that compose left to right on N-D meshes::
+
+    plan = hpfunc.transforms.plans.fsdp("fsdp") + tp("tp")      # FSDP x Megatron TP
+    plan = hsdp("dp", "fsdp")                                   # = ddp("dp") + fsdp("fsdp")
+    plan = zero2("dp")                                          # params replicated, grads/opt sharded
+
+and explicit rules on dotted paths (glob or ``re:``) that override the layers::
+
+    plan = fsdp("fsdp").with_rules([("embed", LeafSpec(P("fsdp"), P(), P("fsdp")))])
+
+The batch is split along dimension 0 over the plan's data axes (every ``ddp``/``fsdp``/``zero``
+axis, in mesh order). Errors are ``PlanError`` (a ``ValueError``) naming the path, axis or size.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, Sequence
+
+import attrs
+import torch
+
+from hpfunc import tree as _tree
+from hpfunc.mesh import Mesh
+from hpfunc.sharding import P, _rule_matches, as_spec
+
+__all__ = ["PlanError", "LeafSpec", "Plan", "ddp", "fsdp", "zero1", "zero2", "zero3", "hsdp", "tp"]
+
+
+class PlanError(ValueError):
+    """A plan does not fit the model, the mesh or the batch."""
+
+
+@attrs.frozen
+class LeafSpec:
+    """Storage (at rest), compute (in use) and optimizer-state specs of one parameter."""
+
+    storage: P = attrs.field(converter=as_spec, factory=P)
+    compute: P = attrs.field(converter=as_spec, default=attrs.Factory(lambda self: self.storage, takes_self=True))
+    opt: P = attrs.field(converter=as_spec, default=attrs.Factory(lambda self: self.storage, takes_self=True))
+
+    @classmethod
+    def of(cls, storage: Any, compute: Any = None, opt: Any = None) -> "LeafSpec":
+        """``LeafSpec.of(P("fsdp"), P())``: compute / opt default to the storage spec."""
+        s = as_spec(storage)
+        return cls(s, s if compute is None else compute, s if opt is None else opt)
+
+
+def _dims(spec: P, ndim: int) -> list[tuple[str, ...]]:
+    return [spec.dim_axes(d) for d in range(ndim)]
+
+
+def _to_spec(dims: Sequence[tuple[str, ...]]) -> P:
+    dims = list(dims)
+    while dims and not dims[-1]:
+        dims.pop()
+    return P(*[d if d else None for d in dims])
+
+
+@attrs.frozen
+class ResolvedLeaf:
+    """A :class:`LeafSpec` checked against one parameter's shape and the mesh."""
+
+    path: str
+    shape: tuple[int, ...]
+    spec: LeafSpec
+    gather: tuple[tuple[int, tuple[str, ...]], ...]  # (dim, axes) all-gathered before use
+    opt_extra: tuple[tuple[int, tuple[str, ...]], ...]  # (dim, axes) the optimizer shards on top of storage
+    replicated: tuple[str, ...]  # mesh axes (size > 1) the stored block is replicated on
+
+
+# ---------------------------------------------------------------------------------------------
+# Layers
+
+
+@attrs.frozen
+class _Layer:
+    kind: str  # "ddp" | "fsdp" | "zero" | "tp"
+    axis: str
+    stage: int = 3  # zero stage for kind == "zero" (1 or 2) / fsdp (3)
+
+    @property
+    def is_data(self) -> bool:
+        return self.kind in ("ddp", "fsdp", "zero")
+
+
+def _free_dim(shape: tuple[int, ...], dims: list[tuple[str, ...]], n: int, mesh: Mesh) -> int | None:
+    """The dimension to shard over one more axis of size ``n``: first an unsharded dim that divides,
+    then a sharded dim whose blocks still divide."""
+    for d, size in enumerate(shape):
+        if not dims[d] and size % n == 0 and size >= n:
+            return d
+    for d, size in enumerate(shape):
+        k = mesh.axis_size(dims[d]) if dims[d] else 1
+        if dims[d] and size % (k * n) == 0:
+            return d
+    return None
+
+
+_TP_COLUMN = ("attn.wq", "attn.wk", "attn.wv", "attn.bq", "attn.bk", "attn.bv", "mlp.w_gate", "mlp.w_up",
+              "shared.w_gate", "shared.w_up")
+_TP_ROW = ("attn.wo", "mlp.w_down", "shared.w_down")
+_TP_EXPERT_COLUMN = ("experts.w_gate", "experts.w_up")  # [E, I, H]: shard I (dim 1)
+_TP_EXPERT_ROW = ("experts.w_down",)  # [E, H, I]: shard I (dim 2)
+
+
+def _tp_dim(path: str) -> int | None:
+    if path.endswith(_TP_COLUMN):
+        return 0
+    if path.endswith(_TP_ROW):
+        return 1
+    if path.endswith(_TP_EXPERT_COLUMN):
+        return 1
+    if path.endswith(_TP_EXPERT_ROW):
+        return 2
+    return None
+
+
+def _head_dim(path: str, shapes: Mapping[str, tuple[int, ...]]) -> int | None:
+    if ".attn." not in path and not path.startswith("attn."):
+        return None
+    base = path.rsplit(".", 1)[0]
+    qn = shapes.get(base + ".q_norm")
+    return qn[0] if qn else None
+
+
+def _apply_layer(layer: _Layer, path: str, shape: tuple[int, ...], spec: LeafSpec, mesh: Mesh,
+                 shapes: Mapping[str, tuple[int, ...]]) -> LeafSpec:
+    n = mesh.axis_size(layer.axis)
+    nd = len(shape)
+    st, cp, op = _dims(spec.storage, nd), _dims(spec.compute, nd), _dims(spec.opt, nd)
+    if layer.kind == "ddp" or n == 1:
+        return spec
+    if layer.kind == "tp":
+        d = _tp_dim(path)
+        if d is None or d >= nd:
+            return spec
+        hd = _head_dim(path, shapes)
+        unit = hd if hd and d == (0 if path.rsplit(".", 1)[-1] in ("wq", "wk", "wv", "bq", "bk", "bv") else 1) else 1
+        if shape[d] % (n * unit):
+            what = f"{shape[d] // unit} heads of {unit}" if unit > 1 else f"size {shape[d]}"
+            raise PlanError(f"tp({layer.axis!r}) of size {n} must divide dimension {d} of {path!r} "
+                            f"({what}); choose a tp degree that divides it")
+        for dims in (st, cp, op):
+            dims[d] = dims[d] + (layer.axis,)
+        return LeafSpec(_to_spec(st), _to_spec(cp), _to_spec(op))
+    d = _free_dim(shape, op if layer.kind == "zero" else st, n, mesh)
+    if d is None:
+        return spec  # nothing divides: this leaf stays replicated on the axis (listed by Plan.describe)
+    if layer.kind == "fsdp":
+        st[d] = st[d] + (layer.axis,)
+        op[d] = op[d] + (layer.axis,)
+        return LeafSpec(_to_spec(st), _to_spec(cp), _to_spec(op))
+    op[d] = op[d] + (layer.axis,)  # zero 1/2: only the optimizer state (and reduced grads)
+    return LeafSpec(spec.storage, spec.compute, _to_spec(op))
+
+
+# ---------------------------------------------------------------------------------------------
+# Plan
+
+
+@attrs.frozen
+class Plan:
+    """Layers (applied in order) plus explicit path rules (first match wins, override the layers).
+
+    Args:
+        layers: from the factories :func:`ddp`, :func:`fsdp`, :func:`zero1`, :func:`zero2`, :func:`tp`.
+        rules: ``(pattern, LeafSpec | P)`` pairs; a bare ``P`` is used for storage, compute and opt.
+        reshard_after_forward: FSDP frees each gathered parameter after its use in the forward and
+            gathers it again in the backward (3 Psi communication instead of 2 Psi, lower peak memory).
+    """
+
+    layers: tuple[_Layer, ...] = ()
+    rules: tuple[tuple[str, LeafSpec], ...] = ()
+    reshard_after_forward: bool = True
+
+    def __add__(self, other: "Plan") -> "Plan":
+        return Plan(self.layers + other.layers, self.rules + other.rules,
+                    self.reshard_after_forward and other.reshard_after_forward)
+
+    def with_rules(self, rules: Sequence[tuple[str, Any]]) -> "Plan":
+        conv = tuple((pat, sp if isinstance(sp, LeafSpec) else LeafSpec.of(sp)) for pat, sp in rules)
+        return attrs.evolve(self, rules=self.rules + conv)
+
+    @property
+    def data_axes(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(l.axis for l in self.layers if l.is_data))
+
+    @property
+    def tp_axis(self) -> str | None:
+        axes = [l.axis for l in self.layers if l.kind == "tp"]
+        return axes[0] if axes else None
+
+    def batch_spec(self, mesh: Mesh) -> P:
+        """Dimension 0 of every batch leaf split over the data axes (mesh order)."""
+        axes = tuple(a for a in mesh.axis_names if a in self.data_axes)
+        return P(axes) if axes else P()
+
+    def check_mesh(self, mesh: Mesh) -> None:
+        for l in self.layers:
+            if l.axis not in mesh.axis_names:
+                raise PlanError(f"plan layer {l.kind}({l.axis!r}) names mesh axis {l.axis!r}, which the mesh "
+                                f"does not have; mesh axes are {mesh.axis_names}")
+        seen: dict[str, str] = {}
+        for l in self.layers:
+            if l.axis in seen and seen[l.axis] != l.kind:
+                raise PlanError(f"mesh axis {l.axis!r} is used by both {seen[l.axis]} and {l.kind}")
+            seen[l.axis] = l.kind
+        for pat, ls in self.rules:
+            for sp in (ls.storage, ls.compute, ls.opt):
+                for a in sp.axes:
+                    if a not in mesh.axis_names:
+                        raise PlanError(f"plan rule {pat!r} names mesh axis {a!r}, which the mesh does not "
+                                        f"have; mesh axes are {mesh.axis_names}")
+
+    def resolve(self, params: Any, mesh: Mesh) -> dict[str, ResolvedLeaf]:
+        """``{path: ResolvedLeaf}`` for every tensor leaf of ``params`` (tensors or shapes)."""
+        self.check_mesh(mesh)
+        shapes = {p: tuple(x.shape if isinstance(x, torch.Tensor) else x)
+                  for p, x in _tree.leaves_with_paths(params, is_leaf=lambda x: isinstance(x, torch.Size))}
+        used = {pat: False for pat, _ in self.rules}
+        out = {}
+        for path, shape in shapes.items():
+            explicit = None
+            for pat, ls in self.rules:
+                if _rule_matches(pat, path):
+                    used[pat] = True
+                    explicit = ls
+                    break
+            if explicit is None:
+                spec = LeafSpec()
+                for layer in self.layers:
+                    spec = _apply_layer(layer, path, shape, spec, mesh, shapes)
+            else:
+                spec = explicit
+            out[path] = _check_leaf(path, shape, spec, mesh)
+        unused = [pat for pat, u in used.items() if not u]
+        if unused:
+            import difflib
+
+            close = difflib.get_close_matches(unused[0], list(shapes), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise PlanError(f"plan rule {unused[0]!r} matches no parameter path{hint}; "
+                            f"paths look like {list(shapes)[:3]}")
+        return out
+
+    def describe(self, params: Any, mesh: Mesh) -> str:
+        """One line per parameter: ``path shape storage -> compute | opt``."""
+        rows = []
+        for path, r in self.resolve(params, mesh).items():
+            rows.append(f"{path:40s} {list(r.shape)!s:16s} {r.spec.storage!r} -> {r.spec.compute!r} | opt "
+                        f"{r.spec.opt!r}")
+        return "\n".join(rows)
+
+
+def _check_leaf(path: str, shape: tuple[int, ...], spec: LeafSpec, mesh: Mesh) -> ResolvedLeaf:
+    nd = len(shape)
+    for name in ("storage", "compute", "opt"):
+        sp = getattr(spec, name)
+        try:
+            sp.check(mesh, nd, where=path)
+        except ValueError as e:
+            raise PlanError(f"{name} spec of {path!r}: {e}") from None
+        for d in range(nd):
+            k = mesh.axis_size(sp.dim_axes(d)) if sp.dim_axes(d) else 1
+            if shape[d] % k:
+                raise PlanError(f"{name} spec {sp!r} of {path!r} splits dimension {d} of size {shape[d]} over "
+                                f"{k} ranks (axes {sp.dim_axes(d)}); it must divide evenly")
+    st, cp, op = _dims(spec.storage, nd), _dims(spec.compute, nd), _dims(spec.opt, nd)
+    gather, extra = [], []
+    for d in range(nd):
+        if st[d][: len(cp[d])] != cp[d]:
+            raise PlanError(f"compute spec {spec.compute!r} of {path!r} must be a prefix of its storage spec "
+                            f"{spec.storage!r} on dimension {d} (compute blocks are gathered from storage blocks)")
+        if op[d][: len(st[d])] != st[d]:
+            raise PlanError(f"opt spec {spec.opt!r} of {path!r} must extend its storage spec {spec.storage!r} "
+                            f"on dimension {d}")
+        if len(st[d]) > len(cp[d]):
+            gather.append((d, st[d][len(cp[d]):]))
+        if len(op[d]) > len(st[d]):
+            extra.append((d, op[d][len(st[d]):]))
+    if set(spec.storage.axes) - set(spec.opt.axes):
+        raise PlanError(f"opt spec of {path!r} drops axes of its storage spec")
+    replicated = tuple(a for a in mesh.axis_names if a not in spec.storage.axes and mesh.axis_size(a) > 1)
+    return ResolvedLeaf(path, shape, spec, tuple(gather), tuple(extra), replicated)
+
+
+# ---------------------------------------------------------------------------------------------
+# Ready-made plans
+
+
+def ddp(axis: str = "dp") -> Plan:
+    """Data parallel: parameters, gradients and optimizer state replicated; gradients all-reduced."""
+    return Plan((_Layer("ddp", axis),))
+
+
+def fsdp(axis: str = "fsdp", *, reshard_after_forward: bool = True) -> Plan:
+    """Fully sharded data parallel (ZeRO-3): parameters, gradients and optimizer state sharded on
+    ``axis`` (first dimension that divides), all-gathered per use in the forward."""
+    return Plan((_Layer("fsdp", axis, 3),), reshard_after_forward=reshard_after_forward)
+
+
+zero3 = fsdp
+
+
+def zero1(axis: str = "dp") -> Plan:
+    """ZeRO-1: parameters replicated, optimizer state sharded; gradients reduce-scattered (each rank
+    keeps the block its optimizer shard needs) and updated parameters all-gathered."""
+    return Plan((_Layer("zero", axis, 1),))
+
+
+def zero2(axis: str = "dp") -> Plan:
+    """ZeRO-2: as :func:`zero1` with the gradients stored sharded too. Without gradient accumulation
+    (one backward per step) ZeRO-1 and ZeRO-2 run the same collectives here."""
+    return Plan((_Layer("zero", axis, 2),))
+
+
+def hsdp(replicate_axis: str = "dp", shard_axis: str = "fsdp", *, reshard_after_forward: bool = True) -> Plan:
+    """Hybrid sharded: FSDP within ``shard_axis``, replicas across ``replicate_axis``."""
+    return ddp(replicate_axis) + fsdp(shard_axis, reshard_after_forward=reshard_after_forward)
+
+
+def tp(axis: str = "tp") -> Plan:
+    """Megatron tensor parallel for Qwen3 parameter names: column-parallel ``wq, wk, wv, w_gate,
+    w_up`` (dim 0; expert stacks dim 1), row-parallel ``wo, w_down`` (dim 1; expert ``w_down`` dim 2).
+    Embedding, ``lm_head``, norms and router stay replicated on ``axis`` (no vocabulary parallelism yet).
+    The model must reduce row-parallel outputs: use :mod:`hpfunc.models.parallel`."""
+    return Plan((_Layer("tp", axis),))
+
+
+def total_numel(resolved: Mapping[str, ResolvedLeaf]) -> int:
+    return sum(math.prod(r.shape) for r in resolved.values())
