@@ -88,8 +88,8 @@ class Mesh:
             total = 1
             for s in sizes:
                 total *= s
-            if not dist.is_initialized() and total == 1:
-                init_distributed()
+            if not dist.is_initialized() and (total == 1 or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)):
+                init_distributed()  # from the torchrun environment, or a one-rank group
             if not dist.is_initialized():
                 raise ValueError(
                     f"Mesh({dict(axes)}) needs {total} ranks but no process group is running; start the "
