@@ -24,13 +24,19 @@ __all__ = ["storage_key", "storage_nbytes", "Entry", "Recorder", "NameScope", "c
            "current_scope", "recording", "name_scope"]
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor that owns memory: a DTensor's local shard, else ``t``."""
+    inner = getattr(t, "_local_tensor", None)
+    return inner if isinstance(inner, torch.Tensor) else t
+
+
 def storage_key(t: torch.Tensor) -> int:
     """An id of ``t``'s storage, equal for all views of it (also for fake and meta tensors)."""
-    return StorageWeakRef(t.untyped_storage()).cdata
+    return StorageWeakRef(local(t).untyped_storage()).cdata
 
 
 def storage_nbytes(t: torch.Tensor) -> int:
-    return int(t.untyped_storage().nbytes())
+    return int(local(t).untyped_storage().nbytes())
 
 
 @dataclasses.dataclass
@@ -73,7 +79,7 @@ class Recorder:
             old.name = old.name or name
             old.op = old.op or op
             return
-        self._refs[key] = StorageWeakRef(t.untyped_storage())
+        self._refs[key] = StorageWeakRef(local(t).untyped_storage())
         self.entries[key] = Entry(storage_nbytes(t), kind, where, name, op or self.producers.get(key),
                                   tuple(t.shape), str(t.dtype).replace("torch.", ""))
 
@@ -112,7 +118,7 @@ class NameScope:
         key = storage_key(t)
         while scope is not None:
             scope.names.add(name)
-            scope._by_storage[key] = (StorageWeakRef(t.untyped_storage()), name)
+            scope._by_storage[key] = (StorageWeakRef(local(t).untyped_storage()), name)
             scope = scope.parent
 
     def name_of(self, t: torch.Tensor) -> str | None:

@@ -366,7 +366,10 @@ def offload(f: Callable | None = None, *, policy: Any = None, memory_kind: str |
                 key = _record.storage_key(t)
                 op = ops.get(key)
                 d = pol.decide(op, name, t)
-                if d is Decision.OFFLOAD and key not in held:
+                # Tensor subclasses (DTensor in the global view) stay: they own no storage to copy;
+                # inside shard_map saved tensors are plain local blocks and do move.
+                plain = type(t) is torch.Tensor or _is_fake(t)
+                if d is Decision.OFFLOAD and key not in held and plain:
                     return group.put(t, name, producers.get(key))
                 counters.kept_bytes += t.numel() * t.element_size()
                 if rec is not None:
