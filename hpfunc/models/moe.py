@@ -125,7 +125,8 @@ def grouped_experts(
         impl = "grouped_mm" if _grouped_mm_supported(x, fake) else "bmm"
     if impl == "grouped_mm":
         # The grouped_mm outputs' gradients are always fresh contiguous tensors here (they come
-        # through a multiply), which torch._grouped_mm's CPU backward needs.
+        # through a multiply or the index_add's gather), which torch._grouped_mm's CPU backward needs
+        # (an expanded, stride-0 gradient is rejected).
         offs = torch.cumsum(counts, 0).to(torch.int32)
         # torch's shape-only (fake/meta) kernel insists on bf16: dry runs compute in bf16 (values are
         # meaningless there anyway) and cast back.
@@ -137,8 +138,8 @@ def grouped_experts(
             return torch._grouped_mm(a, w.transpose(1, 2), offs=offs)
 
         xs = x[token_of]
-        h = F.silu(gmm(xs, w_gate)) * gmm(xs, w_up)
-        ys = gmm(h, w_down)
+        # Scale before the down projection (I <= H in Qwen3: fewer multiplies); equal up to rounding.
+        ys = gmm(F.silu(gmm(xs, w_gate)) * gmm(xs, w_up) * combine, w_down)
     elif impl == "bmm":
         with torch.no_grad():
             cap = int(counts.max()) if flat.numel() else 0
@@ -149,10 +150,9 @@ def grouped_experts(
             source[slot] = token_of
         buf = torch.cat((x, x.new_zeros(1, H)))[source].view(E, cap, H)
         h = F.silu(torch.bmm(buf, w_gate.transpose(1, 2))) * torch.bmm(buf, w_up.transpose(1, 2))
-        ys = torch.bmm(h, w_down.transpose(1, 2)).view(E * cap, -1)[slot]
+        ys = torch.bmm(h, w_down.transpose(1, 2)).view(E * cap, -1)[slot] * combine
     else:
         raise ValueError(f"grouped_experts: impl must be 'auto', 'bmm' or 'grouped_mm', found {impl!r}")
-    ys = ys * combine
     return x.new_zeros(T, ys.shape[-1]).index_add(0, token_of, ys)
 
 
