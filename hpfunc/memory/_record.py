@@ -81,7 +81,7 @@ class Recorder:
             return
         self._refs[key] = StorageWeakRef(local(t).untyped_storage())
         self.entries[key] = Entry(storage_nbytes(t), kind, where, name, op or self.producers.get(key),
-                                  tuple(t.shape), str(t.dtype).replace("torch.", ""))
+                                  tuple(local(t).shape), str(t.dtype).replace("torch.", ""))
 
     def alive(self) -> list[tuple[int | None, Entry]]:
         """Entries whose storage is still alive (device) plus all host copies."""
