@@ -1,0 +1,162 @@
+"""Benchmark hpfunc.lax collectives against the raw torch.distributed calls, side by side.
+
+For each collective on 2 and 4 gloo ranks and each message size it reports:
+  * bytes each rank sends per call, counted by hpfunc.comm_stats, next to the ring formula of
+    REFERENCE.md, and the bytes the process actually wrote to its sockets (from /proc/self/io, so
+    gloo's real algorithm shows through);
+  * median latency of hpfunc.lax and of the raw torch.distributed call on the same tensors,
+    interleaved in one run, and their ratio (goal: <= 1.05 at 1 MiB).
+
+Usage:  python bench/collectives.py [--sizes 65536,1048576] [--ranks 2,4] [--iters 30] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+COLLECTIVES = ["psum", "all_gather", "psum_scatter", "all_to_all", "ppermute"]
+
+
+def _wchar() -> int:
+    try:
+        with open("/proc/self/io") as f:
+            for line in f:
+                if line.startswith("wchar:"):
+                    return int(line.split()[1])
+    except OSError:
+        return -1
+    return -1
+
+
+def _bench_on_rank(nbytes: int, iters: int) -> list[dict]:
+    import torch.distributed as dist
+
+    import hpfunc
+    from hpfunc import lax
+    from hpfunc.comm import ring_sent_bytes
+
+    torch.set_num_threads(1)
+    n = dist.get_world_size()
+    rank = dist.get_rank()
+    mesh = hpfunc.Mesh({"x": n})
+    numel = nbytes // 4
+    x = torch.randn(numel)
+    group = mesh.group("x")  # the raw calls use the same process group as hpfunc.lax
+    rows = []
+    for name in COLLECTIVES:
+        full_bytes = {"psum": nbytes, "all_gather": nbytes * n, "psum_scatter": nbytes, "all_to_all": nbytes,
+                      "ppermute": nbytes}[name]
+        op = {"psum": "all_reduce", "all_gather": "all_gather", "psum_scatter": "reduce_scatter",
+              "all_to_all": "all_to_all", "ppermute": "ppermute"}[name]
+        out_gather = torch.empty(numel * n)
+        out_scatter = torch.empty(numel // n)
+        out_a2a = torch.empty(numel)
+        buf = x.clone()
+        perm = [(i, (i + 1) % n) for i in range(n)]
+
+        def run_hp():
+            with mesh:
+                if name == "psum":
+                    return lax.psum(x, "x")
+                if name == "all_gather":
+                    return lax.all_gather(x, "x", tiled=True)
+                if name == "psum_scatter":
+                    return lax.psum_scatter(x, "x", tiled=True)
+                if name == "all_to_all":
+                    return lax.all_to_all(x, "x", 0, 0)
+                return lax.ppermute(x, "x", perm)
+
+        def run_raw():
+            if name == "psum":
+                dist.all_reduce(buf, group=group)
+            elif name == "all_gather":
+                dist.all_gather_into_tensor(out_gather, x, group=group)
+            elif name == "psum_scatter":
+                dist.reduce_scatter_tensor(out_scatter, x, group=group)
+            elif name == "all_to_all":
+                dist.all_to_all_single(out_a2a, x, group=group)
+            else:
+                ops = [dist.P2POp(dist.isend, x, (rank + 1) % n, group=group),
+                       dist.P2POp(dist.irecv, out_a2a, (rank - 1) % n, group=group)]
+                for r in dist.batch_isend_irecv(ops):
+                    r.wait()
+
+        for _ in range(3):  # warm up both paths
+            run_hp()
+            run_raw()
+        # counted bytes (hpfunc.comm_stats) and written bytes (/proc/self/io) for one call each
+        dist.barrier()
+        with hpfunc.comm_stats() as stats:
+            w0 = _wchar()
+            run_hp()
+            w1 = _wchar()
+        dist.barrier()
+        w2 = _wchar()
+        run_raw()
+        w3 = _wchar()
+        dist.barrier()
+        t_hp, t_raw = [], []
+        for i in range(iters):
+            order = (run_hp, run_raw) if i % 2 == 0 else (run_raw, run_hp)
+            for fn in order:
+                dist.barrier()
+                t0 = time.perf_counter()
+                fn()
+                dt = time.perf_counter() - t0
+                (t_hp if fn is run_hp else t_raw).append(dt)
+        rows.append({
+            "collective": name,
+            "ranks": n,
+            "message_bytes": nbytes,
+            "counted_sent_bytes": float(stats.total_sent_bytes()),
+            "formula_sent_bytes": float(ring_sent_bytes(op, full_bytes, n)),
+            "written_bytes_hpfunc": w1 - w0 if w0 >= 0 else None,
+            "written_bytes_raw": w3 - w2 if w2 >= 0 else None,
+            "hpfunc_ms": statistics.median(t_hp) * 1e3,
+            "raw_ms": statistics.median(t_raw) * 1e3,
+        })
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="65536,1048576", help="message sizes in bytes (per rank input)")
+    ap.add_argument("--ranks", default="2,4")
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "collectives.json"))
+    args = ap.parse_args(argv)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from hpfunc.testing import RankPool
+
+    rows: list[dict] = []
+    for n in [int(v) for v in args.ranks.split(",")]:
+        with RankPool(n, timeout=600) as pool:
+            for size in [int(v) for v in args.sizes.split(",")]:
+                print(f"# {n} ranks, {size} B ...", file=sys.stderr, flush=True)
+                rows += pool.run(_bench_on_rank, size, args.iters)[0]
+    hdr = (f"{'collective':<13}{'ranks':>5}{'msg B':>10}{'counted B':>12}{'formula B':>12}{'wrote B':>11}"
+           f"{'raw wrote':>11}{'hpfunc ms':>11}{'raw ms':>9}{'ratio':>7}")
+    print(hdr)
+    print("-" * len(hdr))
+    for r in rows:
+        r["ratio"] = r["hpfunc_ms"] / r["raw_ms"] if r["raw_ms"] > 0 else float("nan")
+        print(f"{r['collective']:<13}{r['ranks']:>5}{r['message_bytes']:>10}{r['counted_sent_bytes']:>12.0f}"
+              f"{r['formula_sent_bytes']:>12.0f}{str(r['written_bytes_hpfunc']):>11}{str(r['written_bytes_raw']):>11}"
+              f"{r['hpfunc_ms']:>11.3f}{r['raw_ms']:>9.3f}{r['ratio']:>7.2f}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"rows": rows, "torch": torch.__version__, "cpus": os.cpu_count()}, indent=2))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
