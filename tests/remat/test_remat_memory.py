@@ -91,3 +91,17 @@ def test_whole_layer_offload_at_real_shapes(reports):
         r = saved_activations(offload(block), params, x, CFG, state_argnums=(0,))
     assert r.device_bytes == 0
     assert r.host_bytes == reports["none"].device_bytes
+
+
+def test_meta_tensors_take_the_math_attention_path():
+    # Plain meta tensors do not select CPU flash attention: SDPA's math path keeps the softmax
+    # probabilities, a s^2 b fp32 values -- the a s / h term of the formula (here 4 a s / h: fp32
+    # probabilities, no dropout mask, scores not kept). Full recompute is still exactly 2 s b h.
+    a = 32
+    params = {k: v.to(torch.bfloat16) for k, v in init_block(CFG, device="meta").items()}
+    x = torch.empty(B, S, H, dtype=torch.bfloat16, device="meta")
+    none = saved_activations(block, params, x, CFG, state_argnums=(0,))
+    full = saved_activations(block, params, x, CFG, policy=R.nothing_saveable, state_argnums=(0,))
+    assert max(e.nbytes for e in none.entries) == 4 * a * S * S * B
+    assert none.device_bytes > (4 * a * S / H) * SBH
+    assert full.device_bytes == 2 * SBH
