@@ -240,7 +240,8 @@ class Plan:
                     break
             if explicit is None:
                 spec = LeafSpec()
-                for layer in self.layers:
+                # tensor parallelism fixes the compute layout first; data layers shard what is left
+                for layer in sorted(self.layers, key=lambda l: l.kind != "tp"):
                     spec = _apply_layer(layer, path, shape, spec, mesh, shapes)
             else:
                 spec = explicit

@@ -1,0 +1,128 @@
+"""Rank-side helpers for the parallelize tests: plans by name, a sharded run and its single-device twin."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+# name -> (world, mesh axes, plan factory); every plan the tests exercise
+PLANS = {
+    "ddp": (2, {"dp": 2}, lambda pl: pl.ddp("dp")),
+    "fsdp": (2, {"fsdp": 2}, lambda pl: pl.fsdp("fsdp")),
+    "fsdp_keep": (2, {"fsdp": 2}, lambda pl: pl.fsdp("fsdp", reshard_after_forward=False)),
+    "zero1": (2, {"dp": 2}, lambda pl: pl.zero1("dp")),
+    "zero2": (2, {"dp": 2}, lambda pl: pl.zero2("dp")),
+    "tp": (2, {"tp": 2}, lambda pl: pl.tp("tp")),
+    "fsdp4": (4, {"fsdp": 4}, lambda pl: pl.fsdp("fsdp")),
+    "ddp4": (4, {"dp": 4}, lambda pl: pl.ddp("dp")),
+    "hsdp": (4, {"dp": 2, "fsdp": 2}, lambda pl: pl.hsdp("dp", "fsdp")),
+    "fsdp_tp": (4, {"fsdp": 2, "tp": 2}, lambda pl: pl.fsdp("fsdp") + pl.tp("tp")),
+    "ddp_tp": (4, {"dp": 2, "tp": 2}, lambda pl: pl.ddp("dp") + pl.tp("tp")),
+    "zero2_tp": (4, {"dp": 2, "tp": 2}, lambda pl: pl.zero2("dp") + pl.tp("tp")),
+}
+
+LR = 1e-3
+
+
+def make(name: str):
+    import hpfunc
+    from hpfunc.transforms import plans
+
+    world, axes, factory = PLANS[name]
+    return hpfunc.Mesh(axes), factory(plans)
+
+
+def config(model: str, **overrides):
+    from hpfunc.models import qwen3
+
+    return qwen3.preset(model, **overrides)
+
+
+def batches(cfg, steps: int, batch: int, seq: int, seed: int) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    return [{"tokens": torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)} for _ in range(steps)]
+
+
+def run_parity(name: str, model: str, seed: int, steps: int = 2, clip_norm: float | None = None,
+               tie: bool | None = None) -> dict:
+    """Train ``steps`` AdamW steps sharded by plan ``name`` and on one device (the same global batches);
+    return the largest errors (scaled) seen for loss, grads, grad norm and params."""
+    import hpfunc
+    from hpfunc import optim
+    from hpfunc.models import parallel, qwen3
+    from hpfunc.testing import assert_trees_close, to_full
+    from hpfunc.transforms.parallelize import init_sharded, parallel_train_step
+
+    torch.manual_seed(0)
+    mesh, plan = make(name)
+    overrides = {} if tie is None else {"tie_word_embeddings": tie}
+    cfg = config(model, **overrides)
+    key = hpfunc.random.key(seed)
+    n_data = mesh.axis_size(tuple(a for a in mesh.axis_names if a in plan.data_axes)) if plan.data_axes else 1
+
+    def loss_fn(p, b):
+        return parallel.loss(p, b, cfg)[0]
+
+    def ref_loss(p, b):
+        # the step's loss: the mean over data shards of the per-shard loss (equal to the full-batch loss
+        # for dense models; MoE's load-balancing term is a per-shard statistic, as in every DP trainer)
+        parts = [qwen3.loss(p, {"tokens": t}, cfg)[0] for t in b["tokens"].chunk(n_data)]
+        return torch.stack(parts).mean()
+
+    opt = optim.adamw(LR)
+    ref_opt = optim.adamw(LR) if clip_norm is None else optim.chain(optim.clip_by_global_norm(clip_norm), opt)
+    step = parallel_train_step(loss_fn, opt, mesh, plan, clip_norm=clip_norm, return_grads=True)
+    params = init_sharded(functools.partial(parallel.init, cfg=cfg), mesh, plan, key, shapes=qwen3.param_shapes(cfg))
+    ref_params = qwen3.init(key, cfg)
+    assert_trees_close(params, ref_params, rtol=0, atol=0, what="init_sharded")
+    state = step.init_opt_state(params)
+    ref_state = ref_opt.init(ref_params)
+    for i, b in enumerate(batches(cfg, steps, 4, 8, seed)):
+        at = to_full(params)  # the sharded run's current params, to compare this step's loss and grads exactly
+        at_state = to_full(state)
+        params, state, metrics, grads = step(params, state, b)
+        value, ref_grads = hpfunc.value_and_grad(ref_loss)(at, b)
+        assert_trees_close(metrics["loss"], value, rtol=1e-5, atol=1e-6, what=f"step {i} loss")
+        assert_trees_close(metrics["grad_norm"], optim.global_norm(ref_grads), rtol=1e-5, atol=1e-7,
+                           what=f"step {i} grad_norm")
+        # gradients: fp32, different summation order (shards, all-reduce): rtol 1e-5 plus an absolute
+        # floor of 1e-5 of the largest gradient entry, for entries that cancel to nearly zero
+        for (path, g), r in zip(hpfunc.tree.leaves_with_paths(to_full(grads)), hpfunc.tree.leaves(ref_grads)):
+            scale = float(r.abs().max()) or 1.0
+            assert_trees_close(g, r, rtol=1e-5, atol=1e-5 * scale, what=f"step {i} grad {path}")
+        # the optimizer on shards is the single-device optimizer: the same update from the same state and grads
+        u, _ = ref_opt.update(to_full(grads), at_state, at)
+        assert_trees_close(params, optim.apply_updates(at, u), rtol=1e-5, atol=1e-7, what=f"step {i} update")
+        # the independent single-device trajectory
+        _, tgrads = hpfunc.value_and_grad(ref_loss)(ref_params, b)
+        updates, ref_state = ref_opt.update(tgrads, ref_state, ref_params)
+        ref_params = optim.apply_updates(ref_params, updates)
+        # params: AdamW's g / (sqrt(v) + eps) has slope up to 1 / (4 eps) at |g| ~ eps = 1e-8, so a gradient
+        # entry whose rounding differs by 1e-9 (within the gradient tolerance above) moves its parameter by
+        # up to 0.025 lr: trajectories agree to 0.1 lr per step (measured: <= 0.04 lr), everything else 1e-5
+        assert_trees_close(params, ref_params, rtol=1e-5, atol=0.1 * LR * (i + 1), what=f"step {i} params")
+    # same specs in and out
+    assert all(hpfunc.typeof(a) == hpfunc.typeof(b) for a, b in zip(
+        hpfunc.tree.leaves(params), hpfunc.tree.leaves(init_sharded(
+            functools.partial(parallel.init, cfg=cfg), mesh, plan, key, shapes=qwen3.param_shapes(cfg)))))
+    return {"loss": float(metrics["loss"].full_tensor())}
+
+
+def run_dense_loss_is_full_batch_loss(seed: int) -> float:
+    """For a dense model the mean of shard means equals the full-batch mean (equal targets per shard)."""
+    import hpfunc
+    from hpfunc import optim
+    from hpfunc.models import parallel, qwen3
+    from hpfunc.transforms.parallelize import parallel_train_step
+
+    mesh, plan = make("fsdp")
+    cfg = config("qwen3-dense-tiny")
+    p = qwen3.init(hpfunc.random.key(seed), cfg)
+    step = parallel_train_step(lambda q, b: parallel.loss(q, b, cfg)[0], optim.adamw(LR), mesh, plan)
+    params = step.shard_params(p)
+    b = batches(cfg, 1, 4, 8, seed)[0]
+    _, _, m = step(params, step.init_opt_state(params), b)
+    full = qwen3.loss(p, b, cfg)[0]
+    torch.testing.assert_close(m["loss"].full_tensor(), full, rtol=1e-6, atol=1e-6)
+    return float(full)
