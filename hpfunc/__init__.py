@@ -19,6 +19,8 @@ from hpfunc.autodiff import grad, value_and_grad
 from hpfunc.comm import comm_stats
 from hpfunc.mesh import Mesh, current_mesh, make_mesh
 from hpfunc.sharding import NamedSharding, P, SpecError, logical_to_spec, reshard, shard, typeof
+from hpfunc.transforms.offload import offload
+from hpfunc.transforms.remat import checkpoint_name, checkpoint_policies, remat
 from hpfunc.transforms.shard_map import ReplicationError, shard_map
 
 __version__ = "0.1.0"
@@ -36,6 +38,10 @@ __all__ = [
     "typeof",
     "logical_to_spec",
     "shard_map",
+    "remat",
+    "offload",
+    "checkpoint_name",
+    "checkpoint_policies",
     "grad",
     "value_and_grad",
     "comm_stats",

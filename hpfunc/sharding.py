@@ -327,7 +327,7 @@ def _shard_leaf(path: str, x: Any, spec: P, mesh: Mesh) -> Any:
         if n != x.shape[d]:
             local = local.narrow(d, s, n)
     return DTensor.from_local(
-        local.contiguous() if local is not x else local,
+        local.clone(memory_format=torch.contiguous_format) if local is not x else local,  # own storage only
         mesh.device_mesh,
         placements,
         run_check=False,
