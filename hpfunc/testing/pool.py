@@ -132,7 +132,7 @@ class RankPool:
     """
 
     def __init__(self, nprocs: int, *, timeout: float = 120.0, env: dict[str, str] | None = None,
-                 threads: int = 1, backend: str = "gloo", start_timeout: float = 120.0):
+                 threads: int = 1, backend: str = "gloo", start_timeout: float = 300.0):
         if nprocs < 1:
             raise ValueError(f"RankPool needs nprocs >= 1, found {nprocs}")
         self.nprocs = nprocs
