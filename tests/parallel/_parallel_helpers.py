@@ -126,3 +126,126 @@ def run_dense_loss_is_full_batch_loss(seed: int) -> float:
     full = qwen3.loss(p, b, cfg)[0]
     torch.testing.assert_close(m["loss"].full_tensor(), full, rtol=1e-6, atol=1e-6)
     return float(full)
+
+
+def _setup(name: str, model: str = "qwen3-dense-tiny", **overrides):
+    import hpfunc
+    from hpfunc import optim
+    from hpfunc.models import parallel, qwen3
+    from hpfunc.transforms.parallelize import init_sharded, parallel_train_step
+
+    mesh, plan = make(name)
+    cfg = config(model, **overrides)
+    step = parallel_train_step(lambda p, b: parallel.loss(p, b, cfg)[0], optim.adamw(LR), mesh, plan,
+                               return_grads=True)
+    params = init_sharded(functools.partial(parallel.init, cfg=cfg), mesh, plan, hpfunc.random.key(0),
+                          shapes=qwen3.param_shapes(cfg))
+    return mesh, plan, cfg, step, params
+
+
+def run_comm(name: str, batch: int = 4, seq: int = 6) -> dict:
+    """One step under comm_stats: the bytes each rank sends, split by collective and phase.
+
+    Records of at most 8 bytes (the loss pmean and the grad-norm psum, one scalar each) are left out.
+    """
+    import math
+
+    import hpfunc
+    from hpfunc.models import qwen3
+
+    mesh, plan, cfg, step, params = _setup(name, tie_word_embeddings=False)
+    state = step.init_opt_state(params)
+    b = batches(cfg, 1, batch, seq, 0)[0]
+    with hpfunc.comm_stats() as stats:
+        step(params, state, b)
+    shapes = dict(hpfunc.tree.leaves_with_paths(qwen3.param_shapes(cfg), is_leaf=lambda x: isinstance(x, torch.Size)))
+    out = {"psi": sum(math.prod(s) for s in shapes.values()), "embed": math.prod(shapes["embed"]),
+           "layers": cfg.num_hidden_layers,
+           "act_bytes": batch // mesh.axis_size(plan.data_axes) * seq * cfg.hidden_size * 4,
+           "scalars": sum(1 for r in stats.records if r.payload_bytes <= 8)}
+    for r in stats.records:
+        if r.payload_bytes <= 8:
+            continue
+        k = (r.op, r.axes, r.phase)
+        out.setdefault(k, [0, 0])
+        out[k][0] += 1
+        out[k][1] += r.sent_bytes
+    # psums of activations (TP): their own key, by payload size
+    out["act_psum"] = {ph: sum(1 for r in stats.records if r.op == "all_reduce" and r.phase == ph
+                               and r.payload_bytes == out["act_bytes"]) for ph in ("forward", "backward")}
+    out["replicated_numel"] = {p: math.prod(s) for p, s in shapes.items()}
+    res = plan.resolve(qwen3.param_shapes(cfg), mesh)
+    out["tp_replicated_numel"] = sum(math.prod(r.shape) for r in res.values() if "tp" in r.replicated)
+    return out
+
+
+def run_state_bytes(name: str) -> dict:
+    """Bytes of parameters, reduced gradients and optimizer state held by this rank after one step."""
+    import math
+
+    import hpfunc
+    from hpfunc.models import qwen3
+    from torch.distributed.tensor import DTensor
+
+    mesh, plan, cfg, step, params = _setup(name, tie_word_embeddings=False)
+    state = step.init_opt_state(params)
+    params, state, _, grads = step(params, state, batches(cfg, 1, 4, 6, 0)[0])
+
+    def local_bytes(tree):
+        total = 0
+        for x in hpfunc.tree.leaves(tree):
+            if isinstance(x, torch.Tensor) and x.ndim > 0:
+                loc = x.to_local() if isinstance(x, DTensor) else x
+                total += loc.numel() * loc.element_size()
+        return total
+
+    psi = sum(math.prod(s) for s in hpfunc.tree.leaves(qwen3.param_shapes(cfg), is_leaf=lambda x: isinstance(x, torch.Size)))
+    return {"psi": psi, "params": local_bytes(params), "grads": local_bytes(grads), "opt": local_bytes(state),
+            "n": mesh.size}
+
+
+def run_bad_input(case: str) -> str:
+    """Trigger one bad input; return the error message (and check nothing was communicated)."""
+    import hpfunc
+    from hpfunc import P, optim
+    from hpfunc.models import parallel, qwen3
+    from hpfunc.transforms import plans
+    from hpfunc.transforms.parallelize import parallel_train_step
+
+    cfg = config("qwen3-dense-tiny")
+    mesh = hpfunc.Mesh({"fsdp": 2})
+    plan = plans.fsdp("fsdp")
+    shapes = qwen3.param_shapes(cfg)
+    tree = shapes
+    batch = {"tokens": torch.zeros(4, 8, dtype=torch.long)}
+    if case == "unknown_path":
+        plan = plan.with_rules([("layers.*.attn.wqq", plans.LeafSpec(P("fsdp"), P()))])
+    elif case == "unknown_axis":
+        plan = plans.fsdp("fdsp")
+    elif case == "unknown_axis_in_rule":
+        plan = plan.with_rules([("embed", P("tp"))])
+    elif case == "not_divisible":
+        tree = {"w": torch.Size([3, 4])}
+        plan = plan.with_rules([("w", plans.LeafSpec(P("fsdp"), P()))])
+    elif case == "tp_heads":
+        cfg = config("qwen3-dense-tiny", num_key_value_heads=1)
+        tree = qwen3.param_shapes(cfg)
+        mesh, plan = hpfunc.Mesh({"tp": 2}), plans.tp("tp")
+    elif case == "batch":
+        batch = {"tokens": torch.zeros(3, 8, dtype=torch.long)}
+    elif case == "compute_not_prefix":
+        plan = plan.with_rules([("embed", plans.LeafSpec(P("fsdp"), P(None, "fsdp")))])
+    with hpfunc.comm_stats() as stats:
+        step = parallel_train_step(lambda p, b: parallel.loss(p, b, cfg)[0], optim.adamw(LR), mesh, plan)
+        try:
+            if case == "batch":
+                params = step.shard_params(qwen3.init(hpfunc.random.key(0), cfg))
+                state = step.init_opt_state(params)
+                stats.records.clear()
+                step(params, state, batch)
+            else:
+                plan.resolve(tree, mesh)
+        except ValueError as e:
+            assert not stats.records, stats.table()
+            return str(e)
+    raise AssertionError(f"{case}: no error")

@@ -1,0 +1,98 @@
+"""Exact communication volume per step, measured by hpfunc.comm_stats, against REFERENCE.md's formulas.
+
+Psi = parameter count, 4 bytes each (fp32), n = data-parallel degree; bytes are what one rank sends
+under the ring algorithm (all-reduce 2 (n-1)/n M, all-gather / reduce-scatter (n-1)/n M).
+The untied dense tiny Qwen3 is used (all dimensions divide by 2 and 4, so every leaf shards).
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import pytest
+
+import _parallel_helpers as H
+
+pytestmark = pytest.mark.multirank
+
+
+def _sent(out, op, axes, phase):
+    return out.get((op, axes, phase), [0, 0])[1]
+
+
+@pytest.mark.parametrize("name", ["ddp", "ddp4"])
+def test_ddp_all_reduces_2psi(pools, name):
+    out = pools(H.PLANS[name][0]).run(H.run_comm, name)[0]
+    n = H.PLANS[name][0]
+    psi_bytes = 4 * out["psi"]
+    assert _sent(out, "all_reduce", ("dp",), "forward") == Fraction(2 * (n - 1), n) * psi_bytes
+    assert set(k for k in out if isinstance(k, tuple)) == {("all_reduce", ("dp",), "forward")}
+    assert out["scalars"] == 2  # loss pmean, grad-norm psum
+
+
+@pytest.mark.parametrize("name", ["zero1", "zero2"])
+def test_zero12_reduce_scatter_plus_all_gather_2psi(pools, name):
+    out = pools(2).run(H.run_comm, name)[0]
+    n, psi_bytes = 2, 4 * out["psi"]
+    assert _sent(out, "reduce_scatter", ("dp",), "forward") == Fraction(n - 1, n) * psi_bytes
+    assert _sent(out, "all_gather", ("dp",), "forward") == Fraction(n - 1, n) * psi_bytes
+    assert set(k for k in out if isinstance(k, tuple)) == {("reduce_scatter", ("dp",), "forward"),
+                                                           ("all_gather", ("dp",), "forward")}
+
+
+@pytest.mark.parametrize("name", ["fsdp", "fsdp4"])
+def test_fsdp_reshard_after_forward_3psi(pools, name):
+    out = pools(H.PLANS[name][0]).run(H.run_comm, name)[0]
+    n, psi_bytes = H.PLANS[name][0], 4 * out["psi"]
+    f = Fraction(n - 1, n)
+    assert _sent(out, "all_gather", ("fsdp",), "forward") == f * psi_bytes
+    assert _sent(out, "reduce_scatter", ("fsdp",), "backward") == f * psi_bytes
+    # the backward gathers again every parameter autograd saved: all but the embedding table
+    # (an embedding lookup saves the indices, not the table), so 3 Psi less the embedding
+    assert _sent(out, "all_gather", ("fsdp",), "backward") == f * (psi_bytes - 4 * out["embed"])
+    # one gather per parameter in each pass
+    n_leaves = len(out["replicated_numel"])
+    assert out[("all_gather", ("fsdp",), "forward")][0] == n_leaves
+    assert out[("all_gather", ("fsdp",), "backward")][0] == n_leaves - 1
+    assert out[("reduce_scatter", ("fsdp",), "backward")][0] == n_leaves
+
+
+def test_fsdp_without_reshard_2psi(pools):
+    out = pools(2).run(H.run_comm, "fsdp_keep")[0]
+    f, psi_bytes = Fraction(1, 2), 4 * out["psi"]
+    assert _sent(out, "all_gather", ("fsdp",), "forward") == f * psi_bytes
+    assert _sent(out, "reduce_scatter", ("fsdp",), "backward") == f * psi_bytes
+    assert ("all_gather", ("fsdp",), "backward") not in out
+
+
+def test_tp_two_all_reduces_per_layer_each_way(pools):
+    out = pools(2).run(H.run_comm, "tp")[0]
+    L = out["layers"]
+    assert out["act_psum"] == {"forward": 2 * L, "backward": 2 * L}
+    act_sent = 2 * L * Fraction(2 * 1, 2) * out["act_bytes"]
+    assert _sent(out, "all_reduce", ("tp",), "backward") == act_sent
+    # forward: the activations plus the one gradient all-reduce of the parameters replicated over tp
+    # (embedding, lm_head, norms, router)
+    assert _sent(out, "all_reduce", ("tp",), "forward") == act_sent + Fraction(2, 2) * 4 * out["tp_replicated_numel"]
+
+
+def test_fsdp_x_tp_counts(pools):
+    out = pools(4).run(H.run_comm, "fsdp_tp")[0]
+    L = out["layers"]
+    assert out["act_psum"] == {"forward": 2 * L, "backward": 2 * L}
+    # every parameter is gathered once forward over fsdp (its tp block), reduce-scattered once backward
+    n_leaves = len(out["replicated_numel"])
+    assert out[("all_gather", ("fsdp",), "forward")][0] == n_leaves
+    assert out[("reduce_scatter", ("fsdp",), "backward")][0] == n_leaves
+    assert _sent(out, "all_gather", ("fsdp",), "forward") == _sent(out, "reduce_scatter", ("fsdp",), "backward")
+
+
+@pytest.mark.parametrize("name,formula", [
+    ("fsdp4", lambda psi, n: 16 * psi / n),              # params, grads, m, v all sharded: 16 Psi / n (fp32)
+    ("zero2", lambda psi, n: 4 * psi + 12 * psi / n),    # params replicated, grads + m + v sharded
+    ("ddp", lambda psi, n: 16 * psi),
+])
+def test_model_state_bytes_per_rank(pools, name, formula):
+    outs = pools(H.PLANS[name][0]).run(H.run_state_bytes, name)
+    for o in outs:
+        assert o["params"] + o["grads"] + o["opt"] == formula(o["psi"], o["n"]), o
