@@ -304,16 +304,9 @@ class ParallelStep:
                 grads[i] = g
         with torch.no_grad():
             data_axes = tuple(a for a in mesh.axis_names if a in plan.data_axes and mesh.axis_size(a) > 1)
-            red = []
+            red = _reduce_grads(grads, leaves_plan)
             sq_terms = []
-            for r, g in zip(leaves_plan, grads):
-                for d, axes in r.opt_extra:
-                    g = lax.psum_scatter(g, axes if len(axes) > 1 else axes[0], scatter_dimension=d, tiled=True)
-                done = {a for _, axes in r.opt_extra for a in axes}
-                rest = tuple(a for a in r.replicated if a not in done)
-                if rest:
-                    g = lax.psum(g, rest)
-                red.append(g)
+            for r, g in zip(leaves_plan, red):
                 # each opt block is replicated on the axes its opt spec does not name
                 reps = math.prod(mesh.axis_size(a) for a in mesh.axis_names if a not in r.spec.opt.axes)
                 sq_terms.append(g.double().pow(2).sum() / reps)
@@ -328,7 +321,7 @@ class ParallelStep:
             p_tree = optree.tree_unflatten(treedef, p_opt)
             updates, new_state = self.optimizer.update(g_tree, opt_state, p_tree)
             new_p = optree.tree_leaves(apply_updates(p_tree, updates), none_is_leaf=True)
-            new_p = [_gather_back(x, r.opt_extra) for x, r in zip(new_p, leaves_plan)]
+            new_p = _gather_params(new_p, leaves_plan)
             metrics = {"loss": lax.pmean(loss.detach(), data_axes) if data_axes else loss.detach(),
                        "grad_norm": gnorm.float()}
             if aux is not None:
@@ -337,6 +330,80 @@ class ParallelStep:
         if self.return_grads:
             out = out + (g_tree,)
         return out
+
+
+def _axis_arg(axes: tuple[str, ...]) -> Any:
+    return axes if len(axes) > 1 else axes[0]
+
+
+def _blocks_first(g: torch.Tensor, d: int, n: int) -> torch.Tensor:
+    """``g`` with dimension ``d`` split into ``n`` blocks, as an ``(n, block numel)`` matrix."""
+    shape = list(g.shape)
+    split = shape[:d] + [n, shape[d] // n] + shape[d + 1:]
+    return g.reshape(split).movedim(d, 0).reshape(n, -1)
+
+
+def _reduce_grads(grads: list[torch.Tensor], plan: list[ResolvedLeaf]) -> list[torch.Tensor]:
+    """Sum every gradient over the axes its storage is replicated on; ZeRO axes by reduce-scatter.
+
+    Gradients that need the same collective are packed into one flat buffer (one call per bucket, the
+    same bytes as one call per parameter): ``psum`` buckets by (axes, dtype); ``psum_scatter`` buckets
+    by (axes, remaining axes, dtype), each gradient laid out blocks-first so that the flat scatter hands
+    every rank its block of each gradient.
+    """
+    out: list[torch.Tensor | None] = [None] * len(grads)
+    buckets: dict[tuple, list[int]] = {}
+    for i, (r, g) in enumerate(zip(plan, grads)):
+        done = {a for _, axes in r.opt_extra for a in axes}
+        rest = tuple(a for a in r.replicated if a not in done)
+        if len(r.opt_extra) > 1:  # rare (two ZeRO dims): one collective per dimension
+            for d, axes in r.opt_extra:
+                g = lax.psum_scatter(g, _axis_arg(axes), scatter_dimension=d, tiled=True)
+            out[i] = lax.psum(g, rest) if rest else g
+        elif r.opt_extra:
+            buckets.setdefault(("rs", r.opt_extra[0][1], rest, g.dtype), []).append(i)
+        elif rest:
+            buckets.setdefault(("ar", (), rest, g.dtype), []).append(i)
+        else:
+            out[i] = g
+    for (kind, axes, rest, _), idx in buckets.items():
+        if kind == "ar":
+            flat = lax.psum(torch.cat([grads[i].reshape(-1) for i in idx]), rest)
+            for i, part in zip(idx, flat.split([grads[i].numel() for i in idx])):
+                out[i] = part.view(grads[i].shape)
+            continue
+        n = lax.axis_size(axes)
+        mats = [_blocks_first(grads[i], plan[i].opt_extra[0][0], n) for i in idx]
+        flat = lax.psum_scatter(torch.cat(mats, dim=1), _axis_arg(axes), scatter_dimension=0, tiled=False)
+        if rest:
+            flat = lax.psum(flat, rest)
+        for i, m, part in zip(idx, mats, flat.split([m.shape[1] for m in mats])):
+            d = plan[i].opt_extra[0][0]
+            shape = list(grads[i].shape)
+            shape[d] //= n
+            out[i] = part.reshape(shape)
+    return out
+
+
+def _gather_params(blocks: list[torch.Tensor], plan: list[ResolvedLeaf]) -> list[torch.Tensor]:
+    """All-gather ZeRO-updated parameter blocks back to their storage layout, bucketed like the grads."""
+    out: list[torch.Tensor | None] = [None] * len(blocks)
+    buckets: dict[tuple, list[int]] = {}
+    for i, (r, x) in enumerate(zip(plan, blocks)):
+        if len(r.opt_extra) == 1:
+            buckets.setdefault((r.opt_extra[0][1], x.dtype), []).append(i)
+        else:
+            out[i] = _gather_back(x, r.opt_extra)
+    for (axes, _), idx in buckets.items():
+        n = lax.axis_size(axes)
+        full = lax.all_gather(torch.cat([blocks[i].reshape(-1) for i in idx]), _axis_arg(axes), axis=0, tiled=False)
+        for i, part in zip(idx, full.split([blocks[i].numel() for i in idx], dim=1)):
+            d = plan[i].opt_extra[0][0]
+            bshape = list(blocks[i].shape)
+            x = part.reshape([n] + bshape).movedim(0, d)
+            bshape[d] *= n
+            out[i] = x.reshape(bshape)
+    return out
 
 
 def _gather_back(x: torch.Tensor, extra: tuple) -> torch.Tensor:
