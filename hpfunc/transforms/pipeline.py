@@ -1,0 +1,492 @@
+"""``pipeline_map``: execute a pipeline schedule (:mod:`hpfunc.schedules`) over torch.distributed.
+
+Every rank runs the same program. It builds a step function from the full list of stage functions,
+a :class:`~hpfunc.schedules.Schedule` and a :class:`~hpfunc.Mesh`; the step walks
+``schedule.actions[pp_index]`` front to back:
+
+==============  ==========================================================================
+``F``           ``y = stage_fns[s](params[s], x)``; on the last stage ``loss_fn(y, microbatch)``
+``B``           input gradient: ``torch.autograd.grad(y, inputs=[x], retain_graph=True)``
+``W``           weight gradient: ``torch.autograd.grad(y, inputs=params[s])``, accumulated
+``BW``          both in one call
+``SEND_*``      posted asynchronously (``dist.batch_isend_irecv``); waited for at the end
+``RECV_*``      received (and waited for) right where the schedule puts it
+``UNSHARD``     all-gather the stage's parameter shards over the FSDP axis
+``RESHARD``     drop the gathered parameters (graphs still pending keep what they saved)
+``REDUCE_GRAD`` reduce the stage's accumulated gradients over the FSDP axis, keep this rank's shard
+``SWAP_*``      accepted and ignored (activations stay where they are)
+==============  ==========================================================================
+
+Stages placed on the same rank (the turn of a V, or interleaved stages) hand activations and
+gradients to each other in memory. The loss returned is the mean over microbatches (equal to the
+full-batch loss for a loss that is a mean over equally sized microbatches); gradients are those of
+that mean.
+
+Example (2 ranks, run under ``hpfunc launch --nproc 2``)::
+
+    import torch, hpfunc
+    from hpfunc.schedules import one_f_one_b
+    from hpfunc.transforms.pipeline import pipeline_map
+
+    mesh = hpfunc.Mesh({"pp": 2})
+    stage_fns = [lambda p, x: torch.tanh(x @ p["w"]), lambda p, x: x @ p["w"]]
+    loss_fn = lambda y, mb: ((y - mb["y"]) ** 2).mean()
+    step = pipeline_map(stage_fns, one_f_one_b(2, 4), mesh, loss_fn=loss_fn,
+                        first_input=lambda mb: mb["x"])
+    params = {s: {"w": torch.randn(4, 4)} for s in step.local_stages}
+    loss, grads = step(params, {"x": torch.randn(8, 4), "y": torch.randn(8, 4)})
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hpfunc import tree as _tree
+from hpfunc.mesh import Mesh
+from hpfunc.schedules import ActionKind, Schedule, insert_comms, validate
+
+__all__ = ["PipelineError", "PipelineStep", "pipeline_map", "shard_stage_params", "unshard_stage_grads"]
+
+K = ActionKind
+
+# Forward messages carry a header describing the tensors that follow (the receiver cannot know
+# the shapes of another stage's output); backward messages mirror the receiver's own outputs.
+_MAX_TENSORS = 8
+_MAX_NDIM = 6
+_HEADER = 1 + _MAX_TENSORS * (2 + _MAX_NDIM)
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+           torch.int16, torch.int8, torch.uint8, torch.bool)
+_KIND_TAG = {K.SEND_F: 0, K.RECV_F: 0, K.SEND_B: 1, K.RECV_B: 1}
+
+
+class PipelineError(ValueError):
+    """A pipeline program that cannot run: mismatched schedule, stages, mesh or batch."""
+
+
+def _as_tuple(y: Any, where: str) -> tuple[torch.Tensor, ...]:
+    ys = (y,) if isinstance(y, torch.Tensor) else tuple(y) if isinstance(y, (tuple, list)) else None
+    if ys is None or not all(isinstance(t, torch.Tensor) for t in ys):
+        raise PipelineError(f"{where}: a stage that is not the last must return a tensor or a tuple of tensors; "
+                            f"found {type(y).__name__}")
+    if len(ys) > _MAX_TENSORS:
+        raise PipelineError(f"{where}: at most {_MAX_TENSORS} tensors can pass between stages, found {len(ys)}")
+    return ys
+
+
+def _is_diff(t: torch.Tensor) -> bool:
+    return t.is_floating_point() or t.is_complex()
+
+
+def split_microbatches(batch: Any, m: int) -> list[Any]:
+    """Split every tensor leaf of ``batch`` into ``m`` equal chunks along dim 0.
+
+    Raises:
+        PipelineError: a leaf's batch dimension is not divisible by ``m``.
+    """
+    leaves = _tree.leaves_with_paths(batch)
+    chunks: dict[str, tuple[torch.Tensor, ...]] = {}
+    for path, x in leaves:
+        if not isinstance(x, torch.Tensor):
+            continue
+        if x.dim() == 0 or x.shape[0] % m:
+            n = "a scalar" if x.dim() == 0 else f"batch size {x.shape[0]}"
+            raise PipelineError(
+                f"cannot split batch leaf {path or '<root>'!r} ({n}) into {m} microbatches; the batch size "
+                f"must be a multiple of schedule.num_microbatches={m}")
+        chunks[path] = torch.chunk(x, m, dim=0)
+    return [_tree.map_with_path(lambda p, x: chunks[p][i] if p in chunks else x, batch) for i in range(m)]
+
+
+def _chunk_dim0(x: torch.Tensor, n: int, i: int, path: str) -> torch.Tensor:
+    if x.dim() == 0 or x.shape[0] % n:
+        raise PipelineError(f"FSDP: parameter {path!r} of shape {tuple(x.shape)} cannot be split into {n} equal "
+                            f"shards along dim 0; make dim 0 a multiple of the FSDP axis size {n}")
+    return x.chunk(n, dim=0)[i].clone()
+
+
+def shard_stage_params(params: Any, mesh: Mesh, axis: str) -> Any:
+    """This rank's dim-0 shard of every leaf (the storage layout ``UNSHARD`` expects).
+
+    Example:
+        >>> # shards = shard_stage_params({0: {"w": w0}}, mesh, "fsdp")   # doctest: +SKIP
+    """
+    n, i = mesh.axis_size(axis), mesh.axis_index(axis)
+    return _tree.map_with_path(lambda p, x: _chunk_dim0(x, n, i, p), params)
+
+
+def unshard_stage_grads(grads: Any, mesh: Mesh, axis: str) -> Any:
+    """All-gather dim-0 shards (the inverse of :func:`shard_stage_params`), e.g. to compare with a reference."""
+    group, n = mesh.group(axis), mesh.axis_size(axis)
+
+    def gather(x: torch.Tensor) -> torch.Tensor:
+        parts = [torch.empty_like(x) for _ in range(n)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=0)
+
+    return _tree.tree_map(gather, grads)
+
+
+class _Saved:
+    """What a stage's forward on one microbatch leaves for its backward."""
+
+    __slots__ = ("inputs", "outputs", "params", "out_grads", "done_b")
+
+    def __init__(self, inputs: list[torch.Tensor], outputs: list[torch.Tensor], params: list[torch.Tensor]):
+        self.inputs = inputs        # differentiable inputs (requires_grad leaves), [] for stage 0
+        self.outputs = outputs      # differentiable outputs, or [scaled loss] on the last stage
+        self.params = params        # the parameter leaves this forward used
+        self.out_grads: list[torch.Tensor] | None = None
+        self.done_b = False
+
+
+class PipelineStep:
+    """The step built by :func:`pipeline_map`; call it as ``step(params, batch) -> (loss, grads)``.
+
+    ``params`` maps each local stage (``step.local_stages``) to its parameter tree (a mapping with
+    more stages is accepted; others are ignored). ``grads`` has the same structure restricted to
+    the local stages. ``loss`` (a detached scalar, identical on every rank) is the mean over
+    microbatches (and over the data axis, if any).
+    """
+
+    def __init__(self, stage_fns: Sequence[Callable], schedule: Schedule, mesh: Mesh, *, axis: str,
+                 loss_fn: Callable, data_axis: str | None, fsdp_axis: str | None, first_input: Callable | None,
+                 check: bool):
+        if not isinstance(schedule, Schedule):
+            raise TypeError(f"pipeline_map: schedule must be an hpfunc.schedules.Schedule, found {type(schedule).__name__}")
+        stage_fns = list(stage_fns)
+        if len(stage_fns) != schedule.num_stages:
+            raise PipelineError(
+                f"pipeline_map: got {len(stage_fns)} stage functions but schedule {schedule.name!r} has "
+                f"{schedule.num_stages} stages (stage_to_rank={schedule.stage_to_rank}); pass one function per stage")
+        for s, fn in enumerate(stage_fns):
+            if not callable(fn):
+                raise TypeError(f"pipeline_map: stage_fns[{s}] is not callable ({type(fn).__name__})")
+        if axis not in mesh.axis_names:
+            raise PipelineError(f"pipeline_map: mesh {mesh!r} has no pipeline axis {axis!r}; its axes are "
+                                f"{mesh.axis_names} (pass axis=... or build the mesh with a {axis!r} axis)")
+        for name, a in (("data_axis", data_axis), ("fsdp_axis", fsdp_axis)):
+            if a is not None and a not in mesh.axis_names:
+                raise PipelineError(f"pipeline_map: {name}={a!r} is not an axis of {mesh!r}")
+            if a == axis:
+                raise PipelineError(f"pipeline_map: {name} must differ from the pipeline axis {axis!r}")
+        p = mesh.axis_size(axis)
+        if schedule.num_ranks != p or schedule.ranks != tuple(range(p)):
+            raise PipelineError(
+                f"pipeline_map: schedule {schedule.name!r} runs on ranks {schedule.ranks} but mesh axis {axis!r} "
+                f"has size {p}")
+        has_fsdp_actions = any(a.kind in (K.UNSHARD, K.RESHARD, K.REDUCE_GRAD)
+                               for row in schedule.actions.values() for a in row)
+        if has_fsdp_actions and fsdp_axis is None:
+            raise PipelineError("pipeline_map: the schedule has UNSHARD/RESHARD/REDUCE_GRAD actions; pass "
+                                "fsdp_axis=<mesh axis> (parameters are then dim-0 shards, see shard_stage_params)")
+        if not schedule.has_comms:
+            schedule = insert_comms(schedule)
+        if check:
+            validate(schedule)
+        self.schedule = schedule
+        self.stage_fns = stage_fns
+        self.mesh = mesh
+        self.axis = axis
+        self.loss_fn = loss_fn
+        self.data_axis = data_axis
+        self.fsdp_axis = fsdp_axis
+        self.fsdp = has_fsdp_actions
+        self.first_input = first_input
+        self.pp_index = mesh.axis_index(axis)
+        self.local_stages = schedule.stages_of(self.pp_index)
+        self.actions = schedule.actions[self.pp_index]
+        self._pp_group = mesh.group(axis)
+
+    # -- helpers ----------------------------------------------------------------------------------
+    def _global(self, pp_rank: int) -> int:
+        return dist.get_global_rank(self._pp_group, pp_rank)
+
+    def _tag(self, kind: ActionKind, stage: int, mb: int, part: int) -> int:
+        # Named by the sending stage: a RECV_F names the receiving stage (sender s - 1), a RECV_B
+        # too (sender s + 1). Distinct tags let transfers between one pair of ranks (both
+        # directions of a V, several interleaved stages) arrive in any order.
+        if kind is K.RECV_F:
+            stage -= 1
+        elif kind is K.RECV_B:
+            stage += 1
+        m, n = self.schedule.num_microbatches, self.schedule.num_stages
+        return ((_KIND_TAG[kind] * n + stage) * m + mb) * (_MAX_TENSORS + 1) + part
+
+    def _send(self, tensors: Sequence[torch.Tensor], action: Any, pending: list, *, header: bool) -> None:
+        peer = self._global(action.peer)
+        ops = []
+        if header:
+            h = torch.zeros(_HEADER, dtype=torch.int64)
+            h[0] = len(tensors)
+            for j, t in enumerate(tensors):
+                if t.dim() > _MAX_NDIM or t.dtype not in _DTYPES:
+                    raise PipelineError(f"stage {action.stage}: cannot send a {t.dtype} tensor of shape "
+                                        f"{tuple(t.shape)} (at most {_MAX_NDIM} dims, dtypes {_DTYPES})")
+                base = 1 + j * (2 + _MAX_NDIM)
+                h[base] = _DTYPES.index(t.dtype)
+                h[base + 1] = t.dim()
+                h[base + 2: base + 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+            ops.append(dist.P2POp(dist.isend, h, peer, self._pp_group, self._tag(action.kind, action.stage, action.microbatch, 0)))
+        for j, t in enumerate(tensors):
+            ops.append(dist.P2POp(dist.isend, t.contiguous(), peer, self._pp_group,
+                                  self._tag(action.kind, action.stage, action.microbatch, j + 1)))
+        if ops:
+            pending.extend(dist.batch_isend_irecv(ops))
+
+    def _recv(self, action: Any, like: Sequence[torch.Tensor] | None) -> list[torch.Tensor]:
+        peer = self._global(action.peer)
+        kind, s, i = action.kind, action.stage, action.microbatch
+        if like is None:
+            h = torch.empty(_HEADER, dtype=torch.int64)
+            for w in dist.batch_isend_irecv([dist.P2POp(dist.irecv, h, peer, self._pp_group, self._tag(kind, s, i, 0))]):
+                w.wait()
+            bufs = []
+            for j in range(int(h[0])):
+                base = 1 + j * (2 + _MAX_NDIM)
+                nd = int(h[base + 1])
+                bufs.append(torch.empty(tuple(int(d) for d in h[base + 2: base + 2 + nd]), dtype=_DTYPES[int(h[base])]))
+        else:
+            bufs = [torch.empty_like(t) for t in like]
+        if bufs:
+            ops = [dist.P2POp(dist.irecv, b, peer, self._pp_group, self._tag(kind, s, i, j + 1)) for j, b in enumerate(bufs)]
+            for w in dist.batch_isend_irecv(ops):
+                w.wait()
+        return bufs
+
+    # -- FSDP ----------------------------------------------------------------------------------------
+    def _unshard(self, shards: Any) -> Any:
+        group, n = self.mesh.group(self.fsdp_axis), self.mesh.axis_size(self.fsdp_axis)
+
+        def gather(x: torch.Tensor) -> torch.Tensor:
+            parts = [torch.empty_like(x) for _ in range(n)]
+            dist.all_gather(parts, x.detach().contiguous(), group=group)
+            return torch.cat(parts, dim=0)
+
+        return _tree.tree_map(gather, shards)
+
+    def _reduce_grad_shard(self, g: torch.Tensor) -> torch.Tensor:
+        # all_reduce + slice rather than reduce_scatter: gloo lacks a reduce_scatter on CPU.
+        n, i = self.mesh.axis_size(self.fsdp_axis), self.mesh.axis_index(self.fsdp_axis)
+        g = g.contiguous().clone()
+        dist.all_reduce(g, group=self.mesh.group(self.fsdp_axis))
+        return g.chunk(n, dim=0)[i].div_(n)
+
+    # -- the step ------------------------------------------------------------------------------------
+    def __call__(self, params: Mapping[int, Any], batch: Any) -> tuple[torch.Tensor, dict[int, Any]]:
+        sched = self.schedule
+        m = sched.num_microbatches
+        last = sched.num_stages - 1
+        if not isinstance(params, Mapping):
+            raise TypeError(f"pipeline step: params must map stage index -> parameter tree, found {type(params).__name__}")
+        missing = [s for s in self.local_stages if s not in params]
+        if missing:
+            raise PipelineError(f"pipeline step: pp rank {self.pp_index} holds stages {self.local_stages} but params has "
+                                f"no entry for stage(s) {missing} (keys: {sorted(params)})")
+        if self.data_axis is not None:
+            n, j = self.mesh.axis_size(self.data_axis), self.mesh.axis_index(self.data_axis)
+            batch = split_microbatches(batch, n)[j]
+        mbs = split_microbatches(batch, m)
+
+        # Parameter leaves as fresh differentiable leaves; the caller's tensors are never touched.
+        specs, stored = {}, {}
+        for s in self.local_stages:
+            leaves, spec = _tree.flatten(params[s])
+            specs[s], stored[s] = spec, leaves
+        live: dict[int, list[torch.Tensor]] = {}
+
+        def make_live(s: int, leaves: list[torch.Tensor]) -> None:
+            live[s] = [x.detach().requires_grad_(_is_diff(x)) if isinstance(x, torch.Tensor) else x for x in leaves]
+
+        if not self.fsdp:
+            for s in self.local_stages:
+                make_live(s, stored[s])
+        grads: dict[int, list[torch.Tensor | None]] = {s: [None] * len(stored[s]) for s in self.local_stages}
+        reduced: set[int] = set()
+
+        inputs: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+        outbox: dict[tuple[ActionKind, int, int], list[torch.Tensor]] = {}
+        saved: dict[tuple[int, int], _Saved] = {}
+        losses: list[torch.Tensor] = []
+        pending: list = []
+
+        def backward(s: int, i: int, *, want_dx: bool, want_dw: bool) -> None:
+            sv = saved[(s, i)]
+            outs, gouts = [], []
+            for k, y in enumerate(sv.outputs):
+                if y.requires_grad:
+                    outs.append(y)
+                    gouts.append(None if sv.out_grads is None else sv.out_grads[k])
+            dx_inputs = [x for x in sv.inputs] if want_dx else []
+            p_inputs = [t for t in sv.params if isinstance(t, torch.Tensor) and t.requires_grad] if want_dw else []
+            targets = dx_inputs + p_inputs
+            got: Sequence[torch.Tensor | None] = ()
+            if outs and targets:
+                got = torch.autograd.grad(outs, targets, grad_outputs=gouts, retain_graph=not want_dw,
+                                          allow_unused=True)
+            dx, dw = list(got[:len(dx_inputs)]), got[len(dx_inputs):]
+            if want_dx and s > 0:
+                dx = [torch.zeros_like(x) if g is None else g for x, g in zip(sv.inputs, dx)]
+                if sched.stage_to_rank[s - 1] == self.pp_index:
+                    saved[(s - 1, i)].out_grads = dx
+                else:
+                    outbox[(K.SEND_B, s, i)] = dx
+            if want_dw:
+                if p_inputs:
+                    pos = {id(t): k for k, t in enumerate(sv.params)}
+                    acc = grads[s]
+                    for t, g in zip(p_inputs, dw):
+                        if g is not None:
+                            k = pos[id(t)]
+                            acc[k] = g if acc[k] is None else acc[k] + g
+                del saved[(s, i)]
+            else:
+                sv.done_b = True
+
+        for step, a in enumerate(self.actions):
+            kind, s, i = a.kind, a.stage, a.microbatch
+            where = f"pp rank {self.pp_index} step {step} ({a})"
+            if kind is K.F:
+                if s not in live:
+                    raise PipelineError(f"{where}: stage {s} is used while its parameters are not gathered (UNSHARD)")
+                if s == 0:
+                    x = mbs[i] if self.first_input is None else self.first_input(mbs[i])
+                    diff_inputs: list[torch.Tensor] = []
+                else:
+                    raw = inputs.pop((s, i))
+                    xs = tuple(t.detach().requires_grad_(_is_diff(t)) for t in raw)
+                    diff_inputs = [t for t in xs if _is_diff(t)]
+                    x = xs[0] if len(xs) == 1 else xs
+                p_tree = _tree.unflatten(specs[s], live[s])
+                with torch.enable_grad():
+                    y = self.stage_fns[s](p_tree, x)
+                    if s == last:
+                        value = self.loss_fn(y, mbs[i])
+                        if not isinstance(value, torch.Tensor) or value.numel() != 1:
+                            raise PipelineError(f"{where}: loss_fn must return a scalar tensor, found "
+                                                f"{type(value).__name__}")
+                        value = value.reshape(())
+                        losses.append(value.detach())
+                        outs = [value / m]
+                if s != last:
+                    ys = _as_tuple(y, where)
+                    outs = [t for t in ys if _is_diff(t)]
+                    if sched.stage_to_rank[s + 1] == self.pp_index:
+                        inputs[(s + 1, i)] = tuple(t.detach() for t in ys)
+                    else:
+                        outbox[(K.SEND_F, s, i)] = [t.detach() for t in ys]
+                saved[(s, i)] = _Saved(diff_inputs, outs, live[s])
+            elif kind is K.SEND_F:
+                self._send(outbox.pop((K.SEND_F, s, i)), a, pending, header=True)
+            elif kind is K.RECV_F:
+                inputs[(s, i)] = tuple(self._recv(a, None))
+            elif kind is K.SEND_B:
+                self._send(outbox.pop((K.SEND_B, s, i)), a, pending, header=False)
+            elif kind is K.RECV_B:
+                sv = saved[(s, i)]
+                sv.out_grads = self._recv(a, sv.outputs)
+            elif kind is K.B:
+                if saved[(s, i)].done_b:
+                    raise PipelineError(f"{where}: second B for stage {s} microbatch {i}")
+                backward(s, i, want_dx=True, want_dw=False)
+            elif kind is K.W:
+                sv = saved.get((s, i))
+                if sv is None or not sv.done_b:
+                    raise PipelineError(f"{where}: W before the B of stage {s} microbatch {i}")
+                backward(s, i, want_dx=False, want_dw=True)
+            elif kind is K.BW:
+                backward(s, i, want_dx=True, want_dw=True)
+            elif kind is K.UNSHARD:
+                make_live(s, _tree.leaves(self._unshard(_tree.unflatten(specs[s], stored[s]))))
+            elif kind is K.RESHARD:
+                live.pop(s, None)
+            elif kind is K.REDUCE_GRAD:
+                grads[s] = [None if g is None else self._reduce_grad_shard(g) for g in grads[s]]
+                reduced.add(s)
+            elif kind in (K.SWAP_OUT, K.SWAP_IN):
+                pass  # activations stay in place on this executor
+            else:  # pragma: no cover - every kind is handled above
+                raise PipelineError(f"{where}: unsupported action kind {kind}")
+        for w in pending:
+            w.wait()
+        if saved:
+            left = ", ".join(f"{s}:{i}" for s, i in sorted(saved))
+            raise PipelineError(f"pp rank {self.pp_index}: schedule ended with backward work left for (stage:mb) {left}")
+
+        # Gradients: zeros where unused; data-parallel mean for stages not reduced by REDUCE_GRAD.
+        out: dict[int, Any] = {}
+        for s in self.local_stages:
+            ref = stored[s]
+            if self.fsdp and s not in reduced:
+                raise PipelineError(f"pp rank {self.pp_index}: stage {s} never got its REDUCE_GRAD")
+            gs = []
+            for x, g in zip(ref, grads[s]):
+                if not isinstance(x, torch.Tensor):
+                    gs.append(x)
+                    continue
+                if g is None:
+                    g = torch.zeros_like(x)
+                if self.data_axis is not None and s not in reduced:
+                    g = g.contiguous().clone()
+                    dist.all_reduce(g, group=self.mesh.group(self.data_axis))
+                    g.div_(self.mesh.axis_size(self.data_axis))
+                gs.append(g)
+            out[s] = _tree.unflatten(specs[s], gs)
+
+        # The loss lives on the last stage's rank; every rank returns it.
+        loss = torch.stack(losses).mean() if losses else torch.zeros((), dtype=torch.float32)
+        loss = loss.detach().to(torch.float32).clone()
+        holder = sched.stage_to_rank[last]
+        dist.broadcast(loss, src=self._global(holder), group=self._pp_group)
+        if self.data_axis is not None:
+            dist.all_reduce(loss, group=self.mesh.group(self.data_axis))
+            loss.div_(self.mesh.axis_size(self.data_axis))
+        return loss, out
+
+
+def pipeline_map(stage_fns: Sequence[Callable], schedule: Schedule, mesh: Mesh, *, axis: str = "pp",
+                 loss_fn: Callable[[Any, Any], torch.Tensor], data_axis: str | None = None,
+                 fsdp_axis: str | None = None, first_input: Callable[[Any], Any] | None = None,
+                 check: bool = True) -> PipelineStep:
+    """Build ``step(params, batch) -> (loss, grads)`` that runs ``schedule`` on this rank's pp slice.
+
+    Args:
+        stage_fns: one function per stage, ``stage_fns[s](params_s, x) -> y``. Stage 0 receives the
+            microbatch (or ``first_input(microbatch)``); every other stage receives what the stage
+            before it returned: a tensor, or a tuple of tensors (floating-point ones carry gradients).
+        schedule: a :class:`~hpfunc.schedules.Schedule` with ``schedule.num_stages == len(stage_fns)``
+            and one rank per index of ``mesh`` axis ``axis``. Compute-only schedules get
+            :func:`~hpfunc.schedules.insert_comms`; all are validated unless ``check=False``.
+        mesh: the mesh; ``axis`` names its pipeline axis.
+        loss_fn: ``loss_fn(y_last, microbatch) -> scalar`` on the last stage. The step returns the
+            mean over microbatches and its gradients.
+        data_axis: optional mesh axis over which the batch is split (dim 0) and gradients and loss
+            are averaged (data parallel; parameters replicated).
+        fsdp_axis: the mesh axis of the FSDP shards, required when the schedule has
+            ``UNSHARD``/``RESHARD``/``REDUCE_GRAD`` actions (:func:`~hpfunc.schedules.insert_fsdp`).
+            Parameters are then passed as dim-0 shards (:func:`shard_stage_params`) and gradients
+            come back as shards of the mean over ``fsdp_axis``; the batch is split over
+            ``fsdp_axis`` too (FSDP is data parallel). Do not pass it as ``data_axis`` as well.
+        first_input: maps a microbatch to stage 0's input (default: the microbatch itself).
+        check: validate the schedule once here.
+
+    Returns:
+        A :class:`PipelineStep`; ``step.local_stages`` lists the stages this rank holds.
+
+    Raises:
+        PipelineError (a ValueError): stage count differs from the schedule, the pp axis is not in
+            the mesh, the schedule's ranks differ from the axis size, or (at call time) the batch
+            does not split into the schedule's microbatches.
+    """
+    if fsdp_axis is not None and data_axis is not None:
+        raise PipelineError("pipeline_map: pass either data_axis or fsdp_axis (FSDP already splits the batch)")
+    step = PipelineStep(stage_fns, schedule, mesh, axis=axis, loss_fn=loss_fn,
+                        data_axis=data_axis if fsdp_axis is None else fsdp_axis, fsdp_axis=fsdp_axis,
+                        first_input=first_input, check=check)
+    if fsdp_axis is not None and not step.fsdp:
+        raise PipelineError("pipeline_map: fsdp_axis given but the schedule has no UNSHARD/REDUCE_GRAD actions; "
+                            "run hpfunc.schedules.insert_fsdp(schedule) or use data_axis=")
+    return step
