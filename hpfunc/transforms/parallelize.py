@@ -49,7 +49,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from hpfunc import lax
 from hpfunc import tree as _tree
 from hpfunc.mesh import Mesh
-from hpfunc.sharding import NamedSharding, P, shard, sharding_of
+from hpfunc.sharding import NamedSharding, P, shard, sharding_of, spec_to_placements
 from hpfunc.transforms.plans import Plan, PlanError, ResolvedLeaf
 from hpfunc.transforms.shard_map import shard_map
 
@@ -438,10 +438,12 @@ def _check_params(params: Any, res: Mapping[str, ResolvedLeaf], mesh: Mesh) -> N
     for path, x in _tree.leaves_with_paths(params):
         r = res[path]
         if isinstance(x, DTensor):
-            sh = sharding_of(x)
-            if sh.mesh != mesh or tuple(sh.spec) != tuple(r.spec.storage) and _norm(sh.spec) != _norm(r.spec.storage):
-                raise PlanError(f"parameter {path!r} is stored as {sh.spec!r} but the plan stores it as "
-                                f"{r.spec.storage!r}; use step.shard_params / hpfunc.reshard first")
+            # placements, not sharding_of(): this runs every step and must stay cheap
+            want = spec_to_placements(r.spec.storage, mesh, x.ndim, where=path)
+            same_mesh = x.device_mesh is mesh.device_mesh or x.device_mesh == mesh.device_mesh
+            if not same_mesh or list(x.placements) != list(want):
+                raise PlanError(f"parameter {path!r} is stored as {sharding_of(x).spec!r} but the plan stores it "
+                                f"as {r.spec.storage!r}; use step.shard_params / hpfunc.reshard first")
 
 
 def _norm(spec: P) -> tuple:
