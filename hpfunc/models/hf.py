@@ -252,8 +252,10 @@ def save_pretrained(params: dict, cfg: Qwen3Config, path: str | os.PathLike, *,
             size = 0
         shards[-1][name] = t.detach().to("cpu").contiguous().clone()
         size += nbytes
+    config = cfg.to_hf_dict()
+    config["torch_dtype"] = str(params["embed"].dtype).removeprefix("torch.")  # informational, as on the hub
     with open(os.path.join(path, CONFIG_NAME), "w") as f:
-        json.dump(cfg.to_hf_dict(), f, indent=2, sort_keys=True)
+        json.dump(config, f, indent=2, sort_keys=True)
     for stale in (SINGLE_FILE, INDEX_FILE):
         if os.path.exists(os.path.join(path, stale)):
             os.remove(os.path.join(path, stale))

@@ -122,3 +122,17 @@ def test_dtype_cast_on_load(tmp_path) -> None:
     assert p16["embed"].dtype == torch.bfloat16
     logits = qwen3.apply(p16, torch.tensor([[1, 2, 3]]), cfg)
     assert logits.dtype == torch.bfloat16
+
+
+def test_transformers_sharded_checkpoint_is_read(tmp_path) -> None:
+    pytest.importorskip("transformers")
+    from ._hf import hf_model
+
+    cfg = preset("qwen3-moe-tiny")
+    ref = hf_model(cfg, seed=3)
+    ref.save_pretrained(tmp_path, max_shard_size="100KB")
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    cfg2, params = qwen3.from_pretrained(tmp_path)
+    assert cfg2 == cfg
+    tokens = torch.randint(0, cfg.vocab_size, (1, 7))
+    assert (qwen3.apply(params, tokens, cfg) - ref(input_ids=tokens).logits).abs().max().item() <= 1e-5
