@@ -61,10 +61,11 @@ __all__ = ["parallel_train_step", "parallelize", "ParallelStep", "init_sharded",
 
 
 class _Regather:
-    """Saved-tensor hooks that store gathered parameters as (block, how to gather) markers.
+    """Saved-tensor hooks that store gathered parameters as markers (group, slot, how to gather).
 
     A gathered parameter (or a view of it, e.g. ``w.t()`` saved by ``F.linear``) is identified by its
-    root tensor; the backward gathers each root once and frees it after its last saved use.
+    root tensor. The backward gathers a group (a layer's parameters) once, when the first of its saved
+    parameters is needed, and drops it after the last.
     """
 
     _MARK = object()
@@ -72,15 +73,15 @@ class _Regather:
     def __init__(self, mesh: Mesh):
         self.mesh = mesh
         self.roots: WeakIdKeyDictionary = WeakIdKeyDictionary()
-        self.pending: dict[int, list] = {}  # instance id -> [remaining unpacks, regathered root]
-        self.ids = itertools.count()
+        self.pending: dict[int, list] = {}  # group instance -> [remaining unpacks, regathered roots]
 
     @staticmethod
     def _root(t: torch.Tensor) -> torch.Tensor:
         return t._base if t._base is not None else t
 
-    def register(self, full: torch.Tensor, block: torch.Tensor, gather: tuple) -> None:
-        self.roots[self._root(full)] = (next(self.ids), block, gather)
+    def register(self, fulls: list[torch.Tensor], gid: int, regather: Callable[[], list[torch.Tensor]]) -> None:
+        for k, full in enumerate(fulls):
+            self.roots[self._root(full)] = (gid, k, regather)
 
     def pack(self, t: torch.Tensor) -> Any:
         info = self.roots.get(self._root(t))
@@ -93,15 +94,15 @@ class _Regather:
     def unpack(self, obj: Any) -> torch.Tensor:
         if not (isinstance(obj, tuple) and len(obj) == 5 and obj[0] is self._MARK):
             return obj
-        _, (iid, block, gather), size, stride, offset = obj
-        entry = self.pending[iid]
+        _, (gid, k, regather), size, stride, offset = obj
+        entry = self.pending[gid]
         if entry[1] is None:
             with torch.no_grad(), self.mesh:
-                entry[1] = self._root(_gather_block(block.detach(), gather))
-        root = entry[1]
+                entry[1] = [self._root(f) for f in regather()]
+        root = entry[1][k]
         entry[0] -= 1
         if entry[0] == 0:
-            del self.pending[iid]
+            del self.pending[gid]
         return torch.as_strided(root, size, stride, offset)
 
 
@@ -109,6 +110,39 @@ def _gather_block(x: torch.Tensor, gather: tuple) -> torch.Tensor:
     for d, axes in gather:
         x = lax.all_gather(x, axes if len(axes) > 1 else axes[0], axis=d, tiled=True)
     return x
+
+
+def _gather_group(blocks: list[torch.Tensor], gathers: list[tuple]) -> list[torch.Tensor]:
+    """Gather several parameters with one collective: their blocks packed in one flat buffer.
+
+    Every member gathers one dimension over the same axes (the grouping guarantees it); a single
+    member, or one gathering several dimensions, uses its own ``all_gather``. The transpose is one
+    ``psum_scatter`` of the packed gradients.
+    """
+    if len(blocks) == 1:
+        return [_gather_block(blocks[0], gathers[0])]
+    axes = gathers[0][0][1]
+    n = lax.axis_size(axes)
+    full = lax.all_gather(torch.cat([b.reshape(-1) for b in blocks]), axes if len(axes) > 1 else axes[0],
+                          axis=0, tiled=False)  # (n, sum of block sizes)
+    outs = []
+    for b, g, part in zip(blocks, gathers, full.split([b.numel() for b in blocks], dim=1)):
+        d = g[0][0]
+        shape = list(b.shape)
+        x = part.reshape([n] + shape).movedim(0, d)
+        shape[d] *= n
+        outs.append(x.reshape(shape))
+    return outs
+
+
+def _group_key(path: str, r: ResolvedLeaf, dtype: torch.dtype) -> tuple:
+    """Parameters gathered together: those under the same list element (``layers.3``), with the same
+    gather axes and dtype; top-level parameters each alone (the embedding is used first, the head last)."""
+    parts = path.split(".")
+    prefix = next((".".join(parts[: i + 1]) for i, p in enumerate(parts) if p.isdigit()), None)
+    if prefix is None or len(r.gather) != 1:
+        return ("leaf", path)
+    return ("group", prefix, r.gather[0][1], dtype)
 
 
 class _LazyDict(Mapping):
@@ -274,15 +308,39 @@ class ParallelStep:
         ws = [x.detach().requires_grad_(x.is_floating_point()) for x in leaves]
         index = {id(w): i for i, w in enumerate(ws)}
         regather = _Regather(mesh) if plan.reshard_after_forward else None
+        groups: dict[tuple, list[int]] = {}
+        for i, (r, w) in enumerate(zip(leaves_plan, ws)):
+            if r.gather:
+                groups.setdefault(_group_key(r.path, r, w.dtype), []).append(i)
+        group_of = {i: members for members in groups.values() for i in members}
+        ready: dict[int, torch.Tensor] = {}  # gathered with their group, not yet read
+        gathered: set[int] = set()  # leaves whose group was gathered in this forward
+        gids = itertools.count()
+
+        def gather(members: list[int]) -> list[torch.Tensor]:
+            blocks = [ws[j] for j in members]
+            specs = [leaves_plan[j].gather for j in members]
+            fulls = _gather_group(blocks, specs)
+            if regather is not None:
+                detached = [b.detach() for b in blocks]
+                regather.register(fulls, next(gids), lambda: _gather_group(detached, specs))
+            return fulls
 
         def gather_leaf(w: torch.Tensor) -> torch.Tensor:
             i = index.get(id(w))
             if i is None or not leaves_plan[i].gather:
                 return w
-            full = _gather_block(w, leaves_plan[i].gather)
-            if regather is not None:
-                regather.register(full, w, leaves_plan[i].gather)
-            return full
+            if i in ready:
+                return ready.pop(i)
+            if i in gathered:  # read a second time: gather it alone again
+                return gather([i])[0]
+            members = group_of[i]
+            fulls = gather(members)
+            for j, f in zip(members, fulls):
+                gathered.add(j)
+                if j != i:
+                    ready[j] = f
+            return fulls[members.index(i)]
 
         any_gather = any(r.gather for r in leaves_plan)
         tree_in = optree.tree_unflatten(treedef, ws)
@@ -291,6 +349,7 @@ class ParallelStep:
                  if regather is not None and any_gather else _nullcontext())
         with hooks, tensor_parallel(plan.tp_axis):
             out = self.loss_fn(view, batch)
+        ready.clear()  # gathered with a layer but never read: free now
         loss, aux = out if self.has_aux else (out, None)
         if not (isinstance(loss, torch.Tensor) and loss.ndim == 0 and loss.is_floating_point()):
             raise TypeError(f"parallel_train_step: loss_fn must return a floating 0-d tensor"

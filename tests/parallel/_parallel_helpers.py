@@ -176,6 +176,9 @@ def run_comm(name: str, batch: int = 4, seq: int = 6) -> dict:
     out["replicated_numel"] = {p: math.prod(s) for p, s in shapes.items()}
     res = plan.resolve(qwen3.param_shapes(cfg), mesh)
     out["tp_replicated_numel"] = sum(math.prod(r.shape) for r in res.values() if "tp" in r.replicated)
+    # FSDP gathers: one per layer (its parameters packed) and one per top-level parameter
+    out["gather_groups"] = len({p.split(".")[0] + "." + p.split(".")[1] if p.split(".")[0] == "layers" else p
+                                for p, r in res.items() if r.gather})
     return out
 
 

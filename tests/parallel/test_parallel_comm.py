@@ -50,11 +50,12 @@ def test_fsdp_reshard_after_forward_3psi(pools, name):
     # the backward gathers again every parameter autograd saved: all but the embedding table
     # (an embedding lookup saves the indices, not the table), so 3 Psi less the embedding
     assert _sent(out, "all_gather", ("fsdp",), "backward") == f * (psi_bytes - 4 * out["embed"])
-    # one gather per parameter in each pass
-    n_leaves = len(out["replicated_numel"])
-    assert out[("all_gather", ("fsdp",), "forward")][0] == n_leaves
-    assert out[("all_gather", ("fsdp",), "backward")][0] == n_leaves - 1
-    assert out[("reduce_scatter", ("fsdp",), "backward")][0] == n_leaves
+    # one gather per layer (its parameters packed in one buffer) and per top-level parameter, each pass
+    groups = out["gather_groups"]
+    assert groups == out["layers"] + 3  # layers.0, layers.1, embed, final_norm, lm_head
+    assert out[("all_gather", ("fsdp",), "forward")][0] == groups
+    assert out[("all_gather", ("fsdp",), "backward")][0] == groups - 1
+    assert out[("reduce_scatter", ("fsdp",), "backward")][0] == groups
 
 
 def test_fsdp_without_reshard_2psi(pools):
@@ -80,10 +81,9 @@ def test_fsdp_x_tp_counts(pools):
     out = pools(4).run(H.run_comm, "fsdp_tp")[0]
     L = out["layers"]
     assert out["act_psum"] == {"forward": 2 * L, "backward": 2 * L}
-    # every parameter is gathered once forward over fsdp (its tp block), reduce-scattered once backward
-    n_leaves = len(out["replicated_numel"])
-    assert out[("all_gather", ("fsdp",), "forward")][0] == n_leaves
-    assert out[("reduce_scatter", ("fsdp",), "backward")][0] == n_leaves
+    # every layer is gathered once forward over fsdp (its tp blocks), reduce-scattered once backward
+    assert out[("all_gather", ("fsdp",), "forward")][0] == out["gather_groups"]
+    assert out[("reduce_scatter", ("fsdp",), "backward")][0] == out["gather_groups"]
     assert _sent(out, "all_gather", ("fsdp",), "forward") == _sent(out, "reduce_scatter", ("fsdp",), "backward")
 
 
