@@ -49,7 +49,8 @@ from hpfunc import tree as _tree
 from hpfunc.mesh import Mesh
 from hpfunc.schedules import ActionKind, Schedule, insert_comms, validate
 
-__all__ = ["PipelineError", "PipelineStep", "pipeline_map", "shard_stage_params", "unshard_stage_grads"]
+__all__ = ["PipelineError", "PipelineStep", "pipeline_map", "shard_stage_params", "split_microbatches",
+           "unshard_stage_grads"]
 
 K = ActionKind
 
