@@ -372,6 +372,7 @@ class ParallelStep:
             sq = torch.stack(sq_terms).sum() if sq_terms else torch.zeros((), dtype=torch.float64)
             sq = lax.psum(sq, mesh.axis_names) if mesh.size > 1 else sq
             gnorm = sq.sqrt()
+            reduced = optree.tree_unflatten(treedef, red)  # returned (before clipping) with return_grads
             if self.clip_norm is not None:
                 scale = torch.clamp(self.clip_norm / (gnorm + 1e-6), max=1.0)
                 red = [(g * scale).to(g.dtype) for g in red]
@@ -387,7 +388,7 @@ class ParallelStep:
                 metrics.update(_reduce_aux(aux, data_axes))
         out = (optree.tree_unflatten(treedef, new_p), new_state, metrics)
         if self.return_grads:
-            out = out + (g_tree,)
+            out = out + (reduced,)
         return out
 
 

@@ -92,7 +92,11 @@ def run_parity(name: str, model: str, seed: int, steps: int = 2, clip_norm: floa
             scale = float(r.abs().max()) or 1.0
             assert_trees_close(g, r, rtol=1e-5, atol=1e-5 * scale, what=f"step {i} grad {path}")
         # the optimizer on shards is the single-device optimizer: the same update from the same state and grads
-        u, _ = ref_opt.update(to_full(grads), at_state, at)
+        gfull = to_full(grads)
+        if clip_norm is not None:
+            clip = optim.clip_by_global_norm(clip_norm)
+            gfull, _ = clip.update(gfull, clip.init(None))
+        u, _ = opt.update(gfull, at_state, at)
         assert_trees_close(params, optim.apply_updates(at, u), rtol=1e-5, atol=1e-7, what=f"step {i} update")
         # the independent single-device trajectory
         _, tgrads = hpfunc.value_and_grad(ref_loss)(ref_params, b)

@@ -43,3 +43,9 @@ def test_random_plans_models_seeds(pools, name, model, seed, clip, tie):
 
 def test_loss_is_full_batch_mean_for_dense(pools):
     pools(2).run(H.run_dense_loss_is_full_batch_loss, 3)
+
+
+@pytest.mark.parametrize("name", ["fsdp", "zero2_tp"])
+def test_clip_norm_uses_the_global_norm(pools, name):
+    # the grad norm is over all shards (clip active: the tiny model's norm is above 0.5)
+    pools(H.PLANS[name][0]).run(H.run_parity, name, "qwen3-dense-tiny", 4, 2, 0.5)
