@@ -27,7 +27,7 @@ Parameter paths (``hpfunc.tree.path_str``), all linear weights ``[out, in]`` as 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -176,7 +176,8 @@ def check_tokens(tokens: torch.Tensor, vocab_size: int) -> None:
 
 
 def apply(params: dict, tokens: torch.Tensor, cfg: Qwen3Config, *, positions: torch.Tensor | None = None,
-          return_aux: bool = False, moe_impl: str = "auto") -> Any:
+          return_aux: bool = False, moe_impl: str = "auto",
+          reduce_partial: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Any:
     """Logits ``[B, S, V]`` for ``tokens [B, S]`` (causal; ``positions`` ``[S]`` or ``[B, S]`` default
     ``arange(S)``).
 
@@ -184,6 +185,10 @@ def apply(params: dict, tokens: torch.Tensor, cfg: Qwen3Config, *, positions: to
     MoE layers (0 for a dense model, not scaled by ``router_aux_loss_coef``), ``aux["expert_load"]``
     ``[n_moe_layers, E]`` int64 (top-k assignments per expert) and ``aux["router_logits"]`` (one
     ``[B*S, E]`` per MoE layer).
+
+    ``reduce_partial`` (for tensor parallelism) is applied to each row-parallel output, the attention
+    ``wo`` projection (before its bias) and the MLP / MoE down projection, before the residual add:
+    with Megatron shards of the weights, ``lambda y: lax.psum(y, "tp")`` gives the full model.
 
     >>> from hpfunc.models import preset
     >>> cfg = preset("qwen3-dense-tiny")
@@ -202,9 +207,15 @@ def apply(params: dict, tokens: torch.Tensor, cfg: Qwen3Config, *, positions: to
     routings = []
     for layer in params["layers"]:
         a = layer["attn"]
-        h = h + gqa_attention(rms_norm(h, layer["attn_norm"], eps), a["wq"], a["wk"], a["wv"], a["wo"],
-                              a["q_norm"], a["k_norm"], cos, sin, eps=eps,
-                              bq=a.get("bq"), bk=a.get("bk"), bv=a.get("bv"), bo=a.get("bo"))
+        out = gqa_attention(rms_norm(h, layer["attn_norm"], eps), a["wq"], a["wk"], a["wv"], a["wo"],
+                            a["q_norm"], a["k_norm"], cos, sin, eps=eps,
+                            bq=a.get("bq"), bk=a.get("bk"), bv=a.get("bv"),
+                            bo=a.get("bo") if reduce_partial is None else None)
+        if reduce_partial is not None:
+            out = reduce_partial(out)
+            if "bo" in a:  # added once, after the reduction
+                out = out + a["bo"]
+        h = h + out
         x = rms_norm(h, layer["mlp_norm"], eps)
         if "moe" in layer:
             m = layer["moe"]
@@ -215,7 +226,7 @@ def apply(params: dict, tokens: torch.Tensor, cfg: Qwen3Config, *, positions: to
             routings.append(routing)
         else:
             y = swiglu_mlp(x, layer["mlp"]["w_gate"], layer["mlp"]["w_up"], layer["mlp"]["w_down"])
-        h = h + y
+        h = h + (y if reduce_partial is None else reduce_partial(y))
     h = rms_norm(h, params["final_norm"], eps)
     logits = F.linear(h, params["embed"] if cfg.tie_word_embeddings else params["lm_head"])
     if not return_aux:
@@ -240,7 +251,8 @@ def shift_labels(tokens: torch.Tensor) -> torch.Tensor:
     return F.pad(tokens[:, 1:], (0, 1), value=IGNORE_INDEX)
 
 
-def loss(params: dict, batch: dict, cfg: Qwen3Config, *, moe_impl: str = "auto") -> tuple[torch.Tensor, dict]:
+def loss(params: dict, batch: dict, cfg: Qwen3Config, *, moe_impl: str = "auto",
+         reduce_partial: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[torch.Tensor, dict]:
     """Training loss ``ce + router_aux_loss_coef * aux_loss`` (the aux term only for MoE models).
 
     ``batch["tokens"]`` int64 ``[B, S]``; ``batch["labels"]`` (optional) ``[B, S]`` targets *aligned with
@@ -263,7 +275,7 @@ def loss(params: dict, batch: dict, cfg: Qwen3Config, *, moe_impl: str = "auto")
     if labels.shape != tokens.shape:
         raise ValueError(f"loss: labels must have the tokens' shape {tuple(tokens.shape)}, "
                          f"found {tuple(labels.shape)}")
-    logits, aux = apply(params, tokens, cfg, return_aux=True, moe_impl=moe_impl)
+    logits, aux = apply(params, tokens, cfg, return_aux=True, moe_impl=moe_impl, reduce_partial=reduce_partial)
     ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
                          ignore_index=IGNORE_INDEX)
     total = ce + cfg.router_aux_loss_coef * aux["aux_loss"] if cfg.moe_layers else ce

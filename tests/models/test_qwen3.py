@@ -84,3 +84,17 @@ def test_moe_impls_agree(tiny) -> None:
     a = qwen3.apply(params, tokens, cfg, moe_impl="bmm")
     b = qwen3.apply(params, tokens, cfg, moe_impl="grouped_mm")
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_reduce_partial_sees_row_parallel_outputs() -> None:
+    # The hook sees every row-parallel output (attention and MLP/MoE per layer); as the identity it
+    # leaves the model unchanged, with the attention output bias moved after it.
+    cfg = preset("qwen3-moe-tiny", attention_bias=True, num_hidden_layers=2, decoder_sparse_step=2)
+    params = qwen3.init(hpfunc.random.key(3), cfg)
+    params = hpfunc.tree.map_with_path(lambda p, t: t + 0.01 if p.endswith(".bo") else t, params)
+    tokens = torch.randint(0, 256, (2, 5))
+    full = qwen3.apply(params, tokens, cfg)
+    seen = []
+    same = qwen3.apply(params, tokens, cfg, reduce_partial=lambda y: seen.append(y.shape) or y)
+    torch.testing.assert_close(same, full, atol=1e-6, rtol=1e-6)
+    assert len(seen) == 2 * cfg.num_hidden_layers
