@@ -181,9 +181,6 @@ class PipelineStep:
                 f"has size {p}")
         has_fsdp_actions = any(a.kind in (K.UNSHARD, K.RESHARD, K.REDUCE_GRAD)
                                for row in schedule.actions.values() for a in row)
-        if has_fsdp_actions and fsdp_axis is None:
-            raise PipelineError("pipeline_map: the schedule has UNSHARD/RESHARD/REDUCE_GRAD actions; pass "
-                                "fsdp_axis=<mesh axis> (parameters are then dim-0 shards, see shard_stage_params)")
         if not schedule.has_comms:
             schedule = insert_comms(schedule)
         if check:
@@ -195,7 +192,9 @@ class PipelineStep:
         self.loss_fn = loss_fn
         self.data_axis = data_axis
         self.fsdp_axis = fsdp_axis
-        self.fsdp = has_fsdp_actions
+        # Without an FSDP axis the FSDP actions are no-ops (parameters are whole), as in torch's
+        # runtime for stages that are not FSDP-wrapped; torch's own lowering always contains them.
+        self.fsdp = has_fsdp_actions and fsdp_axis is not None
         self.first_input = first_input
         self.pp_index = mesh.axis_index(axis)
         self.local_stages = schedule.stages_of(self.pp_index)
@@ -400,6 +399,8 @@ class PipelineStep:
                 backward(s, i, want_dx=False, want_dw=True)
             elif kind is K.BW:
                 backward(s, i, want_dx=True, want_dw=True)
+            elif kind in (K.UNSHARD, K.RESHARD, K.REDUCE_GRAD) and not self.fsdp:
+                pass
             elif kind is K.UNSHARD:
                 make_live(s, _tree.leaves(self._unshard(_tree.unflatten(specs[s], stored[s]))))
             elif kind is K.RESHARD:
@@ -466,8 +467,9 @@ def pipeline_map(stage_fns: Sequence[Callable], schedule: Schedule, mesh: Mesh, 
             mean over microbatches and its gradients.
         data_axis: optional mesh axis over which the batch is split (dim 0) and gradients and loss
             are averaged (data parallel; parameters replicated).
-        fsdp_axis: the mesh axis of the FSDP shards, required when the schedule has
+        fsdp_axis: the mesh axis of the FSDP shards; the schedule must then have
             ``UNSHARD``/``RESHARD``/``REDUCE_GRAD`` actions (:func:`~hpfunc.schedules.insert_fsdp`).
+            Without it those actions are no-ops (as torch does for stages that are not FSDP-wrapped).
             Parameters are then passed as dim-0 shards (:func:`shard_stage_params`) and gradients
             come back as shards of the mean over ``fsdp_axis``; the batch is split over
             ``fsdp_axis`` too (FSDP is data parallel). Do not pass it as ``data_axis`` as well.

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import hpfunc
-from hpfunc.schedules import insert_fsdp, one_f_one_b, zbv
+from hpfunc.schedules import one_f_one_b, zbv
 from hpfunc.transforms.pipeline import PipelineError, pipeline_map, split_microbatches
 
 
@@ -40,7 +40,8 @@ def bad_inputs():
         "v_stages": catch(lambda: pipeline_map(_fns(2), zbv(2, 4), pp, loss_fn=_loss)),
         "axis": catch(lambda: pipeline_map(_fns(2), one_f_one_b(2, 4), hpfunc.Mesh({"dp": 2}), loss_fn=_loss)),
         "ranks": catch(lambda: pipeline_map(_fns(4), one_f_one_b(4, 4), pp, loss_fn=_loss)),
-        "fsdp": catch(lambda: pipeline_map(_fns(2), insert_fsdp(one_f_one_b(2, 4)), pp, loss_fn=_loss)),
+        "fsdp": catch(lambda: pipeline_map(_fns(2), one_f_one_b(2, 4), hpfunc.Mesh({"pp": 2, "fsdp": 1}),
+                                           loss_fn=_loss, fsdp_axis="fsdp")),
         "params": catch(lambda: step({}, {"x": torch.randn(8, 3)})),
     }
 
@@ -54,7 +55,7 @@ def test_bad_inputs(pool2):
         "v_stages": "got 2 stage functions but schedule .* has 4 stages",
         "axis": "has no pipeline axis 'pp'.*axes are \\('dp',\\)",
         "ranks": "runs on ranks \\(0, 1, 2, 3\\) but mesh axis 'pp' has size 2",
-        "fsdp": "UNSHARD/RESHARD/REDUCE_GRAD actions; pass fsdp_axis",
+        "fsdp": "fsdp_axis given but the schedule has no UNSHARD/REDUCE_GRAD",
         "params": "holds stages \\(\\d,\\) but params has no entry",
     }
     import re

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from hpfunc.schedules import (insert_fsdp, interleaved_1f1b, one_f_one_b, read_csv, split_backward, validate,
+from hpfunc.schedules import (from_torch_pipeline_order, insert_fsdp, interleaved_1f1b, one_f_one_b, read_csv, split_backward, validate,
                               write_csv, zb_h2, zbv)
 from test_pipeline_parity import check, run_pipeline
 
@@ -58,13 +58,14 @@ def torch_zbv_order():
         group = dist.new_group([0, 1])
         stages = [PipelineStage(torch.nn.Linear(2, 2), i, 4, torch.device("cpu"), group=group) for i in (0, 3)]
         sched = torch_schedules.ScheduleZBVZeroBubble(stages, 4, loss_fn=lambda out, target: out.sum())
-        yield sched.pipeline_order
+        yield sched.pipeline_order, sched.pipeline_order_with_comms
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.multirank
 def test_torch_zbv_csv_runs(pool2, torch_zbv_order, tmp_path: Path):
+    torch_zbv_order, _ = torch_zbv_order
     path = tmp_path / "torch_zbv.csv"
     with open(path, "w", newline="") as f:   # as torch's _dump_csv writes it
         csv.writer(f).writerows(torch_zbv_order[r] for r in sorted(torch_zbv_order))
@@ -84,3 +85,13 @@ def test_hpfunc_csv_roundtrip_runs(pool2, tmp_path: Path):
     assert back == s
     counts = (2, 1)
     check(pool2.run(run_pipeline, MOE, back, counts, 8, {"pp": 2}), MOE, counts, 8, 4)
+
+
+@pytest.mark.multirank
+def test_torch_lowered_zbv_runs(pool2, torch_zbv_order):
+    # torch's own lowering (its SEND/RECV placement) runs as well
+    _, with_comms = torch_zbv_order
+    s = validate(from_torch_pipeline_order(with_comms, stage_to_rank=(0, 1, 1, 0), num_microbatches=4))
+    assert s.has_comms
+    counts = (1, 1, 1, 2)
+    check(pool2.run(run_pipeline, MOE, s, counts, 8, {"pp": 2}), MOE, counts, 8, 4)
