@@ -458,7 +458,8 @@ def pipeline_map(stage_fns: Sequence[Callable], schedule: Schedule, mesh: Mesh, 
     Args:
         stage_fns: one function per stage, ``stage_fns[s](params_s, x) -> y``. Stage 0 receives the
             microbatch (or ``first_input(microbatch)``); every other stage receives what the stage
-            before it returned: a tensor, or a tuple of tensors (floating-point ones carry gradients).
+            before it returned: a tensor, or a tuple of up to 8 tensors (floating-point ones carry
+            gradients back; a 1-tuple arrives as its tensor).
         schedule: a :class:`~hpfunc.schedules.Schedule` with ``schedule.num_stages == len(stage_fns)``
             and one rank per index of ``mesh`` axis ``axis``. Compute-only schedules get
             :func:`~hpfunc.schedules.insert_comms`; all are validated unless ``check=False``.
