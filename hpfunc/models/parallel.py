@@ -62,7 +62,7 @@ def apply(params: dict, tokens: torch.Tensor, cfg: Qwen3Config, *, return_aux: b
         return qwen3.apply(params, tokens, cfg, return_aux=return_aux, moe_impl=moe_impl)
     qwen3.check_tokens(tokens, cfg.vocab_size)
     B, S = tokens.shape
-    h = F.embedding(tokens, params["embed"])
+    h = _embed(tokens, params["embed"], cfg, axis)
     positions = torch.arange(S, device=tokens.device)
     inv_freq, rope_scale = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
                                          max_position_embeddings=cfg.max_position_embeddings)
@@ -91,6 +91,7 @@ def apply(params: dict, tokens: torch.Tensor, cfg: Qwen3Config, *, return_aux: b
             y = swiglu_mlp(x, layer["mlp"]["w_gate"], layer["mlp"]["w_up"], layer["mlp"]["w_down"])
         h = h + lax.psum(y, axis)
     h = rms_norm(h, params["final_norm"], eps)
+    # with a vocabulary-parallel head these are this rank's vocabulary columns of the logits
     logits = F.linear(h, params["embed"] if cfg.tie_word_embeddings else params["lm_head"])
     if not return_aux:
         return logits
@@ -105,6 +106,36 @@ def apply(params: dict, tokens: torch.Tensor, cfg: Qwen3Config, *, return_aux: b
                     "router_logits": tuple(r.logits for r in routings)}
 
 
+def _embed(tokens: torch.Tensor, table: torch.Tensor, cfg: Qwen3Config, axis: str) -> torch.Tensor:
+    """Embedding lookup; a table sharded by vocabulary rows looks up its own ids and sums over ``axis``."""
+    rows = table.shape[0]
+    if rows == cfg.vocab_size:
+        return F.embedding(tokens, table)
+    local = tokens - lax.axis_index(axis) * rows
+    mine = (local >= 0) & (local < rows)
+    h = F.embedding(local.clamp(0, rows - 1), table) * mine.unsqueeze(-1).to(table.dtype)
+    return lax.psum(h, axis)
+
+
+def _cross_entropy(logits: torch.Tensor, labels: torch.Tensor, cfg: Qwen3Config, axis: str) -> torch.Tensor:
+    """Mean cross-entropy over non-ignored targets; logits split by vocabulary over ``axis`` are reduced
+    with a max, a sum of exponentials and the target logit (three small all-reduces of [tokens])."""
+    cols = logits.shape[-1]
+    x = logits.float().reshape(-1, cols)
+    y = labels.reshape(-1)
+    if cols == cfg.vocab_size:
+        return F.cross_entropy(x, y, ignore_index=qwen3.IGNORE_INDEX)
+    valid = y != qwen3.IGNORE_INDEX
+    # log-sum-exp is shift invariant: the max needs no gradient
+    m = lax.pmax(x.detach().amax(-1), axis)
+    sumexp = lax.psum(torch.exp(x - m[:, None]).sum(-1), axis)
+    local = y - lax.axis_index(axis) * cols
+    mine = (local >= 0) & (local < cols) & valid
+    target = lax.psum(x.gather(1, local.clamp(0, cols - 1)[:, None]).squeeze(1) * mine, axis)
+    nll = torch.log(sumexp) + m - target
+    return (nll * valid).sum() / valid.sum()
+
+
 def loss(params: dict, batch: dict, cfg: Qwen3Config, *, moe_impl: str = "auto") -> tuple[torch.Tensor, dict]:
     """:func:`qwen3.loss` with the tensor-parallel-aware :func:`apply` (identical without a bound axis)."""
     if tp_axis() is None:
@@ -113,8 +144,7 @@ def loss(params: dict, batch: dict, cfg: Qwen3Config, *, moe_impl: str = "auto")
     labels = batch.get("labels")
     labels = qwen3.shift_labels(tokens) if labels is None else labels
     logits, aux = apply(params, tokens, cfg, return_aux=True, moe_impl=moe_impl)
-    ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                         ignore_index=qwen3.IGNORE_INDEX)
+    ce = _cross_entropy(logits, labels, cfg, tp_axis())
     total = ce + cfg.router_aux_loss_coef * aux["aux_loss"] if cfg.moe_layers else ce
     return total, {"ce_loss": ce.detach(), "aux_loss": aux["aux_loss"].detach(),
                    "expert_load": aux["expert_load"], "tokens": (labels != qwen3.IGNORE_INDEX).sum()}

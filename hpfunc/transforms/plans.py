@@ -89,6 +89,7 @@ class _Layer:
     kind: str  # "ddp" | "fsdp" | "zero" | "tp"
     axis: str
     stage: int = 3  # zero stage for kind == "zero" (1 or 2) / fsdp (3)
+    vocab: bool = False  # tp: also shard the embedding and lm_head by vocabulary rows
 
     @property
     def is_data(self) -> bool:
@@ -143,7 +144,7 @@ def _apply_layer(layer: _Layer, path: str, shape: tuple[int, ...], spec: LeafSpe
     if layer.kind == "ddp" or n == 1:
         return spec
     if layer.kind == "tp":
-        d = _tp_dim(path)
+        d = 0 if layer.vocab and path in ("embed", "lm_head") else _tp_dim(path)
         if d is None or d >= nd:
             return spec
         hd = _head_dim(path, shapes)
@@ -332,12 +333,13 @@ def hsdp(replicate_axis: str = "dp", shard_axis: str = "fsdp", *, reshard_after_
     return ddp(replicate_axis) + fsdp(shard_axis, reshard_after_forward=reshard_after_forward)
 
 
-def tp(axis: str = "tp") -> Plan:
+def tp(axis: str = "tp", *, vocab_parallel: bool = False) -> Plan:
     """Megatron tensor parallel for Qwen3 parameter names: column-parallel ``wq, wk, wv, w_gate,
     w_up`` (dim 0; expert stacks dim 1), row-parallel ``wo, w_down`` (dim 1; expert ``w_down`` dim 2).
-    Embedding, ``lm_head``, norms and router stay replicated on ``axis`` (no vocabulary parallelism yet).
-    The model must reduce row-parallel outputs: use :mod:`hpfunc.models.parallel`."""
-    return Plan((_Layer("tp", axis),))
+    Norms and router stay replicated on ``axis``; the embedding and ``lm_head`` too unless
+    ``vocab_parallel``, which shards both by vocabulary rows (the lookup and the cross-entropy then
+    reduce over ``axis``). The model must reduce row-parallel outputs: use :mod:`hpfunc.models.parallel`."""
+    return Plan((_Layer("tp", axis, vocab=vocab_parallel),))
 
 
 def total_numel(resolved: Mapping[str, ResolvedLeaf]) -> int:

@@ -96,3 +96,17 @@ def test_model_state_bytes_per_rank(pools, name, formula):
     outs = pools(H.PLANS[name][0]).run(H.run_state_bytes, name)
     for o in outs:
         assert o["params"] + o["grads"] + o["opt"] == formula(o["psi"], o["n"]), o
+
+
+def test_tp_vocab_parallel_one_more_all_reduce_each_way(pools):
+    out = pools(2).run(H.run_comm, "tp_vocab")[0]
+    L = out["layers"]
+    # the embedding lookup adds one all-reduce of b s h each way; embed and lm_head are no longer
+    # replicated, so their gradients need no all-reduce
+    assert out["act_psum"] == {"forward": 2 * L + 1, "backward": 2 * L + 1}
+    act_sent = (2 * L + 1) * out["act_bytes"]  # n = 2: an all-reduce sends M
+    tokens_bytes = 4 * 4 * 6  # one fp32 per token (batch 4 x 6)
+    # cross-entropy: max, sum of exponentials and target logit forward; the last two backward
+    assert _sent(out, "all_reduce", ("tp",), "backward") == act_sent + 2 * tokens_bytes
+    grads_sent = 4 * out["tp_replicated_numel"]  # norms only
+    assert _sent(out, "all_reduce", ("tp",), "forward") == act_sent + grads_sent + 3 * tokens_bytes

@@ -29,7 +29,7 @@ def test_plan_matches_single_device_dense_4(pools, name):
     pools(4).run(H.run_parity, name, "qwen3-dense-tiny", 1)
 
 
-@pytest.mark.parametrize("name", ["fsdp", "zero2", "tp", "fsdp_tp"])
+@pytest.mark.parametrize("name", ["fsdp", "zero2", "tp", "fsdp_tp", "tp_vocab"])
 def test_plan_matches_single_device_moe(pools, name):
     pools(H.PLANS[name][0]).run(H.run_parity, name, "qwen3-moe-tiny", 2)
 
@@ -49,3 +49,9 @@ def test_loss_is_full_batch_mean_for_dense(pools):
 def test_clip_norm_uses_the_global_norm(pools, name):
     # the grad norm is over all shards (clip active: the tiny model's norm is above 0.5)
     pools(H.PLANS[name][0]).run(H.run_parity, name, "qwen3-dense-tiny", 4, 2, 0.5)
+
+
+@pytest.mark.parametrize("name", ["tp_vocab", "fsdp_tp"])
+def test_untied_embeddings(pools, name):
+    # qwen3-dense-tiny ties embed and lm_head; this covers a separate, vocabulary-parallel head
+    pools(H.PLANS[name][0]).run(H.run_parity, name, "qwen3-dense-tiny", 5, 2, None, False)
