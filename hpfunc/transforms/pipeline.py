@@ -85,6 +85,10 @@ def _is_diff(t: torch.Tensor) -> bool:
 def split_microbatches(batch: Any, m: int) -> list[Any]:
     """Split every tensor leaf of ``batch`` into ``m`` equal chunks along dim 0.
 
+    Example:
+        >>> [mb["x"].tolist() for mb in split_microbatches({"x": torch.arange(4)}, 2)]
+        [[0, 1], [2, 3]]
+
     Raises:
         PipelineError: a leaf's batch dimension is not divisible by ``m``.
     """
@@ -113,7 +117,7 @@ def shard_stage_params(params: Any, mesh: Mesh, axis: str) -> Any:
     """This rank's dim-0 shard of every leaf (the storage layout ``UNSHARD`` expects).
 
     Example:
-        >>> # shards = shard_stage_params({0: {"w": w0}}, mesh, "fsdp")   # doctest: +SKIP
+        >>> shards = shard_stage_params({0: {"w": w0}}, mesh, "fsdp")   # doctest: +SKIP
     """
     n, i = mesh.axis_size(axis), mesh.axis_index(axis)
     return _tree.map_with_path(lambda p, x: _chunk_dim0(x, n, i, p), params)

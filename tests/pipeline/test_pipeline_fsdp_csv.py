@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from hpfunc.schedules import (from_torch_pipeline_order, insert_fsdp, interleaved_1f1b, one_f_one_b, read_csv, split_backward, validate,
+from hpfunc.schedules import (dualpipev, from_torch_pipeline_order, insert_fsdp, interleaved_1f1b, one_f_one_b, read_csv, split_backward, validate,
                               write_csv, zb_h2, zbv)
 from test_pipeline_parity import check, run_pipeline
 
@@ -30,10 +30,11 @@ def test_pp_x_dp(pool4, model):
     # two stages per rank, at most one gathered: RESHARD and a second UNSHARD of the same stage
     (DENSE, insert_fsdp(interleaved_1f1b(2, 4, 2), max_unsharded=1, prefetch=1), (2, 1, 1, 1)),
     (MOE, insert_fsdp(split_backward(zbv(2, 4)), max_unsharded=1), (1, 1, 2, 1)),
-], ids=["1f1b-dense", "interleaved-reshard-dense", "zbv-split-moe"])
+    (DENSE, insert_fsdp(dualpipev(2, 4), prefetch=1), (1, 2, 1, 1)),
+], ids=["1f1b-dense", "interleaved-reshard-dense", "zbv-split-moe", "dualpipev-prefetch-dense"])
 def test_pp_x_fsdp(pool4, model, schedule, counts):
     validate(schedule)
-    assert any(a.kind.value == "RESHARD" for a in schedule[0])
+    assert any(a.kind.value == "REDUCE_GRAD" for a in schedule[0])
     m, bs = schedule.num_microbatches, 8
     res = pool4.run(run_pipeline, model, schedule, counts, bs, {"pp": 2, "fsdp": 2}, {"fsdp_axis": "fsdp"})
     check(res, model, counts, bs, 2 * m)
