@@ -20,6 +20,8 @@ PLANS = {
     "fsdp_tp": (4, {"fsdp": 2, "tp": 2}, lambda pl: pl.fsdp("fsdp") + pl.tp("tp")),
     "ddp_tp": (4, {"dp": 2, "tp": 2}, lambda pl: pl.ddp("dp") + pl.tp("tp")),
     "zero2_tp": (4, {"dp": 2, "tp": 2}, lambda pl: pl.zero2("dp") + pl.tp("tp")),
+    "hsdp_tp8": (8, {"dp": 2, "fsdp": 2, "tp": 2},
+                 lambda pl: pl.hsdp("dp", "fsdp") + pl.tp("tp", vocab_parallel=True)),
     "tp_vocab": (2, {"tp": 2}, lambda pl: pl.tp("tp", vocab_parallel=True)),
     "fsdp_tp_vocab": (4, {"fsdp": 2, "tp": 2}, lambda pl: pl.fsdp("fsdp") + pl.tp("tp", vocab_parallel=True)),
 }
