@@ -20,6 +20,7 @@ from hpfunc.comm import comm_stats
 from hpfunc.mesh import Mesh, current_mesh, make_mesh
 from hpfunc.sharding import NamedSharding, P, SpecError, logical_to_spec, reshard, shard, typeof
 from hpfunc.transforms.offload import offload
+from hpfunc.transforms.pipeline import PipelineError, pipeline_map
 from hpfunc.transforms.remat import checkpoint_name, checkpoint_policies, remat
 from hpfunc.transforms.shard_map import ReplicationError, shard_map
 
@@ -38,6 +39,8 @@ __all__ = [
     "typeof",
     "logical_to_spec",
     "shard_map",
+    "pipeline_map",
+    "PipelineError",
     "remat",
     "offload",
     "checkpoint_name",
