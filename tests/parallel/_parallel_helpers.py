@@ -260,3 +260,71 @@ def run_bad_input(case: str) -> str:
             assert not stats.records, stats.table()
             return str(e)
     raise AssertionError(f"{case}: no error")
+
+
+class _Spy:
+    """Wraps the step's lazy parameter view; keeps a weak reference to every parameter the model reads."""
+
+    def __init__(self, inner, refs):
+        self._inner, self._refs = inner, refs
+
+    def _wrap(self, v):
+        import weakref
+        from collections.abc import Mapping, Sequence
+
+        if isinstance(v, torch.Tensor):
+            # the storage owner: autograd may save a view (w.t()) that keeps it, not the view read here
+            root = v._base if v._base is not None else v
+            self._refs.append((weakref.ref(root), v.numel() * v.element_size()))
+            return v
+        if isinstance(v, (Mapping, Sequence)) and not isinstance(v, str):
+            return _Spy(v, self._refs)
+        return v
+
+    def __getitem__(self, k):
+        return self._wrap(self._inner[k])
+
+    def get(self, k, default=None):
+        return self._wrap(self._inner[k]) if k in self._inner else default
+
+    def __contains__(self, k):
+        return k in self._inner
+
+    def __iter__(self):
+        if hasattr(self._inner, "keys"):
+            return iter(self._inner)
+        return (self[i] for i in range(len(self._inner)))
+
+    def __len__(self):
+        return len(self._inner)
+
+
+def run_alive_after_forward(name: str) -> dict:
+    """Bytes of gathered (full) parameters still alive when the forward has returned, i.e. held for the
+    backward: what reshard_after_forward saves."""
+    import gc
+
+    import hpfunc
+    from hpfunc import optim
+    from hpfunc.models import parallel, qwen3
+    from hpfunc.transforms.parallelize import parallel_train_step
+
+    mesh, plan = make(name)
+    cfg = config("qwen3-dense-tiny", tie_word_embeddings=False)
+    seen = {}
+
+    def loss_fn(p, b):
+        refs = []
+        out = parallel.loss(_Spy(p, refs), b, cfg)[0]
+        gc.collect()
+        seen["read"] = sum(n for _, n in refs)
+        seen["alive"] = sum(n for r, n in refs if r() is not None)
+        return out
+
+    step = parallel_train_step(loss_fn, optim.adamw(LR), mesh, plan)
+    params = step.shard_params(qwen3.init(hpfunc.random.key(0), cfg))
+    step(params, step.init_opt_state(params), batches(cfg, 1, 4, 6, 0)[0])
+    shapes = qwen3.param_shapes(cfg)
+    seen["psi_bytes"] = 4 * sum(s.numel() for s in hpfunc.tree.leaves(shapes, is_leaf=lambda x: isinstance(x, torch.Size)))
+    seen["embed_bytes"] = 4 * shapes["embed"].numel()
+    return seen

@@ -110,3 +110,15 @@ def test_tp_vocab_parallel_one_more_all_reduce_each_way(pools):
     assert _sent(out, "all_reduce", ("tp",), "backward") == act_sent + 2 * tokens_bytes
     grads_sent = 4 * out["tp_replicated_numel"]  # norms only
     assert _sent(out, "all_reduce", ("tp",), "forward") == act_sent + grads_sent + 3 * tokens_bytes
+
+
+@pytest.mark.parametrize("name", ["fsdp", "fsdp_keep"])
+def test_reshard_after_forward_frees_gathered_params(pools, name):
+    # measured on tensors: after the forward, which gathered full parameters does autograd still hold?
+    out = pools(2).run(H.run_alive_after_forward, name)[0]
+    assert out["read"] == out["psi_bytes"]  # the model read every parameter, full size
+    if name == "fsdp":
+        assert out["alive"] == 0  # all replaced by markers, regathered in the backward
+    else:
+        # kept for the backward: everything but the embedding table (a lookup saves only the ids)
+        assert out["alive"] == out["psi_bytes"] - out["embed_bytes"]
