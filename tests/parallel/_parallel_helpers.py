@@ -29,10 +29,22 @@ PLANS = {
 LR = 1e-3
 
 
-def make(name: str):
+def make(name):
+    """``name`` of :data:`PLANS`, or ``(mesh_shape, roles)`` with one role per mesh axis."""
     import hpfunc
     from hpfunc.transforms import plans
 
+    if isinstance(name, tuple):
+        mesh_shape, roles = name
+        plan = plans.Plan()
+        for axis, role in zip(mesh_shape, roles):
+            plan = plan + {
+                "ddp": lambda a: plans.ddp(a), "fsdp": lambda a: plans.fsdp(a),
+                "fsdp_keep": lambda a: plans.fsdp(a, reshard_after_forward=False),
+                "zero1": lambda a: plans.zero1(a), "zero2": lambda a: plans.zero2(a),
+                "tp": lambda a: plans.tp(a), "tp_vocab": lambda a: plans.tp(a, vocab_parallel=True),
+            }[role](axis)
+        return hpfunc.Mesh(mesh_shape), plan
     world, axes, factory = PLANS[name]
     return hpfunc.Mesh(axes), factory(plans)
 
