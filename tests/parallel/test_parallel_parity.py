@@ -1,6 +1,6 @@
 """parallel_train_step equals single-device AdamW training: loss, reduced grads, grad norm, params.
 
-Multi-rank model tests are expensive (a few hundred ms per step on 2 shared cores): the property test
+Multi-rank model tests are expensive (a few hundred ms per step on 2 shared cores): the two property
 tests run 6 and 8 examples (``max_examples``) instead of the profile's 50; the fixed cases cover every
 named plan once on both tiny models.
 """
