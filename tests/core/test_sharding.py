@@ -174,7 +174,7 @@ def run_bad(kind):
     if kind == "too_long":
         hpfunc.shard(x, mesh, P("dp", None, None))
     if kind == "misspelt":
-        hpfunc.shard(x, mesh, P("pd"))
+        hpfunc.shard(x, mesh, P("dpp"))
 
 
 @pytest.mark.multirank
