@@ -27,6 +27,7 @@ PLANS = {
 }
 
 LR = 1e-3
+ADAM_EPS = 1e-6
 
 
 def make(name):
@@ -86,8 +87,9 @@ def run_parity(name: str, model: str, seed: int, steps: int = 2, clip_norm: floa
         parts = [qwen3.loss(p, {"tokens": t}, cfg)[0] for t in b["tokens"].chunk(n_data)]
         return torch.stack(parts).mean()
 
-    opt = optim.adamw(LR)
-    ref_opt = optim.adamw(LR) if clip_norm is None else optim.chain(optim.clip_by_global_norm(clip_norm), opt)
+    # eps 1e-6 (not 1e-8) bounds the slope of Adam's g / (sqrt(v) + eps) for the trajectory check below
+    opt = optim.adamw(LR, eps=ADAM_EPS)
+    ref_opt = opt if clip_norm is None else optim.chain(optim.clip_by_global_norm(clip_norm), opt)
     step = parallel_train_step(loss_fn, opt, mesh, plan, clip_norm=clip_norm, return_grads=True)
     params = init_sharded(functools.partial(parallel.init, cfg=cfg), mesh, plan, key, shapes=qwen3.param_shapes(cfg))
     ref_params = qwen3.init(key, cfg)
@@ -118,10 +120,12 @@ def run_parity(name: str, model: str, seed: int, steps: int = 2, clip_norm: floa
         _, tgrads = hpfunc.value_and_grad(ref_loss)(ref_params, b)
         updates, ref_state = ref_opt.update(tgrads, ref_state, ref_params)
         ref_params = optim.apply_updates(ref_params, updates)
-        # params: AdamW's g / (sqrt(v) + eps) has slope up to 1 / (4 eps) at |g| ~ eps = 1e-8, so a gradient
-        # entry whose rounding differs by 1e-9 (within the gradient tolerance above) moves its parameter by
-        # up to 0.025 lr: trajectories agree to 0.1 lr per step (measured: <= 0.04 lr), everything else 1e-5
-        assert_trees_close(params, ref_params, rtol=1e-5, atol=0.1 * LR * (i + 1), what=f"step {i} params")
+        # independent trajectories: Adam's g / (sqrt(v) + eps) has slope up to 1 / eps for |g| <~ eps, so a
+        # gradient entry near zero whose rounding differs by d (the summation order differs; the gradient
+        # check above allows d up to 1e-5 of the leaf's largest entry) moves its parameter by up to
+        # lr d / eps. With eps = 1e-6 that is <= 0.01 lr for d <= 1e-8; allowed: 0.05 lr per step.
+        # (With the default eps = 1e-8 such entries move by up to ~lr: see the sweep note in docs/parallel.md.)
+        assert_trees_close(params, ref_params, rtol=1e-5, atol=0.05 * LR * (i + 1), what=f"step {i} params")
     # same specs in and out
     assert all(hpfunc.typeof(a) == hpfunc.typeof(b) for a, b in zip(
         hpfunc.tree.leaves(params), hpfunc.tree.leaves(init_sharded(
