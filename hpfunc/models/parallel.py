@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from typing import Any, Iterator
 
 import torch
@@ -36,22 +37,28 @@ from hpfunc.models.rope import rope_inv_freq, rope_tables
 
 __all__ = ["tensor_parallel", "tp_axis", "apply", "loss"]
 
-_TP_AXIS: contextvars.ContextVar[str | None] = contextvars.ContextVar("hpfunc_tp_axis", default=None)
+_TP: contextvars.ContextVar[tuple[str | None, bool]] = contextvars.ContextVar("hpfunc_tp", default=(None, False))
 
 
 @contextlib.contextmanager
-def tensor_parallel(axis: str | None) -> Iterator[None]:
-    """Bind the mesh axis over which row-parallel outputs are summed (``None``: no tensor parallelism)."""
-    token = _TP_AXIS.set(axis)
+def tensor_parallel(axis: str | None, *, vocab_parallel: bool = False) -> Iterator[None]:
+    """Bind the mesh axis over which row-parallel outputs are summed (``None``: no tensor parallelism);
+    ``vocab_parallel``: the embedding and head are sharded by vocabulary rows over it too."""
+    token = _TP.set((axis, bool(vocab_parallel) and axis is not None))
     try:
         yield
     finally:
-        _TP_AXIS.reset(token)
+        _TP.reset(token)
 
 
 def tp_axis() -> str | None:
     """The bound tensor-parallel axis, or ``None``."""
-    return _TP_AXIS.get()
+    return _TP.get()[0]
+
+
+def _vocab_sharded() -> bool:
+    # from the binding, not from the weights: reading a weight under FSDP would gather it
+    return _TP.get()[1]
 
 
 def apply(params: dict, tokens: torch.Tensor, cfg: Qwen3Config, *, return_aux: bool = False,
@@ -60,6 +67,11 @@ def apply(params: dict, tokens: torch.Tensor, cfg: Qwen3Config, *, return_aux: b
     axis = tp_axis()
     if axis is None:
         return qwen3.apply(params, tokens, cfg, return_aux=return_aux, moe_impl=moe_impl)
+    if not _vocab_sharded():
+        # Megatron TP proper needs only the reduction of the row-parallel outputs: the model's own hook
+        return qwen3.apply(params, tokens, cfg, return_aux=return_aux, moe_impl=moe_impl,
+                           reduce_partial=functools.partial(lax.psum, axis_name=axis))
+    # vocabulary-parallel embedding / head: the same layer stack, with a sharded lookup and head
     qwen3.check_tokens(tokens, cfg.vocab_size)
     B, S = tokens.shape
     h = _embed(tokens, params["embed"], cfg, axis)
@@ -138,8 +150,12 @@ def _cross_entropy(logits: torch.Tensor, labels: torch.Tensor, cfg: Qwen3Config,
 
 def loss(params: dict, batch: dict, cfg: Qwen3Config, *, moe_impl: str = "auto") -> tuple[torch.Tensor, dict]:
     """:func:`qwen3.loss` with the tensor-parallel-aware :func:`apply` (identical without a bound axis)."""
-    if tp_axis() is None:
+    axis = tp_axis()
+    if axis is None:
         return qwen3.loss(params, batch, cfg, moe_impl=moe_impl)
+    if not _vocab_sharded():
+        return qwen3.loss(params, batch, cfg, moe_impl=moe_impl,
+                          reduce_partial=functools.partial(lax.psum, axis_name=axis))
     tokens = batch["tokens"]
     labels = batch.get("labels")
     labels = qwen3.shift_labels(tokens) if labels is None else labels

@@ -347,7 +347,7 @@ class ParallelStep:
         view = _lazy(tree_in, gather_leaf) if any_gather else tree_in
         hooks = (torch.autograd.graph.saved_tensors_hooks(regather.pack, regather.unpack)
                  if regather is not None and any_gather else _nullcontext())
-        with hooks, tensor_parallel(plan.tp_axis):
+        with hooks, tensor_parallel(plan.tp_axis, vocab_parallel=plan.tp_vocab_parallel):
             out = self.loss_fn(view, batch)
         ready.clear()  # gathered with a layer but never read: free now
         loss, aux = out if self.has_aux else (out, None)

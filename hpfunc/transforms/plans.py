@@ -203,6 +203,10 @@ class Plan:
         axes = [l.axis for l in self.layers if l.kind == "tp"]
         return axes[0] if axes else None
 
+    @property
+    def tp_vocab_parallel(self) -> bool:
+        return any(l.kind == "tp" and l.vocab for l in self.layers)
+
     def batch_spec(self, mesh: Mesh) -> P:
         """Dimension 0 of every batch leaf split over the data axes (mesh order)."""
         axes = tuple(a for a in mesh.axis_names if a in self.data_axes)
