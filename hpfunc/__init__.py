@@ -39,6 +39,9 @@ __all__ = [
     "typeof",
     "logical_to_spec",
     "shard_map",
+    "parallelize",
+    "parallel_train_step",
+    "init_sharded",
     "pipeline_map",
     "PipelineError",
     "remat",
@@ -58,8 +61,17 @@ _LAZY_SUBMODULES = {
 }
 
 
+_LAZY_ATTRS = {
+    "parallelize": "hpfunc.transforms.parallelize",
+    "parallel_train_step": "hpfunc.transforms.parallelize",
+    "init_sharded": "hpfunc.transforms.parallelize",
+}
+
+
 def __getattr__(name: str) -> Any:
     # Subpackages load on first use so `import hpfunc` stays light (no transformers, matplotlib...).
     if name in _LAZY_SUBMODULES:
         return importlib.import_module(f"hpfunc.{name}")
+    if name in _LAZY_ATTRS:
+        return getattr(importlib.import_module(_LAZY_ATTRS[name]), name)
     raise AttributeError(f"module 'hpfunc' has no attribute {name!r}")
