@@ -8,7 +8,7 @@ named plan once on both tiny models.
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import _parallel_helpers as H
@@ -78,6 +78,12 @@ def meshes_and_roles(draw):
         options = DATA_ROLES + (["tp", "tp_vocab"] if size == 2 and not any(r.startswith("tp") for r in roles)
                                 else [])
         roles.append(draw(st.sampled_from(options)))
+    # ZeRO-1/2 shards only the optimizer state; on a dimension also sharded by FSDP the optimizer
+    # spec must extend the storage spec, and DTensor splits a dimension in mesh order, so a ZeRO
+    # axis placed before an FSDP axis is rejected by the plan with a PlanError (not drawn here).
+    zero_at = [i for i, r in enumerate(roles) if r in ("zero1", "zero2")]
+    fsdp_at = [i for i, r in enumerate(roles) if r in ("fsdp", "fsdp_keep")]
+    assume(not any(z < f for z in zero_at for f in fsdp_at))
     return shape, tuple(roles)
 
 
