@@ -5,7 +5,9 @@ For each collective on 2 and 4 gloo ranks and each message size it reports:
     REFERENCE.md, and the bytes the process actually wrote to its sockets (from /proc/self/io, so
     gloo's real algorithm shows through);
   * median latency of hpfunc.lax and of the raw torch.distributed call on the same tensors,
-    interleaved in one run, and their ratio (goal: <= 1.05 at 1 MiB).
+    interleaved in one run, and their ratio (goal: <= 1.05 at 1 MiB); the raw call reuses a
+    preallocated output, so a third column times it with a fresh output (what a pure function
+    must do) for a like-for-like ratio.
 
 Usage:  python bench/collectives.py [--sizes 65536,1048576] [--ranks 2,4] [--iters 30] [--out FILE]
 """
@@ -89,9 +91,27 @@ def _bench_on_rank(nbytes: int, iters: int) -> list[dict]:
                 for r in dist.batch_isend_irecv(ops):
                     r.wait()
 
-        for _ in range(3):  # warm up both paths
+        def run_raw_alloc():
+            # the raw call with a freshly allocated output (and, for all_reduce, a copy of the input),
+            # as a pure function has to do: the like-for-like baseline for hpfunc.lax
+            if name == "psum":
+                dist.all_reduce(x.clone(), group=group)
+            elif name == "all_gather":
+                dist.all_gather_into_tensor(torch.empty(numel * n), x, group=group)
+            elif name == "psum_scatter":
+                dist.reduce_scatter_tensor(torch.empty(numel // n), x, group=group)
+            elif name == "all_to_all":
+                dist.all_to_all_single(torch.empty(numel), x, group=group)
+            else:
+                ops = [dist.P2POp(dist.isend, x, (rank + 1) % n, group=group),
+                       dist.P2POp(dist.irecv, torch.zeros(numel), (rank - 1) % n, group=group)]
+                for r in dist.batch_isend_irecv(ops):
+                    r.wait()
+
+        for _ in range(3):  # warm up every path
             run_hp()
             run_raw()
+            run_raw_alloc()
         # counted bytes (hpfunc.comm_stats) and written bytes (/proc/self/io) for one call each
         dist.barrier()
         with hpfunc.comm_stats() as stats:
@@ -103,15 +123,15 @@ def _bench_on_rank(nbytes: int, iters: int) -> list[dict]:
         run_raw()
         w3 = _wchar()
         dist.barrier()
-        t_hp, t_raw = [], []
+        times: dict = {run_hp: [], run_raw: [], run_raw_alloc: []}
+        fns = [run_hp, run_raw, run_raw_alloc]
         for i in range(iters):
-            order = (run_hp, run_raw) if i % 2 == 0 else (run_raw, run_hp)
-            for fn in order:
+            for fn in fns[i % 3:] + fns[: i % 3]:  # rotate the order
                 dist.barrier()
                 t0 = time.perf_counter()
                 fn()
-                dt = time.perf_counter() - t0
-                (t_hp if fn is run_hp else t_raw).append(dt)
+                times[fn].append(time.perf_counter() - t0)
+        t_hp, t_raw, t_alloc = times[run_hp], times[run_raw], times[run_raw_alloc]
         rows.append({
             "collective": name,
             "ranks": n,
@@ -122,6 +142,7 @@ def _bench_on_rank(nbytes: int, iters: int) -> list[dict]:
             "written_bytes_raw": w3 - w2 if w2 >= 0 else None,
             "hpfunc_ms": statistics.median(t_hp) * 1e3,
             "raw_ms": statistics.median(t_raw) * 1e3,
+            "raw_alloc_ms": statistics.median(t_alloc) * 1e3,
         })
     return rows
 
@@ -143,14 +164,16 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"# {n} ranks, {size} B ...", file=sys.stderr, flush=True)
                 rows += pool.run(_bench_on_rank, size, args.iters)[0]
     hdr = (f"{'collective':<13}{'ranks':>5}{'msg B':>10}{'counted B':>12}{'formula B':>12}{'wrote B':>11}"
-           f"{'raw wrote':>11}{'hpfunc ms':>11}{'raw ms':>9}{'ratio':>7}")
+           f"{'raw wrote':>11}{'hpfunc ms':>11}{'raw ms':>9}{'ratio':>7}{'raw+alloc ms':>14}{'ratio':>7}")
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
         r["ratio"] = r["hpfunc_ms"] / r["raw_ms"] if r["raw_ms"] > 0 else float("nan")
+        r["ratio_vs_alloc"] = r["hpfunc_ms"] / r["raw_alloc_ms"] if r["raw_alloc_ms"] > 0 else float("nan")
         print(f"{r['collective']:<13}{r['ranks']:>5}{r['message_bytes']:>10}{r['counted_sent_bytes']:>12.0f}"
               f"{r['formula_sent_bytes']:>12.0f}{str(r['written_bytes_hpfunc']):>11}{str(r['written_bytes_raw']):>11}"
-              f"{r['hpfunc_ms']:>11.3f}{r['raw_ms']:>9.3f}{r['ratio']:>7.2f}")
+              f"{r['hpfunc_ms']:>11.3f}{r['raw_ms']:>9.3f}{r['ratio']:>7.2f}{r['raw_alloc_ms']:>14.3f}"
+              f"{r['ratio_vs_alloc']:>7.2f}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"rows": rows, "torch": torch.__version__, "cpus": os.cpu_count()}, indent=2))

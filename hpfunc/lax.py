@@ -386,6 +386,14 @@ def _a2a(x: torch.Tensor, ax: _Axes, split_dim: int, concat_dim: int, split_size
         even = False
     if n == 1:
         return torch.cat(chunks, dim=concat_dim).clone(), split_sizes, recv_sizes if recv_sizes else split_sizes
+    if even and split_dim == 0 and concat_dim == 0 and ax.identity_order:
+        # fast path (e.g. MoE token dispatch): rows already go to ranks in order; no layout copies
+        send = x.contiguous()
+        out = send.new_empty(send.shape)
+        _comm.record(collectors, op="all_to_all", name=name, axes=ax.names, n=n, payload_bytes=_nbytes(send),
+                     phase=_phase())
+        dist.all_to_all_single(out, send, group=ax.group)
+        return out, split_sizes, [send.shape[0] // n] * n
     # Move the split dim to the front so each chunk is contiguous rows; concat happens after.
     chunks = [c.movedim(split_dim, 0).contiguous() for c in chunks]
     rest = tuple(chunks[0].shape[1:])
