@@ -139,7 +139,15 @@ def build_optimizer(oc: OptimizerConfig, factor: Callable[[int], float]) -> tupl
     return tx, lr
 
 
-def check_buildable(cfg: Config) -> None:
-    """Build what can be built without data (model config, schedule) so errors come before any work."""
-    build_model_config(cfg.model)
+def check_buildable(cfg: Config) -> Any:
+    """Build what can be built without data (model config, schedule) and check the parallel plan
+    against the model, so errors come before any work (and before any rank starts).
+
+    Returns the model config.
+    """
+    from hpfunc.train.parallel import check_parallel
+
+    model_cfg = build_model_config(cfg.model)
     build_schedule(cfg.schedule, cfg.train.steps)
+    check_parallel(cfg, model_cfg)
+    return model_cfg

@@ -1,6 +1,10 @@
-"""``hpfunc train CONFIG.yaml [--set key.path=value ...] [--out DIR] [--steps N]``.
+"""``hpfunc train CONFIG.yaml [--set key.path=value ...] [--out DIR] [--steps N] [--check]``.
 
-Exit status: 0 after a run, 2 for a usage or config error (the message names the key), 1 otherwise.
+A config whose ``parallel.mesh`` needs more than one process is checked here, then the same command
+runs on that many ranks under ``torch.distributed.run`` (:mod:`hpfunc.train.launch`); inside a rank
+(``RANK`` / ``WORLD_SIZE`` set) it trains. Exit status: 0 after a run, 2 for a usage or config error
+(the message names the key), 1 otherwise (for a multi-process run, the status of the first rank
+that failed).
 
 Example:
     >>> main([])  # doctest: +ELLIPSIS
@@ -17,15 +21,17 @@ __all__ = ["main", "USAGE"]
 
 USAGE = """usage: hpfunc train CONFIG.yaml [--set key.path=value ...] [--out DIR] [--steps N] [--check]
 
-Train a model on one device from a YAML config and write config.yaml, metrics.jsonl, loss.png and
-summary.json into the output folder.
+Train a model from a YAML config and write config.yaml, metrics.jsonl, loss.png and summary.json
+into the output folder. A `parallel:` mesh of N > 1 processes starts N ranks (torch.distributed.run,
+gloo) running this same command.
 
   CONFIG.yaml             the run's config (see docs/train.md; example: examples/configs/qwen3_moe_tiny.yaml)
   --set key.path=value    override one config key, e.g. --set train.steps=50 --set optimizer.lr=1e-3
                           (repeatable; values are YAML: 3, 0.1, null, [0.9, 0.95])
   --out DIR               output folder (same as --set output.dir=DIR)
   --steps N               number of steps (same as --set train.steps=N)
-  --check                 check the config and print it resolved, without training
+  --check                 check the config (and the parallel plan against the model) and print it
+                          resolved, with the plan per parameter, without training
 """
 
 
@@ -67,28 +73,51 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     from hpfunc.train.build import check_buildable
     from hpfunc.train.config import ConfigError, config_to_dict, load_config
+    from hpfunc.train.launch import in_launched_rank, launch, rank_of_this_process
 
     overrides = list(args.overrides)
     if args.out is not None:
         overrides.append(f"output.dir={args.out}")
     if args.steps is not None:
         overrides.append(f"train.steps={args.steps}")
+    in_rank = in_launched_rank()
+    who = f"hpfunc train [rank {rank_of_this_process()}]" if in_rank else "hpfunc train"
     try:
         cfg = load_config(args.config, overrides)
-        check_buildable(cfg)
+        model_cfg = check_buildable(cfg)
         if args.check:
             print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), end="")
+            if cfg.parallel.plan:
+                from hpfunc.train.parallel import describe_plan
+
+                # YAML comments: the output still loads as the resolved config
+                print("\n".join("# " + line for line in describe_plan(cfg, model_cfg).splitlines()))
+            return
+        if cfg.parallel.size > 1 and not in_rank:
+            status = launch(["hpfunc.cli", "train", *argv], cfg.parallel.size, module=True,
+                            threads=cfg.train.num_threads)
+            if status:
+                raise SystemExit(status)
             return
         from hpfunc.train.loop import TrainingDiverged, run
 
         try:
             run(cfg)
         except TrainingDiverged as e:
-            print(f"hpfunc train: training diverged at {e}", file=sys.stderr)
+            print(f"{who}: training diverged at {e}", file=sys.stderr)
             raise SystemExit(1) from None
     except ConfigError as e:
-        print(f"hpfunc train: config error: {e}", file=sys.stderr)
+        print(f"{who}: config error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     except KeyboardInterrupt:
-        print("hpfunc train: interrupted", file=sys.stderr)
+        print(f"{who}: interrupted", file=sys.stderr)
         raise SystemExit(130) from None
+    except Exception as e:
+        if not in_rank:
+            raise
+        # the launcher reports only an exit status: say here which rank failed and why
+        import traceback
+
+        traceback.print_exc()
+        print(f"{who}: failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None

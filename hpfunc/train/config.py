@@ -35,12 +35,14 @@ __all__ = [
     "DataConfig",
     "TrainConfig",
     "OutputConfig",
+    "PlanEntry",
+    "ParallelConfig",
+    "PLAN_KINDS",
     "Config",
     "load_config",
     "load_config_dict",
     "apply_overrides",
     "config_to_dict",
-    "check_parallel_supported",
 ]
 
 
@@ -127,9 +129,79 @@ class OutputConfig:
     sample_temperature: float = 0.8
 
 
+# Plan entries of ``parallel.plan``: name -> (mesh axes it takes, its options with their defaults).
+# Each maps to the factory of the same name in ``hpfunc.transforms.plans``.
+PLAN_KINDS: dict[str, tuple[int, dict[str, Any]]] = {
+    "ddp": (1, {}),
+    "fsdp": (1, {"reshard_after_forward": True}),
+    "zero1": (1, {}),
+    "zero2": (1, {}),
+    "zero3": (1, {"reshard_after_forward": True}),
+    "hsdp": (2, {"reshard_after_forward": True}),  # (replicate axis, shard axis)
+    "tp": (1, {"vocab_parallel": False, "sequence_parallel": False}),
+}
+_DATA_KINDS = ("ddp", "fsdp", "zero1", "zero2", "zero3", "hsdp")
+
+
+@attrs.frozen
+class PlanEntry:
+    """One entry of ``parallel.plan``: a plan factory, the mesh axes it runs over, its options.
+
+    ``axes`` are always resolved (one axis, two for ``hsdp``); ``options`` hold every option of the
+    kind with its default filled in.
+    """
+
+    kind: str
+    axes: tuple[str, ...]
+    options: dict = attrs.field(factory=dict)
+
+    def to_data(self) -> Any:
+        """The YAML form: ``{kind: {axis: name, option: value, ...}}`` (``axes: [a, b]`` for hsdp)."""
+        where = {"axes": list(self.axes)} if len(self.axes) > 1 else {"axis": self.axes[0]}
+        return {self.kind: {**where, **self.options}}
+
+
+@attrs.frozen
+class ParallelConfig:
+    """``parallel:``: the mesh (``{axis: size}``, in order) and the plan (one entry per mesh axis).
+
+    Empty, or a mesh whose sizes are all 1, is a single-device run.
+    """
+
+    mesh: dict = attrs.field(factory=dict)
+    plan: tuple = ()  # of PlanEntry
+
+    @property
+    def size(self) -> int:
+        """Number of processes the mesh needs."""
+        n = 1
+        for s in self.mesh.values():
+            n *= s
+        return n
+
+    @property
+    def data_axes(self) -> tuple[str, ...]:
+        """The mesh axes that split the batch (every ddp / fsdp / zero / hsdp axis), in mesh order."""
+        axes = {a for e in self.plan if e.kind in _DATA_KINDS for a in e.axes}
+        return tuple(a for a in self.mesh if a in axes)
+
+    @property
+    def data_size(self) -> int:
+        """Number of batch shards: the product of the data axes' sizes."""
+        n = 1
+        for a in self.data_axes:
+            n *= self.mesh[a]
+        return n
+
+    def to_data(self) -> dict[str, Any]:
+        if not self.mesh and not self.plan:
+            return {}
+        return {"mesh": dict(self.mesh), "plan": [e.to_data() for e in self.plan]}
+
+
 @attrs.frozen
 class Config:
-    """A whole training run. ``parallel`` is accepted as a mapping; only a trivial one runs today."""
+    """A whole training run."""
 
     seed: int = 0
     model: ModelConfig = attrs.field(factory=ModelConfig)
@@ -138,7 +210,7 @@ class Config:
     data: DataConfig = attrs.field(factory=DataConfig)
     train: TrainConfig = attrs.field(factory=TrainConfig)
     output: OutputConfig = attrs.field(factory=OutputConfig)
-    parallel: dict = attrs.field(factory=dict)
+    parallel: ParallelConfig = attrs.field(factory=ParallelConfig)
 
 
 # Sections whose unknown keys are collected rather than rejected (checked later against the model).
@@ -250,6 +322,8 @@ def _unknown_key_message(path: str, key: str, allowed: Sequence[str]) -> str:
 def _convert(value: Any, tp: Any, path: str) -> Any:
     """Check ``value`` against the annotation ``tp`` and convert it; raise ConfigError naming ``path``."""
     origin = typing.get_origin(tp)
+    if tp is ParallelConfig:
+        return _parse_parallel(value, path)
     if attrs.has(tp):
         return _from_mapping(tp, value, path)
     if origin in (Union, types.UnionType):
@@ -360,32 +434,147 @@ def _check_ranges(cfg: Config) -> None:
         raise ConfigError(f"data.paths: data.source is {cfg.data.source!r}, which needs file paths (globs); found none")
     if cfg.data.source == "ids" and cfg.data.tokenizer is not None:
         raise ConfigError("data.tokenizer: pre-tokenised ids (data.source: ids) take no tokenizer; remove it")
-    check_parallel_supported(cfg.parallel)
 
 
-def check_parallel_supported(parallel: Mapping[str, Any]) -> None:
-    """Accept an empty ``parallel:`` section or one that asks for a single device; reject the rest.
+# ---------------------------------------------------------------------------------------------
+# The parallel section: a mesh and a plan (syntax only; hpfunc.train.parallel checks it against the
+# model and builds the hpfunc.transforms.plans.Plan).
 
-    The section is kept in the resolved config so that a later version can wire ``mesh`` and
-    ``plan`` into ``hpfunc.parallelize``; until then a real request must fail loudly rather than
-    train on one device while the user believes otherwise.
+
+def _parse_parallel(data: Any, path: str) -> ParallelConfig:
+    """``{mesh: {axis: size}, plan: [entry, ...]}`` -> :class:`ParallelConfig` with every axis bound.
+
+    Entries without ``axis:`` take the mesh axes that no entry names explicitly, in mesh order
+    (``hsdp`` takes two). A mesh axis of size > 1 left without an entry is an error.
     """
-    if not parallel:
-        return
-    unknown = sorted(set(parallel) - {"mesh", "plan"})
-    if unknown:
-        raise ConfigError(_unknown_key_message("parallel", unknown[0], ["mesh", "plan"]))
-    mesh = parallel.get("mesh") or {}
-    if not isinstance(mesh, Mapping):
-        raise ConfigError(f"parallel.mesh: expected a mapping of axis name to size, found {_found(mesh)}")
-    for axis, size in mesh.items():
+    if data is None:
+        return ParallelConfig()
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{path}: expected a mapping with mesh and plan, found {_found(data)}")
+    for key in data:
+        if key not in ("mesh", "plan"):
+            raise ConfigError(_unknown_key_message(path, key, ["mesh", "plan"]))
+    mesh = _parse_mesh(data.get("mesh"), f"{path}.mesh")
+    raw_plan = data.get("plan")
+    if raw_plan is None:
+        raw_plan = []
+    elif isinstance(raw_plan, (str, Mapping)):
+        raw_plan = [raw_plan]
+    elif not isinstance(raw_plan, (list, tuple)):
+        raise ConfigError(f"{path}.plan: expected a list of plan entries (e.g. [fsdp, tp]), found {_found(raw_plan)}")
+    parsed = [_parse_plan_entry(e, f"{path}.plan[{i}]") for i, e in enumerate(raw_plan)]
+    size = 1
+    for s in mesh.values():
+        size *= s
+    if parsed and not mesh:
+        raise ConfigError(f"{path}.mesh: {path}.plan needs a mesh of named axes, e.g. mesh: {{fsdp: 2, tp: 2}}")
+    if size > 1 and not parsed:
+        example = ", ".join(a if a in PLAN_KINDS else "ddp" for a, s in mesh.items())
+        raise ConfigError(f"{path}.plan: missing; the mesh {_flow(mesh)} ({size} processes) needs a plan with one "
+                          f"entry per mesh axis, in mesh order, e.g. plan: [{example}]")
+    return ParallelConfig(mesh=mesh, plan=_bind_axes(parsed, mesh, path))
+
+
+def _flow(mesh: Mapping[str, int]) -> str:
+    return "{" + ", ".join(f"{a}: {s}" for a, s in mesh.items()) + "}"
+
+
+def _parse_mesh(data: Any, path: str) -> dict[str, int]:
+    if data is None:
+        return {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{path}: expected a mapping of axis name to size (e.g. {{fsdp: 2, tp: 2}}), "
+                          f"found {_found(data)}")
+    mesh = {}
+    for axis, size in data.items():
+        if not isinstance(axis, str) or not axis:
+            raise ConfigError(f"{path}: axis names must be non-empty strings, found {_found(axis)}")
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ConfigError(f"parallel.mesh.{axis}: expected an integer axis size >= 1, found {_found(size)}")
-    if any(size != 1 for size in mesh.values()) or parallel.get("plan"):
-        raise ConfigError(
-            "parallel: a multi-device mesh or a parallel plan is not supported yet in this version of "
-            "`hpfunc train` (single device only); remove the `parallel:` section or set every mesh axis to 1"
-        )
+            raise ConfigError(f"{path}.{axis}: expected an integer axis size >= 1, found {_found(size)}")
+        mesh[axis] = size
+    return mesh
+
+
+def _parse_plan_entry(entry: Any, path: str) -> tuple[str, tuple[str, ...] | None, dict[str, Any], str]:
+    """``(kind, explicit axes or None, options with defaults, path of the entry's options)``."""
+    if isinstance(entry, str):
+        kind, opts = entry, {}
+    elif isinstance(entry, Mapping) and len(entry) == 1:
+        ((kind, opts),) = entry.items()
+        if opts is None:
+            opts = {}
+        if not isinstance(kind, str):
+            raise ConfigError(f"{path}: expected a plan name, found {_found(kind)}")
+    else:
+        raise ConfigError(f"{path}: expected a plan name (fsdp) or one name with its options "
+                          f"({{tp: {{vocab_parallel: true}}}}), found {_found(entry)}")
+    if kind not in PLAN_KINDS:
+        close = difflib.get_close_matches(kind, list(PLAN_KINDS), n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ConfigError(f"{path}: unknown plan {kind!r}; {hint}expected one of {', '.join(PLAN_KINDS)}")
+    if not isinstance(opts, Mapping):
+        raise ConfigError(f"{path}.{kind}: expected a mapping of options (e.g. {{{kind}: {{axis: {kind}}}}}), "
+                          f"found {_found(opts)}")
+    n_axes, defaults = PLAN_KINDS[kind]
+    where = f"{path}.{kind}"
+    axis_key = "axes" if n_axes > 1 else "axis"
+    allowed = [axis_key, *defaults]
+    options = dict(defaults)
+    axes = None
+    for key, value in opts.items():
+        if key not in allowed:
+            close = difflib.get_close_matches(str(key), allowed, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ConfigError(f"{where}.{key}: unknown option of {kind}; {hint}expected one of {', '.join(allowed)}")
+        if key == "axis":
+            if not isinstance(value, str) or not value:
+                raise ConfigError(f"{where}.axis: expected a mesh axis name, found {_found(value)}")
+            axes = (value,)
+        elif key == "axes":
+            if (not isinstance(value, (list, tuple)) or len(value) != n_axes
+                    or not all(isinstance(a, str) and a for a in value)):
+                raise ConfigError(f"{where}.axes: expected {n_axes} mesh axis names (replicate, shard), "
+                                  f"found {_found(value)}")
+            axes = tuple(value)
+        else:
+            options[key] = _convert(value, type(defaults[key]), f"{where}.{key}")
+    return kind, axes, options, where
+
+
+def _bind_axes(parsed: list, mesh: Mapping[str, int], path: str) -> tuple[PlanEntry, ...]:
+    owner: dict[str, str] = {}
+    for i, (kind, axes, _, where) in enumerate(parsed):
+        for a in axes or ():
+            key = f"{where}.{'axes' if len(axes) > 1 else 'axis'}"
+            if a not in mesh:
+                close = difflib.get_close_matches(a, list(mesh), n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise ConfigError(f"{key}: {a!r} is not an axis of {path}.mesh {_flow(mesh)}{hint}")
+            if a in owner:
+                raise ConfigError(f"{key}: mesh axis {a!r} is already used by {owner[a]}")
+            owner[a] = f"{path}.plan[{i}] ({kind})"
+    free = [a for a in mesh if a not in owner]
+    entries = []
+    for i, (kind, axes, options, where) in enumerate(parsed):
+        if axes is None:
+            n = PLAN_KINDS[kind][0]
+            if len(free) < n:
+                raise ConfigError(
+                    f"{path}.plan[{i}]: no mesh axis left for {kind!r} (it takes {n}); entries take the axes of "
+                    f"{path}.mesh {_flow(mesh)} in order, one each (hsdp two); add an axis or name one with axis:"
+                )
+            axes, free = tuple(free[:n]), free[n:]
+            for a in axes:
+                owner[a] = f"{path}.plan[{i}] ({kind})"
+        entries.append(PlanEntry(kind, axes, options))
+    for a in free:
+        if mesh[a] > 1:
+            raise ConfigError(f"{path}.mesh.{a}: the axis has size {mesh[a]} but no entry of {path}.plan runs "
+                              f"over it; add one (one entry per mesh axis, in mesh order) or set its size to 1")
+    tps = [i for i, e in enumerate(entries) if e.kind == "tp"]
+    if len(tps) > 1:
+        raise ConfigError(f"{path}.plan[{tps[1]}]: a second tp entry; tensor parallelism runs over one mesh axis")
+    return tuple(entries)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -500,4 +689,5 @@ def config_to_dict(cfg: Config) -> dict[str, Any]:
     overrides = model.pop("overrides")
     model.update(overrides)
     d["optimizer"]["betas"] = list(d["optimizer"]["betas"])
+    d["parallel"] = cfg.parallel.to_data()
     return d

@@ -1,9 +1,16 @@
-"""The training loop on one device: config -> data, model, optimizer -> steps -> outputs.
+"""The training loop: config -> data, model, optimizer -> steps -> outputs.
 
 ``run(cfg)`` does, in order: build and check the model config, read the data, ``init`` the params
 from ``key(seed)``, build the optimizer, then for each step sample a batch (a pure function of seed
 and step), call the pure ``train_step`` and log. It writes into ``output.dir``: ``config.yaml``
 (the resolved config), ``metrics.jsonl``, ``loss.png`` and ``summary.json``.
+
+With a ``parallel.mesh`` of more than one process, ``run`` is called in every rank of a launch
+(``hpfunc train`` starts them): each rank builds the same global batch, the step is
+``hpfunc.parallelize(train_step, mesh, plan)`` on parameters created sharded
+(:mod:`hpfunc.train.parallel`), and only rank 0 prints and writes. Evaluation and sampling gather
+the parameters to full tensors (every rank takes part in the gather) and run the single-device
+code on rank 0.
 
 Example:
     >>> from hpfunc.train.config import load_config_dict
@@ -32,6 +39,7 @@ from hpfunc.train.build import build_model_config, build_optimizer, build_schedu
 from hpfunc.train.config import Config, ConfigError, config_to_dict
 from hpfunc.train.data import TokenData, eval_batches, load_data, sample_batch
 from hpfunc.train.output import MetricsWriter, Progress, format_summary, plot_losses
+from hpfunc.train.parallel import is_distributed
 from hpfunc.train.step import TrainState, init_train_state, make_eval_step, make_train_step
 
 __all__ = ["RunResult", "TrainingDiverged", "run", "data_keys"]
@@ -79,6 +87,26 @@ def _evaluate(eval_step: Callable, params: Any, batches: list) -> float | None:
     return float(torch.stack([eval_step(params, b) for b in batches]).mean())
 
 
+class _NoWriter:
+    """Stands in for the metrics file on ranks other than 0."""
+
+    def write(self, record: dict[str, Any]) -> None:
+        del record
+
+    def __enter__(self) -> "_NoWriter":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def _local_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
+    """Replicated metrics of a parallel step as plain tensors (DTensors hold the value on every rank)."""
+    from torch.distributed.tensor import DTensor
+
+    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in metrics.items()}
+
+
 def run(
     cfg: Config,
     *,
@@ -86,7 +114,10 @@ def run(
     stream: TextIO | None = None,
     echo: bool = True,
 ) -> RunResult:
-    """Train for ``cfg.train.steps`` steps on one device and write the outputs.
+    """Train for ``cfg.train.steps`` steps and write the outputs.
+
+    With a ``parallel.mesh`` of more than one process this must run in every rank of a launch
+    (``hpfunc train CONFIG`` starts them); rank 0 prints and writes, the others only compute.
 
     Args:
       cfg: a checked config (:func:`hpfunc.train.config.load_config`).
@@ -100,15 +131,22 @@ def run(
         # much faster than oversubscribed ones for a tiny model.
         torch.set_num_threads(cfg.train.num_threads)
     try:
-        return _run(cfg, out_dir=out_dir, stream=stream, echo=echo)
+        if not is_distributed(cfg.parallel):
+            return _run(cfg, out_dir=out_dir, stream=stream, echo=echo)
+        from hpfunc.train.parallel import start_mesh
+
+        with start_mesh(cfg.parallel) as mesh:
+            return _run(cfg, out_dir=out_dir, stream=stream, echo=echo, mesh=mesh)
     finally:
         torch.set_num_threads(threads)
 
 
-def _run(cfg: Config, *, out_dir: str | pathlib.Path | None, stream: TextIO | None, echo: bool) -> RunResult:
+def _run(cfg: Config, *, out_dir: str | pathlib.Path | None, stream: TextIO | None, echo: bool,
+         mesh: Any = None) -> RunResult:
     from hpfunc.models import qwen3
 
-    progress_mode = cfg.output.progress
+    main = mesh is None or torch.distributed.get_rank() == 0  # the rank that prints and writes
+    progress_mode = cfg.output.progress if main else "none"
     quiet = not echo or progress_mode == "none"
 
     def say(text: str) -> None:
@@ -116,7 +154,8 @@ def _run(cfg: Config, *, out_dir: str | pathlib.Path | None, stream: TextIO | No
             print(text, file=stream, flush=True)
 
     out = pathlib.Path(cfg.output.dir if out_dir is None else out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
     tc = cfg.train
 
     model_cfg = build_model_config(cfg.model)
@@ -124,7 +163,8 @@ def _run(cfg: Config, *, out_dir: str | pathlib.Path | None, stream: TextIO | No
         model_cfg = attrs.evolve(model_cfg, router_aux_loss_coef=tc.aux_loss_coef)
     factor = build_schedule(cfg.schedule, tc.steps)
     optimizer, lr = build_optimizer(cfg.optimizer, factor)
-    (out / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+    if main:
+        (out / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
 
     t0 = time.perf_counter()
     data = load_data(cfg.data)
@@ -133,7 +173,6 @@ def _run(cfg: Config, *, out_dir: str | pathlib.Path | None, stream: TextIO | No
         f"in {time.perf_counter() - t0:.1f} s")
 
     init_key, train_key, val_key = data_keys(cfg.seed)
-    params = qwen3.init(init_key, model_cfg, dtype=model_dtype(cfg.model))
     n_params, active = qwen3.count_params(model_cfg), qwen3.active_params(model_cfg)
     moe = f", {model_cfg.num_experts} experts top-{model_cfg.num_experts_per_tok}" if model_cfg.is_moe else ""
     act = f" ({active:,} active)" if active != n_params else ""
@@ -142,8 +181,17 @@ def _run(cfg: Config, *, out_dir: str | pathlib.Path | None, stream: TextIO | No
     say(f"train: {tc.steps} steps of {tc.batch_size} x {tc.seq_len} tokens, {cfg.optimizer.name}, "
         f"{cfg.schedule.name} schedule")
 
-    state = init_train_state(params, optimizer)
-    train_step = make_train_step(model_cfg, optimizer, expert_bias_rate=tc.expert_bias_rate, lr_schedule=lr)
+    if mesh is None:
+        params = qwen3.init(init_key, model_cfg, dtype=model_dtype(cfg.model))
+        state = init_train_state(params, optimizer)
+        train_step = make_train_step(model_cfg, optimizer, expert_bias_rate=tc.expert_bias_rate, lr_schedule=lr)
+        full_params: Callable[[Any], Any] = lambda p: p  # noqa: E731
+    else:
+        from hpfunc.train.parallel import build_parallel_step, gather_params, parallel_summary
+
+        say(parallel_summary(cfg))
+        state, train_step = build_parallel_step(cfg, model_cfg, optimizer, lr, init_key, mesh)
+        full_params = gather_params
     eval_step = make_eval_step(model_cfg)
     val_batches = (
         eval_batches(data.val, val_key, tc.eval_batches, tc.batch_size, tc.seq_len)
@@ -159,11 +207,13 @@ def _run(cfg: Config, *, out_dir: str | pathlib.Path | None, stream: TextIO | No
     window_time = 0.0
     progress = Progress(tc.steps, progress_mode, stream)
     try:
-        with MetricsWriter(out / "metrics.jsonl") as writer:
+        with MetricsWriter(out / "metrics.jsonl") if main else _NoWriter() as writer:
             for step in range(tc.steps):
                 batch = sample_batch(data.train, train_key, step, tc.batch_size, tc.seq_len)
                 t = time.perf_counter()
                 state, metrics = train_step(state, batch)
+                if mesh is not None:
+                    metrics = _local_metrics(metrics)
                 loss = float(metrics["loss"])  # the host read also ends the step's work
                 if not math.isfinite(loss):
                     raise TrainingDiverged(
@@ -193,15 +243,17 @@ def _run(cfg: Config, *, out_dir: str | pathlib.Path | None, stream: TextIO | No
                     writer.write(record)
                     records.append(record)
                     window, window_time = [], 0.0
-                if tc.eval_every and done % tc.eval_every == 0 and done != tc.steps:
-                    val = _evaluate(eval_step, state.params, val_batches)
+                if tc.eval_every and done % tc.eval_every == 0 and done != tc.steps and val_batches:
+                    full = full_params(state.params)  # a collective: every rank
+                    val = _evaluate(eval_step, full, val_batches) if main else None
                     if val is not None:
                         vrec = {"step": done, "val_loss": val}
                         writer.write(vrec)
                         records.append(vrec)
                         progress.message(f"step {done}: validation loss {val:.4f}")
                 progress.update(done, record)
-            val = _evaluate(eval_step, state.params, val_batches)
+            final_params = full_params(state.params)  # a collective: every rank
+            val = _evaluate(eval_step, final_params, val_batches) if main else None
             if val is not None:
                 vrec = {"step": tc.steps, "val_loss": val}
                 writer.write(vrec)
@@ -223,12 +275,17 @@ def _run(cfg: Config, *, out_dir: str | pathlib.Path | None, stream: TextIO | No
         "params": n_params,
         "out_dir": str(out),
     }
+    if mesh is not None:
+        summary["processes"] = cfg.parallel.size
+        summary["mesh"] = dict(cfg.parallel.mesh)
+    if not main:
+        return RunResult(state=state, records=records, summary=summary, out_dir=out)
     oc = cfg.output
     byte_level = cfg.data.source != "ids" and not cfg.data.tokenizer
     if oc.sample_tokens and byte_level and oc.sample_prompt:
         from hpfunc.train.sample import sample_text
 
-        text = sample_text(state.params, model_cfg, oc.sample_prompt, oc.sample_tokens,
+        text = sample_text(final_params, model_cfg, oc.sample_prompt, oc.sample_tokens,
                            random.fold_in(random.key(cfg.seed), 3), temperature=oc.sample_temperature)
         (out / "sample.txt").write_text(text)
         summary["sample"] = text

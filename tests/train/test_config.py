@@ -9,6 +9,8 @@ import pytest
 from hpfunc.train.build import build_model_config, build_schedule, check_buildable
 from hpfunc.train.config import (
     ConfigError,
+    ParallelConfig,
+    PlanEntry,
     apply_overrides,
     config_to_dict,
     load_config,
@@ -27,7 +29,8 @@ def error_of(data, overrides=()):
 
 def test_defaults_are_valid():
     cfg = load_config_dict({})
-    assert cfg.optimizer.name == "adamw" and cfg.data.source == "stdlib" and cfg.parallel == {}
+    assert cfg.optimizer.name == "adamw" and cfg.data.source == "stdlib"
+    assert cfg.parallel == ParallelConfig() and cfg.parallel.size == 1
     check_buildable(cfg)
 
 
@@ -94,14 +97,122 @@ def test_overrides():
     assert "train.steps is integer 5, not a section" in error_of({"train": {"steps": 5}}, ["train.steps.x=1"])
 
 
-def test_parallel_section():
-    assert load_config_dict({"parallel": {}}).parallel == {}
-    trivial = load_config_dict({"parallel": {"mesh": {"dp": 1, "tp": 1}}})
-    assert trivial.parallel == {"mesh": {"dp": 1, "tp": 1}}
-    assert "not supported yet in this version" in error_of({"parallel": {"mesh": {"fsdp": 2}}})
-    assert "not supported yet in this version" in error_of({"parallel": {"plan": {"layers.*": "fsdp"}}})
-    assert "parallel.mesh.dp: expected an integer axis size" in error_of({"parallel": {"mesh": {"dp": "x"}}})
-    assert "parallel.mehs: unknown key; did you mean 'mesh'?" in error_of({"parallel": {"mehs": {}}})
+def test_parallel_section_trivial_and_empty():
+    assert load_config_dict({"parallel": {}}).parallel == ParallelConfig()
+    assert load_config_dict({"parallel": None}).parallel == ParallelConfig()
+    trivial = load_config_dict({"parallel": {"mesh": {"dp": 1, "tp": 1}}}).parallel
+    assert trivial.mesh == {"dp": 1, "tp": 1} and trivial.size == 1 and trivial.plan == ()
+
+
+def test_parallel_plan_binds_mesh_axes_in_order():
+    pc = load_config_dict({"parallel": {"mesh": {"fsdp": 2, "tp": 2},
+                                        "plan": ["fsdp", {"tp": {"vocab_parallel": True}}]}}).parallel
+    assert pc.size == 4 and pc.data_axes == ("fsdp",) and pc.data_size == 2
+    assert pc.plan == (PlanEntry("fsdp", ("fsdp",), {"reshard_after_forward": True}),
+                       PlanEntry("tp", ("tp",), {"vocab_parallel": True, "sequence_parallel": False}))
+    # positional: the names of the entries need not be the axis names
+    pc = load_config_dict({"parallel": {"mesh": {"data": 2, "model": 2}, "plan": ["zero1", "tp"]}}).parallel
+    assert [(e.kind, e.axes) for e in pc.plan] == [("zero1", ("data",)), ("tp", ("model",))]
+    # hsdp takes two axes; an explicit axis is claimed first, the others go to entries without one
+    pc = load_config_dict({"parallel": {"mesh": {"dp": 2, "fsdp": 2, "tp": 2},
+                                        "plan": [{"tp": {"axis": "tp"}}, "hsdp"]}}).parallel
+    assert [(e.kind, e.axes) for e in pc.plan] == [("tp", ("tp",)), ("hsdp", ("dp", "fsdp"))]
+    assert pc.data_axes == ("dp", "fsdp") and pc.data_size == 4
+    # a single entry may be written without a list; size-1 axes need no entry
+    pc = load_config_dict({"parallel": {"mesh": {"dp": 2, "tp": 1}, "plan": "ddp"}}).parallel
+    assert [(e.kind, e.axes) for e in pc.plan] == [("ddp", ("dp",))]
+
+
+def test_parallel_plan_builds_the_plans_factories():
+    from hpfunc.train.parallel import build_plan
+
+    pc = load_config_dict({"parallel": {"mesh": {"dp": 2, "fsdp": 2, "tp": 2},
+                                        "plan": ["ddp", {"fsdp": {"reshard_after_forward": False}}, "tp"]}}).parallel
+    plan = build_plan(pc)
+    assert plan.data_axes == ("dp", "fsdp") and plan.tp_axis == "tp" and not plan.reshard_after_forward
+    assert [layer.kind for layer in plan.layers] == ["ddp", "fsdp", "tp"]
+    # entries compose in mesh-axis order, whatever order they are written in
+    pc = load_config_dict({"parallel": {"mesh": {"fsdp": 2, "tp": 2},
+                                        "plan": [{"tp": {"axis": "tp"}}, {"zero3": {"axis": "fsdp"}}]}}).parallel
+    assert [layer.axis for layer in build_plan(pc).layers] == ["fsdp", "tp"]
+
+
+MESH = {"fsdp": 2, "tp": 2}
+
+
+@pytest.mark.parametrize(
+    "parallel, expected",
+    [
+        ({"mehs": {}}, "parallel.mehs: unknown key; did you mean 'mesh'?"),
+        ({"mesh": {"dp": "x"}}, "parallel.mesh.dp: expected an integer axis size >= 1, found string 'x'"),
+        ({"mesh": {"dp": 0}}, "parallel.mesh.dp: expected an integer axis size >= 1"),
+        ({"mesh": [2, 2]}, "parallel.mesh: expected a mapping of axis name to size"),
+        ({"mesh": MESH, "plan": ["fsdp", "tpp"]}, "parallel.plan[1]: unknown plan 'tpp'; did you mean 'tp'?"),
+        ({"mesh": MESH}, "parallel.plan: missing; the mesh {fsdp: 2, tp: 2} (4 processes) needs a plan"),
+        ({"mesh": MESH, "plan": ["fsdp"]}, "parallel.mesh.tp: the axis has size 2 but no entry of parallel.plan"),
+        ({"mesh": MESH, "plan": ["fsdp", "tp", "ddp"]}, "parallel.plan[2]: no mesh axis left for 'ddp'"),
+        ({"mesh": MESH, "plan": ["fsdp", {"tp": {"axis": "model"}}]},
+         "parallel.plan[1].tp.axis: 'model' is not an axis of parallel.mesh {fsdp: 2, tp: 2}"),
+        ({"mesh": MESH, "plan": [{"fsdp": {"axis": "tp"}}, {"tp": {"axis": "tp"}}]},
+         "parallel.plan[1].tp.axis: mesh axis 'tp' is already used by parallel.plan[0] (fsdp)"),
+        ({"mesh": MESH, "plan": ["fsdp", {"tp": {"vocab_paralel": True}}]},
+         "parallel.plan[1].tp.vocab_paralel: unknown option of tp; did you mean 'vocab_parallel'?"),
+        ({"mesh": MESH, "plan": ["fsdp", {"tp": {"vocab_parallel": "yes"}}]},
+         "parallel.plan[1].tp.vocab_parallel: expected true or false"),
+        ({"mesh": MESH, "plan": [{"hsdp": {"axes": ["fsdp"]}}]}, "parallel.plan[0].hsdp.axes: expected 2 mesh axis"),
+        ({"mesh": MESH, "plan": [{"fsdp": 2}, "tp"]}, "parallel.plan[0].fsdp: expected a mapping of options"),
+        ({"mesh": MESH, "plan": [{"fsdp": None, "tp": None}]}, "parallel.plan[0]: expected a plan name (fsdp) or one"),
+        ({"mesh": {"a": 2, "b": 2}, "plan": ["tp", "tp"]}, "parallel.plan[1]: a second tp entry"),
+        ({"plan": ["ddp"]}, "parallel.mesh: parallel.plan needs a mesh of named axes"),
+        ({"mesh": MESH, "plan": {"layers.*": "fsdp"}}, "parallel.plan[0]: unknown plan 'layers.*'"),
+    ],
+)
+def test_parallel_syntax_errors_name_the_key(parallel, expected):
+    assert expected in error_of({"parallel": parallel})
+
+
+@pytest.mark.parametrize(
+    "data, expected",
+    [
+        ({"train": {"batch_size": 6}, "parallel": {"mesh": {"dp": 2, "fsdp": 2}, "plan": ["ddp", "fsdp"]}},
+         "train.batch_size: the global batch of 6 does not split evenly over the 4 data-parallel ranks "
+         "(parallel.mesh dp: 2 x fsdp: 2); use a multiple of 4"),
+        ({"parallel": {"mesh": {"fsdp": 1, "tp": 4}, "plan": ["fsdp", "tp"]}},
+         "parallel.mesh.tp: tensor parallelism over 4 ranks must divide the 2 key/value heads of the model "
+         "(model.num_key_value_heads)"),
+        ({"model": {"vocab_size": 257}, "parallel": {"mesh": {"tp": 2}, "plan": [{"tp": {"vocab_parallel": True}}]}},
+         "parallel.mesh.tp: tensor parallelism over 2 ranks must divide the 257 vocabulary rows (vocab_parallel)"),
+        ({"model": {"moe_intermediate_size": 33}, "parallel": {"mesh": MESH, "plan": ["fsdp", "tp"]}},
+         "parallel.mesh.tp: tp('tp') of size 2 must divide dimension 2 of 'layers.0.moe.experts.w_down' (size 33)"),
+        ({"train": {"seq_len": 15}, "parallel": {"mesh": {"tp": 2}, "plan": [{"tp": {"sequence_parallel": True}}]}},
+         "train.seq_len: sequence parallelism (parallel.plan[0]) splits the sequence of 15 over 2 ranks"),
+    ],
+)
+def test_parallel_plan_is_checked_against_model_and_batch(data, expected):
+    assert expected in error_of(data)
+
+
+def test_parallel_config_round_trips_through_yaml(tmp_path):
+    import yaml
+
+    cfg = load_config_dict({"parallel": {"mesh": {"dp": 2, "fsdp": 2, "tp": 2},
+                                         "plan": ["hsdp", {"tp": {"vocab_parallel": True}}]}})
+    data = config_to_dict(cfg)
+    assert data["parallel"] == {"mesh": {"dp": 2, "fsdp": 2, "tp": 2}, "plan": [
+        {"hsdp": {"axes": ["dp", "fsdp"], "reshard_after_forward": True}},
+        {"tp": {"axis": "tp", "vocab_parallel": True, "sequence_parallel": False}}]}
+    path = tmp_path / "again.yaml"
+    path.write_text(yaml.safe_dump(data))
+    assert load_config(path) == cfg
+    assert config_to_dict(load_config_dict({}))["parallel"] == {}
+
+
+def test_parallel_overrides_from_the_command_line():
+    base = {"parallel": {"mesh": {"fsdp": 2, "tp": 2}, "plan": ["fsdp", "tp"]}}
+    assert load_config_dict(base, ["parallel.mesh.tp=1"]).parallel.size == 2
+    assert load_config_dict(base, ["parallel=null"]).parallel == ParallelConfig()
+    pc = load_config_dict(base, ["parallel.plan=[zero2, {tp: {vocab_parallel: true}}]"]).parallel
+    assert [e.kind for e in pc.plan] == ["zero2", "tp"] and pc.plan[1].options["vocab_parallel"]
 
 
 def test_schedules():

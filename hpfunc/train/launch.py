@@ -1,0 +1,74 @@
+"""Starting the ranks of a multi-process run: ``hpfunc train`` re-executes itself under torch's launcher.
+
+When the config's mesh needs more than one process and the current process is not one of a launch's
+ranks (no ``RANK`` / ``WORLD_SIZE`` in the environment), the command starts
+``torch.distributed.run`` in-process (the launcher ``hpfunc launch`` wraps) with a standalone
+rendezvous on this machine and one process per mesh position, each running the same command::
+
+    hpfunc train cfg.yaml --set x=y      # 4-process mesh: becomes, in effect,
+    torchrun --standalone --nproc-per-node 4 -m hpfunc.cli train cfg.yaml --set x=y
+
+Inside the ranks :func:`in_launched_rank` is true, so they train instead of launching again. A rank
+that fails makes the launcher stop the others (nobody waits on a collective that never comes) and
+:func:`launch` returns that rank's exit status; the rank printed its own error on stderr.
+
+Example (a script instead of the trainer, as the tests do)::
+
+    status = launch(["script.py", "arg"], nproc=2)      # 0 when every rank exits 0
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Sequence
+
+__all__ = ["in_launched_rank", "launch", "rank_of_this_process"]
+
+
+def in_launched_rank() -> bool:
+    """Whether this process is a rank of a torchrun-style launch (``RANK`` and ``WORLD_SIZE`` are set)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def rank_of_this_process() -> int:
+    """``RANK`` of a launched rank, else 0."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def launch(target: Sequence[str], nproc: int, *, module: bool = False, threads: int | None = None) -> int:
+    """Run ``target`` (a script and its arguments, or with ``module`` a module name and its arguments)
+    on ``nproc`` local ranks through ``torch.distributed.run``; return the exit status.
+
+    Args:
+      target: ``[script.py, args...]`` or ``[module, args...]``.
+      nproc: number of processes (the mesh size).
+      module: run ``python -m target[0]``.
+      threads: ``OMP_NUM_THREADS`` for the ranks when the environment does not set it (torch's
+        launcher would otherwise set 1 and print a banner saying so).
+
+    Returns:
+      0 when every rank exited 0; otherwise the exit status of the first rank that failed (1 when it
+      was killed by a signal). ``KeyboardInterrupt`` stops the ranks and is re-raised.
+    """
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from hpfunc.launch import torchrun_args
+
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads or 1))
+    argv = ["--nproc", str(nproc), *(["--module"] if module else []), *target]
+    args = torchrun.parse_args(torchrun_args(argv))
+    try:
+        torchrun.run(args)
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        code = failure.exitcode
+        how = f"exit status {code}" if code >= 0 else f"signal {-code}"
+        print(f"hpfunc: rank {rank} of {nproc} failed ({how}); its error is printed above. "
+              f"The other ranks were stopped.", file=sys.stderr, flush=True)
+        return code if code > 0 else 1
+    except SignalException as e:  # Ctrl-C or a kill of this process: the launcher stopped the ranks
+        raise KeyboardInterrupt(str(e)) from None
+    return 0

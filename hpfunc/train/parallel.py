@@ -1,0 +1,279 @@
+"""Training on a mesh: ``parallel:`` -> a :class:`~hpfunc.transforms.plans.Plan`, checked before launch.
+
+Inside the ranks (:func:`hpfunc.train.run` with such a config): :func:`start_mesh` joins the gloo
+process group and builds the :class:`hpfunc.Mesh`; :func:`build_parallel_step` creates the parameters
+directly sharded (``init_sharded``, the same values as ``qwen3.init``) and wraps the single-device
+``make_train_step`` with ``hpfunc.parallelize``; :func:`gather_params` makes full tensors again for
+evaluation and sampling.
+
+The config's ``parallel.plan`` entries map one to one onto the factories of
+:mod:`hpfunc.transforms.plans`, composed in mesh-axis order::
+
+    parallel:
+      mesh: {fsdp: 2, tp: 2}
+      plan: [fsdp, {tp: {vocab_parallel: true}}]     # plans.fsdp("fsdp") + plans.tp("tp", vocab_parallel=True)
+
+Everything that can be checked without processes is checked here, in the launching process, so a
+mistake costs no rank start-up: the plan against the model's parameter shapes (tensor parallelism
+must divide the heads and the hidden features), the global batch against the data-parallel ranks.
+An :class:`AbstractMesh` (axis names and sizes, no process group) stands in for the mesh.
+
+Example:
+    >>> from hpfunc.train.config import load_config_dict
+    >>> from hpfunc.train.build import build_model_config
+    >>> cfg = load_config_dict({"parallel": {"mesh": {"fsdp": 2, "tp": 2}, "plan": ["fsdp", "tp"]}})
+    >>> build_plan(cfg.parallel).data_axes, build_plan(cfg.parallel).tp_axis
+    (('fsdp',), 'tp')
+    >>> check_parallel(cfg, build_model_config(cfg.model))  # fits: no error
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import operator
+from typing import Any, Callable, Iterator, Mapping
+
+from hpfunc.train.config import Config, ConfigError, ParallelConfig, PlanEntry
+
+__all__ = [
+    "AbstractMesh",
+    "build_plan",
+    "check_parallel",
+    "describe_plan",
+    "is_distributed",
+    "start_mesh",
+    "build_parallel_step",
+    "gather_params",
+    "parallel_summary",
+]
+
+
+class AbstractMesh:
+    """The shape of a mesh (ordered axis names and sizes) without processes.
+
+    It answers what a plan asks a mesh while resolving specs (``axis_names``, ``axis_size``), so a plan
+    can be checked and described before any rank exists.
+
+    >>> m = AbstractMesh({"fsdp": 2, "tp": 2})
+    >>> m.axis_size("tp"), m.axis_size(("fsdp", "tp")), m.size
+    (2, 4, 4)
+    """
+
+    def __init__(self, axes: Mapping[str, int]):
+        self.shape = dict(axes)
+        self.axis_names = tuple(self.shape)
+
+    @property
+    def size(self) -> int:
+        return functools.reduce(operator.mul, self.shape.values(), 1)
+
+    def axis_size(self, axes: Any) -> int:
+        if axes is None:
+            return 1
+        names = (axes,) if isinstance(axes, str) else tuple(axes)
+        return functools.reduce(operator.mul, (self.shape[a] for a in names), 1)
+
+    def __repr__(self) -> str:
+        return f"AbstractMesh({self.shape})"
+
+
+def is_distributed(pc: ParallelConfig) -> bool:
+    """Whether the config asks for more than one process (a mesh of size > 1)."""
+    return pc.size > 1
+
+
+def _entry_plan(e: PlanEntry) -> Any:
+    from hpfunc.transforms import plans
+
+    o = e.options
+    if e.kind in ("fsdp", "zero3"):
+        return plans.fsdp(e.axes[0], reshard_after_forward=o["reshard_after_forward"])
+    if e.kind == "hsdp":
+        return plans.hsdp(e.axes[0], e.axes[1], reshard_after_forward=o["reshard_after_forward"])
+    if e.kind == "tp":
+        kw = {"vocab_parallel": o["vocab_parallel"]}
+        if o.get("sequence_parallel"):
+            kw["sequence_parallel"] = True
+        return plans.tp(e.axes[0], **kw)
+    return getattr(plans, e.kind)(e.axes[0])  # ddp, zero1, zero2
+
+
+def build_plan(pc: ParallelConfig) -> Any:
+    """The :class:`~hpfunc.transforms.plans.Plan` of ``parallel.plan``: its entries in mesh-axis order,
+    composed with ``+``."""
+    if not pc.plan:
+        from hpfunc.transforms import plans
+
+        return plans.Plan()
+    order = {a: i for i, a in enumerate(pc.mesh)}
+    entries = sorted(pc.plan, key=lambda e: order[e.axes[0]])
+    try:
+        return functools.reduce(operator.add, (_entry_plan(e) for e in entries))
+    except TypeError as e:  # an option this version of plans does not take
+        raise ConfigError(f"parallel.plan: {e}") from None
+
+
+def _tp_entry(pc: ParallelConfig) -> tuple[int, PlanEntry] | None:
+    for i, e in enumerate(pc.plan):
+        if e.kind == "tp":
+            return i, e
+    return None
+
+
+def check_parallel(cfg: Config, model_cfg: Any) -> None:
+    """Raise :class:`ConfigError` naming the key when the plan does not fit the model or the batch.
+
+    Checked: the global batch (``train.batch_size``) splits evenly over the data-parallel ranks; the
+    tensor-parallel degree divides the attention heads, the key/value heads, the MLP / expert hidden
+    features (and the vocabulary with ``vocab_parallel``, the sequence with ``sequence_parallel``);
+    then the whole plan resolves on every parameter of the model (:meth:`Plan.resolve`).
+    """
+    pc = cfg.parallel
+    if not pc.plan:
+        return
+    from hpfunc.models import qwen3
+    from hpfunc.transforms.plans import PlanError
+
+    dp = pc.data_size
+    if dp > 1 and cfg.train.batch_size % dp:
+        axes = " x ".join(f"{a}: {pc.mesh[a]}" for a in pc.data_axes)
+        raise ConfigError(
+            f"train.batch_size: the global batch of {cfg.train.batch_size} does not split evenly over the {dp} "
+            f"data-parallel ranks (parallel.mesh {axes}); use a multiple of {dp}"
+        )
+    found = _tp_entry(pc)
+    if found is not None:
+        i, e = found
+        axis = e.axes[0]
+        n = pc.mesh[axis]
+        key = f"parallel.mesh.{axis}"
+        needs = [("num_attention_heads", "attention heads"), ("num_key_value_heads", "key/value heads")]
+        if e.options.get("vocab_parallel"):
+            needs.append(("vocab_size", "vocabulary rows (vocab_parallel)"))
+        for field, what in needs:
+            v = getattr(model_cfg, field)
+            if v % n:
+                raise ConfigError(f"{key}: tensor parallelism over {n} ranks must divide the {v} {what} of the "
+                                  f"model (model.{field}); choose a tp size that divides {v}")
+        if e.options.get("sequence_parallel") and cfg.train.seq_len % n:
+            raise ConfigError(f"train.seq_len: sequence parallelism (parallel.plan[{i}]) splits the sequence of "
+                              f"{cfg.train.seq_len} over {n} ranks; use a multiple of {n}")
+    plan = build_plan(pc)
+    try:
+        plan.resolve(qwen3.param_shapes(model_cfg), AbstractMesh(pc.mesh))
+    except PlanError as err:
+        msg = str(err)
+        where = f"parallel.mesh.{found[1].axes[0]}" if found is not None and msg.startswith("tp") else "parallel.plan"
+        raise ConfigError(f"{where}: {msg}") from None
+
+
+def describe_plan(cfg: Config, model_cfg: Any) -> str:
+    """The resolved plan, one line per parameter (``path shape storage -> compute | opt``), after a
+    header naming the mesh, the plan and the batch split."""
+    from hpfunc.models import qwen3
+
+    pc = cfg.parallel
+    plan = build_plan(pc)
+    mesh = AbstractMesh(pc.mesh)
+    per = cfg.train.batch_size // max(pc.data_size, 1)
+    head = [
+        f"mesh {_flow(pc.mesh)} ({pc.size} processes), plan {_plan_text(pc)}",
+        f"batch {cfg.train.batch_size} x {cfg.train.seq_len} split over {pc.data_axes or 'no axis'}: "
+        f"{per} x {cfg.train.seq_len} per data shard",
+        f"{'parameter':40s} {'shape':16s} storage -> compute | opt (optimizer state)",
+    ]
+    return "\n".join(head) + "\n" + plan.describe(qwen3.param_shapes(model_cfg), mesh)
+
+
+def _plan_text(pc: ParallelConfig) -> str:
+    """``fsdp('fsdp') + tp('tp', vocab_parallel=True)``: the plan as the factories it is built from."""
+    order = list(pc.mesh)
+    return " + ".join(_entry_text(e) for e in sorted(pc.plan, key=lambda e: order.index(e.axes[0])))
+
+
+def _entry_text(e: PlanEntry) -> str:
+    args = [repr(a) for a in e.axes]
+    defaults = dict(_defaults(e.kind))
+    args += [f"{k}={v}" for k, v in e.options.items() if defaults.get(k) != v]
+    name = "fsdp" if e.kind == "zero3" else e.kind
+    return f"{name}({', '.join(args)})"
+
+
+def _defaults(kind: str) -> dict:
+    from hpfunc.train.config import PLAN_KINDS
+
+    return PLAN_KINDS[kind][1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Inside the ranks
+
+
+@contextlib.contextmanager
+def start_mesh(pc: ParallelConfig) -> Iterator[Any]:
+    """Join the launch's process group (gloo; the trainer runs on CPU) and yield ``hpfunc.Mesh(pc.mesh)``;
+    the process group is destroyed on exit if this call created it."""
+    import torch.distributed as dist
+
+    from hpfunc.mesh import Mesh, init_distributed
+    from hpfunc.train.launch import in_launched_rank
+
+    if not dist.is_initialized() and not in_launched_rank():
+        raise ConfigError(
+            f"parallel.mesh: {pc.mesh} needs {pc.size} processes; run it with `hpfunc train CONFIG.yaml`, which "
+            f"starts them, or call hpfunc.train.run in every rank of a torchrun launch"
+        )
+    created = not dist.is_initialized()
+    init_distributed("gloo")
+    try:
+        world = dist.get_world_size()
+        if world != pc.size:
+            raise ConfigError(f"parallel.mesh: {pc.mesh} needs {pc.size} processes but this launch has {world} "
+                              f"(WORLD_SIZE); launch {pc.size} or change the mesh")
+        yield Mesh(pc.mesh)
+    finally:
+        if created and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def build_parallel_step(cfg: Config, model_cfg: Any, optimizer: Any, lr: Callable[[int], float],
+                        init_key: Any, mesh: Any) -> tuple[Any, Callable]:
+    """``(state, train_step)`` on ``mesh``: the trainer's single-device step (``make_train_step`` with
+    the tensor-parallel-aware :func:`hpfunc.models.parallel.loss`) under ``hpfunc.parallelize``, and
+    its first state, the parameters created sharded with the plan's storage specs."""
+    import hpfunc
+    from hpfunc.models import parallel as model_parallel
+    from hpfunc.models import qwen3
+    from hpfunc.train.build import model_dtype
+    from hpfunc.train.step import init_train_state, make_train_step
+    from hpfunc.transforms.parallelize import init_sharded
+
+    plan = build_plan(cfg.parallel)
+    step = make_train_step(model_cfg, optimizer, expert_bias_rate=cfg.train.expert_bias_rate, lr_schedule=lr,
+                           loss_fn=model_parallel.loss)
+    train_step = hpfunc.parallelize(step, mesh, plan, params="params")
+    init = functools.partial(model_parallel.init, cfg=model_cfg, dtype=model_dtype(cfg.model))
+    params = init_sharded(init, mesh, plan, init_key, shapes=qwen3.param_shapes(model_cfg))
+    state = train_step.init_state(lambda p: init_train_state(p, optimizer), params)
+    return state, train_step
+
+
+def gather_params(params: Any) -> Any:
+    """Full tensors of (sharded) parameters, on every rank: a collective, so every rank must call it."""
+    import optree
+    from torch.distributed.tensor import DTensor
+
+    return optree.tree_map(lambda x: x.full_tensor() if isinstance(x, DTensor) else x, params)
+
+
+def parallel_summary(cfg: Config) -> str:
+    """The start line of a parallel run: processes, mesh, plan and the batch split."""
+    pc = cfg.parallel
+    per = cfg.train.batch_size // max(pc.data_size, 1)
+    return (f"parallel: {pc.size} processes (gloo), mesh {_flow(pc.mesh)}, plan {_plan_text(pc)}; "
+            f"batch {cfg.train.batch_size} split {per} per data shard")
+
+
+def _flow(mesh: Mapping[str, int]) -> str:
+    return "{" + ", ".join(f"{a}: {s}" for a, s in mesh.items()) + "}"
