@@ -177,7 +177,10 @@ def check_tokens(tokens: torch.Tensor, vocab_size: int) -> None:
 
 def apply(params: dict, tokens: torch.Tensor, cfg: Qwen3Config, *, positions: torch.Tensor | None = None,
           return_aux: bool = False, moe_impl: str = "auto",
-          reduce_partial: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Any:
+          embed: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+          gather_input: Callable[[torch.Tensor], torch.Tensor] | None = None,
+          reduce_partial: Callable[[torch.Tensor], torch.Tensor] | None = None,
+          head: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> Any:
     """Logits ``[B, S, V]`` for ``tokens [B, S]`` (causal; ``positions`` ``[S]`` or ``[B, S]`` default
     ``arange(S)``).
 
@@ -186,9 +189,18 @@ def apply(params: dict, tokens: torch.Tensor, cfg: Qwen3Config, *, positions: to
     ``[n_moe_layers, E]`` int64 (top-k assignments per expert) and ``aux["router_logits"]`` (one
     ``[B*S, E]`` per MoE layer).
 
-    ``reduce_partial`` (for tensor parallelism) is applied to each row-parallel output, the attention
-    ``wo`` projection (before its bias) and the MLP / MoE down projection, before the residual add:
-    with Megatron shards of the weights, ``lambda y: lax.psum(y, "tp")`` gives the full model.
+    Hooks for parallel layouts (:mod:`hpfunc.models.parallel` supplies them; each defaults to the
+    single-device operation, and the model reads the same top to bottom either way):
+
+    ``embed(tokens, table) -> h``   the token embedding (default ``F.embedding``);
+    ``gather_input(x)``             the normalised input of each attention and MLP / MoE block
+                                    (default identity; sequence parallelism all-gathers the sequence);
+    ``reduce_partial(y)``           each row-parallel output, the attention ``wo`` projection (before
+                                    its bias, then added once) and the MLP / MoE down projection, before
+                                    the residual add: with Megatron shards of the weights,
+                                    ``lambda y: lax.psum(y, "tp")`` gives the full model;
+    ``head(h, weight) -> logits``   the output projection of the final normalised hidden states
+                                    (default ``F.linear``).
 
     >>> from hpfunc.models import preset
     >>> cfg = preset("qwen3-dense-tiny")
@@ -197,17 +209,18 @@ def apply(params: dict, tokens: torch.Tensor, cfg: Qwen3Config, *, positions: to
     """
     check_tokens(tokens, cfg.vocab_size)
     B, S = tokens.shape
-    h = F.embedding(tokens, params["embed"])
+    h = F.embedding(tokens, params["embed"]) if embed is None else embed(tokens, params["embed"])
     if positions is None:
         positions = torch.arange(S, device=tokens.device)
     inv_freq, rope_scale = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
                                          max_position_embeddings=cfg.max_position_embeddings)
     cos, sin = rope_tables(positions, inv_freq, rope_scale, dtype=h.dtype)
     eps = cfg.rms_norm_eps
+    gather = (lambda x: x) if gather_input is None else gather_input  # noqa: E731
     routings = []
     for layer in params["layers"]:
         a = layer["attn"]
-        out = gqa_attention(rms_norm(h, layer["attn_norm"], eps), a["wq"], a["wk"], a["wv"], a["wo"],
+        out = gqa_attention(gather(rms_norm(h, layer["attn_norm"], eps)), a["wq"], a["wk"], a["wv"], a["wo"],
                             a["q_norm"], a["k_norm"], cos, sin, eps=eps,
                             bq=a.get("bq"), bk=a.get("bk"), bv=a.get("bv"),
                             bo=a.get("bo") if reduce_partial is None else None)
@@ -216,7 +229,7 @@ def apply(params: dict, tokens: torch.Tensor, cfg: Qwen3Config, *, positions: to
             if "bo" in a:  # added once, after the reduction
                 out = out + a["bo"]
         h = h + out
-        x = rms_norm(h, layer["mlp_norm"], eps)
+        x = gather(rms_norm(h, layer["mlp_norm"], eps))
         if "moe" in layer:
             m = layer["moe"]
             y, routing = moe_block(x, m["router"], m["experts"]["w_gate"], m["experts"]["w_up"],
@@ -228,7 +241,8 @@ def apply(params: dict, tokens: torch.Tensor, cfg: Qwen3Config, *, positions: to
             y = swiglu_mlp(x, layer["mlp"]["w_gate"], layer["mlp"]["w_up"], layer["mlp"]["w_down"])
         h = h + (y if reduce_partial is None else reduce_partial(y))
     h = rms_norm(h, params["final_norm"], eps)
-    logits = F.linear(h, params["embed"] if cfg.tie_word_embeddings else params["lm_head"])
+    w_out = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
+    logits = F.linear(h, w_out) if head is None else head(h, w_out)
     if not return_aux:
         return logits
     if routings:
@@ -252,13 +266,22 @@ def shift_labels(tokens: torch.Tensor) -> torch.Tensor:
 
 
 def loss(params: dict, batch: dict, cfg: Qwen3Config, *, moe_impl: str = "auto",
-         reduce_partial: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[torch.Tensor, dict]:
+         embed: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+         gather_input: Callable[[torch.Tensor], torch.Tensor] | None = None,
+         reduce_partial: Callable[[torch.Tensor], torch.Tensor] | None = None,
+         head: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+         cross_entropy: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+         ) -> tuple[torch.Tensor, dict]:
     """Training loss ``ce + router_aux_loss_coef * aux_loss`` (the aux term only for MoE models).
 
     ``batch["tokens"]`` int64 ``[B, S]``; ``batch["labels"]`` (optional) ``[B, S]`` targets *aligned with
     the positions* (``labels[:, s]`` is predicted from ``tokens[:, :s+1]``), ``-100`` ignored; default
     :func:`shift_labels` of the tokens (equal to Hugging Face's ``labels=input_ids``). Cross-entropy is the
     mean over non-ignored targets, in float32.
+
+    ``embed, gather_input, reduce_partial, head`` are :func:`apply`'s hooks; ``cross_entropy(logits,
+    labels)`` (default ``F.cross_entropy`` in float32, mean over non-ignored targets) receives what
+    ``head`` returned, e.g. a vocabulary or sequence block (see :mod:`hpfunc.models.parallel`).
 
     Returns ``(loss, aux)`` with detached ``aux``: ``ce_loss``, ``aux_loss``, ``expert_load``
     ``[n_moe_layers, E]`` and ``tokens`` (number of counted targets).
@@ -275,9 +298,13 @@ def loss(params: dict, batch: dict, cfg: Qwen3Config, *, moe_impl: str = "auto",
     if labels.shape != tokens.shape:
         raise ValueError(f"loss: labels must have the tokens' shape {tuple(tokens.shape)}, "
                          f"found {tuple(labels.shape)}")
-    logits, aux = apply(params, tokens, cfg, return_aux=True, moe_impl=moe_impl, reduce_partial=reduce_partial)
-    ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                         ignore_index=IGNORE_INDEX)
+    logits, aux = apply(params, tokens, cfg, return_aux=True, moe_impl=moe_impl, embed=embed,
+                        gather_input=gather_input, reduce_partial=reduce_partial, head=head)
+    if cross_entropy is None:
+        ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                             ignore_index=IGNORE_INDEX)
+    else:
+        ce = cross_entropy(logits, labels)
     total = ce + cfg.router_aux_loss_coef * aux["aux_loss"] if cfg.moe_layers else ce
     return total, {"ce_loss": ce.detach(), "aux_loss": aux["aux_loss"].detach(),
                    "expert_load": aux["expert_load"], "tokens": (labels != IGNORE_INDEX).sum()}

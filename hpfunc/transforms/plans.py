@@ -34,8 +34,11 @@ import torch
 from hpfunc import tree as _tree
 from hpfunc.mesh import Mesh
 from hpfunc.sharding import P, _rule_matches, as_spec
+from hpfunc.transforms.styles import (ColwiseParallel, Replicate, RowwiseParallel, SequenceParallel, Style,
+                                      VocabParallel, qwen3_styles)
 
-__all__ = ["PlanError", "LeafSpec", "Plan", "ddp", "fsdp", "zero1", "zero2", "zero3", "hsdp", "tp"]
+__all__ = ["PlanError", "LeafSpec", "Plan", "ddp", "fsdp", "zero1", "zero2", "zero3", "hsdp", "tp", "tp_styles",
+           "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "VocabParallel", "Replicate", "Style"]
 
 
 class PlanError(ValueError):
@@ -89,11 +92,33 @@ class _Layer:
     kind: str  # "ddp" | "fsdp" | "zero" | "tp"
     axis: str
     stage: int = 3  # zero stage for kind == "zero" (1 or 2) / fsdp (3)
-    vocab: bool = False  # tp: also shard the embedding and lm_head by vocabulary rows
+    styles: tuple[tuple[str, Style], ...] = ()  # tp: (path pattern, style), first match wins
+    strict: bool = False  # tp: every pattern must match a parameter path (user-written styles)
 
     @property
     def is_data(self) -> bool:
         return self.kind in ("ddp", "fsdp", "zero")
+
+    @property
+    def vocab(self) -> bool:
+        """tp: the embedding / head are split by vocabulary rows (the model's lookup and loss change)."""
+        return any(isinstance(st, VocabParallel) for _, st in self.styles)
+
+    @property
+    def sequence(self) -> bool:
+        """tp: activations between blocks are split along the sequence (Megatron-SP)."""
+        return any(isinstance(st, SequenceParallel) for _, st in self.styles)
+
+    def describe(self) -> str:
+        if self.kind != "tp":
+            return f"{self.kind}({self.axis!r})"
+        return f"tp({self.axis!r})" if not self.strict else f"tp_styles({self.axis!r})"
+
+    def style_for(self, path: str) -> tuple[str, Style] | None:
+        for pat, st in self.styles:
+            if _rule_matches(pat, path):
+                return pat, st
+        return None
 
 
 def _free_dim(shape: tuple[int, ...], dims: list[tuple[str, ...]], n: int, mesh: Mesh) -> int | None:
@@ -106,25 +131,6 @@ def _free_dim(shape: tuple[int, ...], dims: list[tuple[str, ...]], n: int, mesh:
         k = mesh.axis_size(dims[d]) if dims[d] else 1
         if dims[d] and size % (k * n) == 0:
             return d
-    return None
-
-
-_TP_COLUMN = ("attn.wq", "attn.wk", "attn.wv", "attn.bq", "attn.bk", "attn.bv", "mlp.w_gate", "mlp.w_up",
-              "shared.w_gate", "shared.w_up")
-_TP_ROW = ("attn.wo", "mlp.w_down", "shared.w_down")
-_TP_EXPERT_COLUMN = ("experts.w_gate", "experts.w_up")  # [E, I, H]: shard I (dim 1)
-_TP_EXPERT_ROW = ("experts.w_down",)  # [E, H, I]: shard I (dim 2)
-
-
-def _tp_dim(path: str) -> int | None:
-    if path.endswith(_TP_COLUMN):
-        return 0
-    if path.endswith(_TP_ROW):
-        return 1
-    if path.endswith(_TP_EXPERT_COLUMN):
-        return 1
-    if path.endswith(_TP_EXPERT_ROW):
-        return 2
     return None
 
 
@@ -144,14 +150,22 @@ def _apply_layer(layer: _Layer, path: str, shape: tuple[int, ...], spec: LeafSpe
     if layer.kind == "ddp" or n == 1:
         return spec
     if layer.kind == "tp":
-        d = 0 if layer.vocab and path in ("embed", "lm_head") else _tp_dim(path)
-        if d is None or d >= nd:
+        found = layer.style_for(path)
+        if found is None:
             return spec
-        hd = _head_dim(path, shapes)
-        unit = hd if hd and d == (0 if path.rsplit(".", 1)[-1] in ("wq", "wk", "wv", "bq", "bk", "bv") else 1) else 1
+        pattern, style = found
+        try:
+            d = style.shard_dim(nd)
+        except ValueError as e:
+            raise PlanError(f"{layer.describe()} style for {pattern!r} does not fit {path!r} of shape "
+                            f"{shape}: {e}") from None
+        if d is None:
+            return spec
+        # attention projections are split by whole heads (the model derives head counts from shapes)
+        unit = _head_dim(path, shapes) or 1
         if shape[d] % (n * unit):
             what = f"{shape[d] // unit} heads of {unit}" if unit > 1 else f"size {shape[d]}"
-            raise PlanError(f"tp({layer.axis!r}) of size {n} must divide dimension {d} of {path!r} "
+            raise PlanError(f"{layer.describe()} of size {n} must divide dimension {d} of {path!r} "
                             f"({what}); choose a tp degree that divides it")
         for dims in (st, cp, op):
             dims[d] = dims[d] + (layer.axis,)
@@ -205,7 +219,29 @@ class Plan:
 
     @property
     def tp_vocab_parallel(self) -> bool:
+        """The embedding and head are split by vocabulary rows over :attr:`tp_axis`."""
         return any(l.kind == "tp" and l.vocab for l in self.layers)
+
+    @property
+    def tp_sequence_parallel(self) -> bool:
+        """Activations between blocks are split along the sequence over :attr:`tp_axis` (Megatron-SP)."""
+        return any(l.kind == "tp" and l.sequence for l in self.layers)
+
+    def check_batch(self, batch: Any, mesh: Mesh) -> None:
+        """Raise :class:`PlanError`, before any communication, for a batch the plan cannot split evenly:
+        dimension 0 of every tensor leaf over the data axes and, with sequence parallelism, dimension 1
+        (the sequence) of every leaf of rank >= 2 over the tensor-parallel axis."""
+        axes = self.batch_spec(mesh).dim_axes(0)
+        n = mesh.axis_size(axes) if axes else 1
+        tp = self.tp_axis if self.tp_sequence_parallel else None
+        for path, x in _tree.leaves_with_paths(batch):
+            if not isinstance(x, torch.Tensor):
+                continue
+            if x.ndim == 0 or x.shape[0] % n:
+                raise PlanError(f"batch leaf {path!r} of shape {tuple(x.shape)}: dimension 0 must divide evenly "
+                                f"over the data axes {axes} ({n} ranks)")
+            if tp is not None:
+                check_sequence(x, path, tp, mesh.axis_size(tp))
 
     def batch_spec(self, mesh: Mesh) -> P:
         """Dimension 0 of every batch leaf split over the data axes (mesh order)."""
@@ -217,6 +253,10 @@ class Plan:
             if l.axis not in mesh.axis_names:
                 raise PlanError(f"plan layer {l.kind}({l.axis!r}) names mesh axis {l.axis!r}, which the mesh "
                                 f"does not have; mesh axes are {mesh.axis_names}")
+        tps = [l for l in self.layers if l.kind == "tp"]
+        if len(tps) > 1:
+            raise PlanError(f"a plan takes one tensor-parallel layer; found {', '.join(l.describe() for l in tps)} "
+                            f"(options such as vocab_parallel / sequence_parallel go on the one layer)")
         seen: dict[str, str] = {}
         for l in self.layers:
             if l.axis in seen and seen[l.axis] != l.kind:
@@ -251,13 +291,17 @@ class Plan:
             else:
                 spec = explicit
             out[path] = _check_leaf(path, shape, spec, mesh)
+        for layer in self.layers:
+            if layer.strict:  # user-written styles: a pattern that matches nothing is a typo
+                for pat, _ in layer.styles:
+                    used.setdefault(pat, any(_rule_matches(pat, p) for p in shapes))
         unused = [pat for pat, u in used.items() if not u]
         if unused:
             import difflib
 
             close = difflib.get_close_matches(unused[0], list(shapes), n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise PlanError(f"plan rule {unused[0]!r} matches no parameter path{hint}; "
+            raise PlanError(f"plan rule or style {unused[0]!r} matches no parameter path{hint}; "
                             f"paths look like {list(shapes)[:3]}")
         return out
 
@@ -337,13 +381,67 @@ def hsdp(replicate_axis: str = "dp", shard_axis: str = "fsdp", *, reshard_after_
     return ddp(replicate_axis) + fsdp(shard_axis, reshard_after_forward=reshard_after_forward)
 
 
-def tp(axis: str = "tp", *, vocab_parallel: bool = False) -> Plan:
-    """Megatron tensor parallel for Qwen3 parameter names: column-parallel ``wq, wk, wv, w_gate,
-    w_up`` (dim 0; expert stacks dim 1), row-parallel ``wo, w_down`` (dim 1; expert ``w_down`` dim 2).
+def tp(axis: str = "tp", *, vocab_parallel: bool = False, sequence_parallel: bool = False) -> Plan:
+    """Megatron tensor parallel for Qwen3 parameter names (the styles of
+    :func:`hpfunc.transforms.styles.qwen3_styles`): column-parallel ``wq, wk, wv, w_gate, w_up`` (dim 0;
+    expert stacks dim 1), row-parallel ``wo, w_down`` (dim 1; expert ``w_down`` dim 2).
+
     Norms and router stay replicated on ``axis``; the embedding and ``lm_head`` too unless
     ``vocab_parallel``, which shards both by vocabulary rows (the lookup and the cross-entropy then
-    reduce over ``axis``). The model must reduce row-parallel outputs: use :mod:`hpfunc.models.parallel`."""
-    return Plan((_Layer("tp", axis, vocab=vocab_parallel),))
+    reduce over ``axis``). ``sequence_parallel`` (Megatron-SP) changes no parameter layout: the model
+    keeps the residual stream split along the sequence over ``axis``, all-gathers it before attention and
+    MLP and reduce-scatters their outputs (the plan's ``tp_sequence_parallel``; the sequence length
+    must divide by the axis size). The model must add these collectives: use
+    :mod:`hpfunc.models.parallel`.
+
+    >>> tp("tp", sequence_parallel=True).tp_sequence_parallel
+    True
+    """
+    styles = qwen3_styles(vocab_parallel=vocab_parallel, sequence_parallel=sequence_parallel)
+    return Plan((_Layer("tp", axis, styles=tuple(styles.items())),))
+
+
+def tp_styles(axis: str, styles: Mapping[str, Style] | Sequence[tuple[str, Style]]) -> Plan:
+    """Tensor parallelism over ``axis`` declared per parameter path, like torch's ``parallelize_module``.
+
+    Args:
+        axis: the mesh axis.
+        styles: ``{pattern: style}`` (or ``(pattern, style)`` pairs): dotted-path globs
+            (``layers.*.attn.wq``) or ``re:<regex>``; the first match wins; paths that match nothing are
+            replicated over ``axis``. Styles are in :mod:`hpfunc.transforms.styles`
+            (:class:`ColwiseParallel`, :class:`RowwiseParallel`, :class:`SequenceParallel`,
+            :class:`VocabParallel`, :class:`Replicate`). Every pattern must match some parameter.
+
+    ``tp(axis)`` is ``tp_styles(axis, qwen3_styles())`` without the every-pattern-matches check (a dense
+    model has no experts). The layout composes with data layers as ``tp`` does
+    (``fsdp("fsdp") + tp_styles("tp", ...)``); the model adds the collectives the layout implies
+    (:func:`hpfunc.models.parallel.reduce_partial` on row-parallel outputs, and with sequence parallelism
+    :func:`~hpfunc.models.parallel.scatter_sequence` / :func:`~hpfunc.models.parallel.gather_sequence`).
+
+    Example, a two-layer MLP whose hidden features are split over ``tp``::
+
+        plan = tp_styles("tp", {"w_in": ColwiseParallel(), "b_in": ColwiseParallel(),
+                                "w_out": RowwiseParallel()})
+        # on a {"tp": 2} mesh: w_in [F, D] -> P("tp"), b_in [F] -> P("tp"), w_out [D, F] -> P(None, "tp"),
+        # b_out (no pattern) replicated; the loss adds parallel.reduce_partial(F.linear(h, w_out)) + b_out
+    """
+    pairs = list(styles.items()) if isinstance(styles, Mapping) else list(styles)
+    for item in pairs:
+        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+            raise TypeError(f"tp_styles({axis!r}): expected (pattern, style) pairs or a dict; found {item!r}")
+        if not isinstance(item[1], Style):
+            raise TypeError(f"tp_styles({axis!r}): the style for {item[0]!r} must be a ColwiseParallel(), "
+                            f"RowwiseParallel(), SequenceParallel(), VocabParallel() or Replicate(); "
+                            f"found {item[1]!r}" + (" (call it: add ())" if isinstance(item[1], type) else ""))
+    return Plan((_Layer("tp", axis, styles=tuple(pairs), strict=True),))
+
+
+def check_sequence(x: torch.Tensor, path: str, axis: str, n: int) -> None:
+    """:class:`PlanError` unless dimension 1 (the sequence) of batch leaf ``path`` divides over ``axis``."""
+    if x.ndim >= 2 and x.shape[1] % n:
+        raise PlanError(f"batch leaf {path!r} of shape {tuple(x.shape)}: dimension 1 (the sequence) must divide "
+                        f"evenly over the sequence-parallel axis {axis!r} ({n} ranks); pad the sequence to a "
+                        f"multiple of {n}")
 
 
 def total_numel(resolved: Mapping[str, ResolvedLeaf]) -> int:

@@ -26,6 +26,18 @@ PLANS = {
     "fsdp_tp_vocab": (4, {"fsdp": 2, "tp": 2}, lambda pl: pl.fsdp("fsdp") + pl.tp("tp", vocab_parallel=True)),
 }
 
+# Megatron sequence parallelism on the tp axis (tests/parallel/test_parallel_sp.py); kept out of PLANS so
+# that the tests iterating PLANS keep their size
+SP_PLANS = {
+    "tp_sp": (2, {"tp": 2}, lambda pl: pl.tp("tp", sequence_parallel=True)),
+    "tp_sp_vocab": (2, {"tp": 2}, lambda pl: pl.tp("tp", vocab_parallel=True, sequence_parallel=True)),
+    "fsdp_tp_sp": (4, {"fsdp": 2, "tp": 2}, lambda pl: pl.fsdp("fsdp") + pl.tp("tp", sequence_parallel=True)),
+    "fsdp_tp_sp_vocab": (4, {"fsdp": 2, "tp": 2},
+                         lambda pl: pl.fsdp("fsdp") + pl.tp("tp", vocab_parallel=True, sequence_parallel=True)),
+    "zero2_tp_sp": (4, {"dp": 2, "tp": 2}, lambda pl: pl.zero2("dp") + pl.tp("tp", sequence_parallel=True)),
+}
+ALL_PLANS = {**PLANS, **SP_PLANS}
+
 LR = 1e-3
 ADAM_EPS = 1e-6
 
@@ -46,8 +58,22 @@ def make(name):
                 "tp": lambda a: plans.tp(a), "tp_vocab": lambda a: plans.tp(a, vocab_parallel=True),
             }[role](axis)
         return hpfunc.Mesh(mesh_shape), plan
-    world, axes, factory = PLANS[name]
+    world, axes, factory = ALL_PLANS[name]
     return hpfunc.Mesh(axes), factory(plans)
+
+
+def model_loss(cfg, plan):
+    """``parallel.loss(p, b, cfg)[0]``, binding the plan's sequence parallelism itself when it has some
+    (the step binds the tp axis and vocab_parallel; binding again inside is harmless)."""
+    from hpfunc.models import parallel
+
+    def loss_fn(p, b):
+        if not plan.tp_sequence_parallel:
+            return parallel.loss(p, b, cfg)[0]
+        with parallel.tensor_parallel(plan.tp_axis, vocab_parallel=plan.tp_vocab_parallel, sequence_parallel=True):
+            return parallel.loss(p, b, cfg)[0]
+
+    return loss_fn
 
 
 def config(model: str, **overrides):
@@ -78,8 +104,7 @@ def run_parity(name: str, model: str, seed: int, steps: int = 2, clip_norm: floa
     key = hpfunc.random.key(seed)
     n_data = mesh.axis_size(tuple(a for a in mesh.axis_names if a in plan.data_axes)) if plan.data_axes else 1
 
-    def loss_fn(p, b):
-        return parallel.loss(p, b, cfg)[0]
+    loss_fn = model_loss(cfg, plan)
 
     def ref_loss(p, b):
         # the step's loss: the mean over data shards of the per-shard loss (equal to the full-batch loss
@@ -160,8 +185,7 @@ def _setup(name: str, model: str = "qwen3-dense-tiny", **overrides):
 
     mesh, plan = make(name)
     cfg = config(model, **overrides)
-    step = parallel_train_step(lambda p, b: parallel.loss(p, b, cfg)[0], optim.adamw(LR), mesh, plan,
-                               return_grads=True)
+    step = parallel_train_step(model_loss(cfg, plan), optim.adamw(LR), mesh, plan, return_grads=True)
     params = init_sharded(functools.partial(parallel.init, cfg=cfg), mesh, plan, hpfunc.random.key(0),
                           shapes=qwen3.param_shapes(cfg))
     return mesh, plan, cfg, step, params
@@ -197,6 +221,8 @@ def run_comm(name: str, batch: int = 4, seq: int = 6) -> dict:
     # psums of activations (TP): their own key, by payload size
     out["act_psum"] = {ph: sum(1 for r in stats.records if r.op == "all_reduce" and r.phase == ph
                                and r.payload_bytes == out["act_bytes"]) for ph in ("forward", "backward")}
+    # every record on the tp axis, for the sequence-parallel tests: (op, phase, payload bytes, sent bytes)
+    out["tp_records"] = [(r.op, r.phase, r.payload_bytes, r.sent_bytes) for r in stats.records if r.axes == ("tp",)]
     out["replicated_numel"] = {p: math.prod(s) for p, s in shapes.items()}
     res = plan.resolve(qwen3.param_shapes(cfg), mesh)
     out["tp_replicated_numel"] = sum(math.prod(r.shape) for r in res.values() if "tp" in r.replicated)
@@ -262,10 +288,25 @@ def run_bad_input(case: str) -> str:
         batch = {"tokens": torch.zeros(3, 8, dtype=torch.long)}
     elif case == "compute_not_prefix":
         plan = plan.with_rules([("embed", plans.LeafSpec(P("fsdp"), P(None, "fsdp")))])
+    elif case in ("sp_sequence", "sp_sequence_plan"):  # 7 tokens do not split over tp = 2
+        mesh, plan = hpfunc.Mesh({"tp": 2}), plans.tp("tp", sequence_parallel=True)
+        batch = {"tokens": torch.zeros(4, 7, dtype=torch.long)}
+    elif case == "two_tp_layers":
+        mesh, plan = hpfunc.Mesh({"tp": 2}), plans.tp("tp") + plans.tp("tp", sequence_parallel=True)
+    elif case == "style_pattern":
+        mesh = hpfunc.Mesh({"tp": 2})
+        plan = plans.tp_styles("tp", {"layers.*.attn.wq": plans.ColwiseParallel(),
+                                      "layers.*.atn.wo": plans.RowwiseParallel()})
+    elif case == "style_rank":
+        mesh = hpfunc.Mesh({"tp": 2})
+        plan = plans.tp_styles("tp", {"layers.*.attn.wq": plans.ColwiseParallel(), "embed": plans.VocabParallel(),
+                                      "final_norm": plans.VocabParallel()})
     with hpfunc.comm_stats() as stats:
-        step = parallel_train_step(lambda p, b: parallel.loss(p, b, cfg)[0], optim.adamw(LR), mesh, plan)
+        step = parallel_train_step(model_loss(cfg, plan), optim.adamw(LR), mesh, plan)
         try:
-            if case == "batch":
+            if case == "sp_sequence_plan":
+                plan.check_batch(batch, mesh)
+            elif case in ("batch", "sp_sequence"):
                 params = step.shard_params(qwen3.init(hpfunc.random.key(0), cfg))
                 state = step.init_opt_state(params)
                 stats.records.clear()
