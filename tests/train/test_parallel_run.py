@@ -1,0 +1,81 @@
+"""``hpfunc train`` on a mesh: checks before launch, the launcher's failure path, and a 2x2 run end to end."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import yaml
+from _train_helpers import TINY, write_corpus
+
+from hpfunc.train.cli import main as train_main
+from hpfunc.train.output import read_metrics
+
+MESH_2X2 = {"mesh": {"fsdp": 2, "tp": 2}, "plan": ["fsdp", "tp"]}
+
+
+def _config(tmp_path, name="tiny.yaml", **sections):
+    if not (tmp_path / "corpus").exists():
+        write_corpus(tmp_path / "corpus")
+    cfg = {**TINY, "output": {**TINY["output"], "dir": str(tmp_path / "out")}, **sections}
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _env():
+    env = dict(os.environ)
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)  # the command must launch its own ranks
+    env["PYTHONWARNINGS"] = "ignore"
+    return env
+
+
+def test_a_plan_that_does_not_fit_fails_before_any_process_starts(tmp_path, capsys):
+    path = _config(tmp_path, parallel={"mesh": {"fsdp": 1, "tp": 4}, "plan": ["fsdp", "tp"]})
+    with pytest.raises(SystemExit) as info:
+        train_main([str(path)])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "config error: parallel.mesh.tp: tensor parallelism over 4 ranks must divide the 2 key/value heads" in err
+    with pytest.raises(SystemExit):
+        train_main([str(path), "--set", "parallel.mesh={fsdp: 4, tp: 1}", "--set", "train.batch_size=6"])
+    assert "train.batch_size: the global batch of 6 does not split evenly over the 4" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_check_prints_the_resolved_plan_per_parameter(tmp_path, capsys):
+    path = _config(tmp_path, parallel=MESH_2X2)
+    train_main([str(path), "--check"])
+    out = capsys.readouterr().out
+    resolved = yaml.safe_load(out)  # the plan is in comments: the output is still the config
+    assert resolved["parallel"]["plan"][1] == {"tp": {"axis": "tp", "vocab_parallel": False,
+                                                      "sequence_parallel": False}}
+    assert "# mesh {fsdp: 2, tp: 2} (4 processes), plan fsdp('fsdp') + tp('tp')" in out
+    line = next(x for x in out.splitlines() if x.startswith("# layers.0.attn.wq "))
+    assert "P('tp', 'fsdp') -> P('tp') | opt P('tp', 'fsdp')" in line
+
+
+@pytest.mark.slow
+def test_a_failing_rank_ends_the_launch_with_its_status_and_message(tmp_path):
+    # rank 1 fails at once; rank 0 would sleep for ten minutes unless the launcher stops it
+    script = tmp_path / "fail.py"
+    script.write_text(textwrap.dedent("""
+        import os, sys, time
+        if os.environ["RANK"] == "1":
+            print("boom on rank 1", file=sys.stderr, flush=True)
+            sys.exit(3)
+        time.sleep(600)
+    """))
+    code = f"from hpfunc.train.launch import launch; raise SystemExit(launch([{str(script)!r}], 2))"
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=120)
+    assert proc.returncode == 3, proc.stderr
+    assert "boom on rank 1" in proc.stderr
+    assert "hpfunc: rank 1 of 2 failed (exit status 3)" in proc.stderr
+    assert time.perf_counter() - t0 < 60
