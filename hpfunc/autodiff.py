@@ -55,12 +55,21 @@ def value_and_grad(fn: Callable, argnums: int | Sequence[int] = 0, has_aux: bool
     ``grad`` has the structure of ``args[argnums]`` (a tuple of such trees when ``argnums`` is a
     tuple). ``fn`` must return a scalar tensor (or DTensor). Leaves the output does not depend on
     get zero gradients.
+
+    Inside a step run by :func:`hpfunc.parallelize` the differentiated arguments must be (subtrees
+    of) the state's parameters: ``fn`` then sees them gathered as the plan says, the gradient comes
+    back reduced and laid out like the optimizer blocks, and the value is the mean over data shards.
     """
     multi = not isinstance(argnums, int)
     nums = tuple(argnums) if multi else (argnums,)
 
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
+        from hpfunc.transforms import plan_context
+
+        ctx = plan_context.current()
+        if ctx is not None:  # inside hpfunc.parallelize: gather on use, reduce the gradient
+            return ctx.value_and_grad(fn, nums, multi, has_aux, args, kwargs)
         for a in nums:
             if a >= len(args) or a < -len(args):
                 raise ValueError(f"value_and_grad: argnums {a} but the function got {len(args)} positional arguments")

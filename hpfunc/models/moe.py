@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from hpfunc import tree as _tree
 from hpfunc.models.layers import swiglu_mlp
+from hpfunc.transforms import plan_context
 
 EXPERT_BIAS_SUFFIX = "moe.expert_bias"
 
@@ -259,10 +260,12 @@ def update_expert_bias(params: Any, expert_load: torch.Tensor, rate: float) -> A
         if path not in row:
             return leaf
         load = expert_load[row[path]].to(device=leaf.device, dtype=torch.float32)
-        if load.shape != leaf.shape:
+        delta = rate * torch.sign(load.mean() - load)
+        delta = plan_context.local_block(path, delta)  # inside hpfunc.parallelize: this rank's experts
+        if delta.shape != leaf.shape:
             raise ValueError(f"update_expert_bias: {path} has shape {tuple(leaf.shape)}, "
                              f"expert_load row has {tuple(load.shape)}")
         with torch.no_grad():
-            return leaf + (rate * torch.sign(load.mean() - load)).to(leaf.dtype)
+            return leaf + delta.to(leaf.dtype)
 
     return _tree.map_with_path(step, params)

@@ -22,7 +22,9 @@ def global_norm(tree: Updates) -> torch.Tensor:
 
     Each leaf's norm is computed in at least fp32. For a DTensor leaf ``torch.linalg.vector_norm``
     reduces across the mesh, so the result is the norm of the global tensor whatever its sharding;
-    the returned value is always a plain tensor (identical on every rank).
+    the returned value is always a plain tensor (identical on every rank). Inside a step run by
+    :func:`hpfunc.parallelize` the leaves are this rank's blocks and the norm is that of the global
+    tensors (``tree`` must be shaped like the parameters).
 
     Args:
       tree: a pytree of tensors (plain or DTensor).
@@ -35,7 +37,12 @@ def global_norm(tree: Updates) -> torch.Tensor:
         >>> global_norm({"a": torch.tensor([3.0]), "b": [torch.tensor([4.0])]})
         tensor(5.)
     """
-    leaves, _ = _tree.flatten(tree)
+    from hpfunc.transforms import plan_context
+
+    paths, leaves, _ = _tree.paths_and_leaves(tree)
+    sq = plan_context.global_sq_norm(paths, leaves, "global_norm")
+    if sq is not None:  # inside hpfunc.parallelize: the leaves are blocks of sharded tensors
+        return sq.sqrt().to(torch.promote_types(leaves[0].dtype, torch.float32) if leaves else torch.float32)
     if not leaves:
         return torch.zeros((), dtype=torch.float32)
     norms = [

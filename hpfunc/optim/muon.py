@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Literal, NamedTuple, Optional
+from typing import Any, Literal, NamedTuple, Optional
 
 import torch
 
@@ -11,6 +11,7 @@ from hpfunc.optim import _tree
 from hpfunc.optim._dtypes import zeros_state
 from hpfunc.optim.base import GradientTransformation, Params, Updates
 from hpfunc.optim.errors import UnsupportedLeafError
+from hpfunc.transforms import plan_context
 
 __all__ = [
     "NS_COEFFICIENTS",
@@ -139,6 +140,32 @@ def _orthogonalise(u: torch.Tensor, **ns_kwargs) -> torch.Tensor:
     return DTensor.from_local(local, u.device_mesh, u.placements, run_check=False)
 
 
+def _orthogonalise_block(ctx: Any, path: str, u: torch.Tensor, scaling: MuonScaling, ns_kwargs: dict) -> torch.Tensor:
+    """Inside :func:`hpfunc.parallelize`: ``u`` is this rank's block of a (stack of) matrices.
+
+    A matrix sharded along its rows or columns is all-gathered on those dimensions, orthogonalised
+    whole, and cut back to this rank's block (a stack sharded only on its first dimension, the
+    experts, is orthogonalised locally: each matrix is whole). Gathering moves the matrix once,
+    ``(n-1)/n`` of it per rank; a shard-aware Newton-Schulz would all-reduce a ``rows x rows`` Gram
+    matrix (or more) in each of its 5 iterations, more bytes than one gather for every shape we train,
+    and its result would differ from the single-device one by reduction order.
+    """
+    from hpfunc import lax
+
+    leaf = ctx.leaf(path, u, "scale_by_muon")
+    dims = [(d, leaf.spec.opt.dim_axes(d)) for d in (u.ndim - 2, u.ndim - 1)]
+    dims = [(d, axes) for d, axes in dims if axes]
+    full = u
+    for d, axes in dims:
+        full = lax.all_gather(full, axes if len(axes) > 1 else axes[0], axis=d, tiled=True)
+    o = _orthogonalise(full, **ns_kwargs) * muon_scale(full.shape, scaling)
+    for d, axes in dims:
+        n = lax.axis_size(axes)
+        k = o.shape[d] // n
+        o = o.narrow(d, lax.axis_index(axes) * k, k)
+    return o
+
+
 def scale_by_muon(
     momentum: float = 0.95,
     *,
@@ -160,8 +187,10 @@ def scale_by_muon(
     A 3-D leaf ``[n, rows, cols]`` (stacked MoE expert weights ``[E, out, in]``) is a batch of ``n``
     independent matrices. Buffers are fp32; the output is fp32.
 
-    Sharding: plain tensors and fully replicated DTensors are supported. A sharded DTensor is
-    rejected with an error naming its path (gather vs. shard-aware Newton-Schulz is a later issue).
+    Sharding: plain tensors and fully replicated DTensors are supported; a sharded DTensor is
+    rejected with an error naming its path. Inside a step run by :func:`hpfunc.parallelize` the
+    leaves are blocks and a matrix sharded on its rows or columns is gathered, orthogonalised whole
+    and cut back (see ``_orthogonalise_block`` for why gather rather than a shard-aware iteration).
 
     Args:
       momentum: the EMA coefficient of the momentum buffer.
@@ -208,12 +237,17 @@ def scale_by_muon(
         _tree.check_shapes(g_leaves, m_leaves, updates, "updates", "state.momentum", "scale_by_muon")
         if any(g.ndim not in (2, 3) for g in g_leaves):
             check_all(updates, "scale_by_muon.update")
+        ctx = plan_context.current()
+        paths = _tree.paths(updates) if ctx is not None else [None] * len(g_leaves)
         out, bufs = [], []
-        for g, m in zip(g_leaves, m_leaves):
+        for path, g, m in zip(paths, g_leaves, m_leaves):
             g = g.to(m.dtype)
             m = torch.lerp(m, g, 1.0 - momentum)
             u = torch.lerp(g, m, momentum) if nesterov else m
-            out.append(_orthogonalise(u, **ns_kwargs) * muon_scale(u.shape, scaling))
+            if ctx is None:
+                out.append(_orthogonalise(u, **ns_kwargs) * muon_scale(u.shape, scaling))
+            else:
+                out.append(_orthogonalise_block(ctx, path, u, scaling, ns_kwargs))
             bufs.append(m)
         return _tree.unflatten(spec, out), ScaleByMuonState(momentum=_tree.unflatten(spec, bufs))
 

@@ -50,6 +50,7 @@ from hpfunc import lax
 from hpfunc import tree as _tree
 from hpfunc.mesh import Mesh
 from hpfunc.sharding import NamedSharding, P, shard, sharding_of, spec_to_placements
+from hpfunc.transforms import plan_context
 from hpfunc.transforms.plans import Plan, PlanError, ResolvedLeaf
 from hpfunc.transforms.shard_map import shard_map
 
@@ -146,7 +147,11 @@ def _group_key(path: str, r: ResolvedLeaf, dtype: torch.dtype) -> tuple:
 
 
 class _LazyDict(Mapping):
-    """A read-only view of a dict of parameters that gathers each leaf when it is read."""
+    """A read-only view of a dict of parameters that gathers each leaf when it is read.
+
+    Registered as a pytree node whose children are the *ungathered* values, so structural tree
+    operations (``merge_params``, ``tree_map`` picking leaves) keep the view lazy.
+    """
 
     __slots__ = ("_d", "_get")
 
@@ -154,7 +159,7 @@ class _LazyDict(Mapping):
         self._d, self._get = d, get
 
     def __getitem__(self, k: Any) -> Any:
-        return self._get(self._d[k])
+        return _view(self._d[k], self._get)
 
     def __iter__(self):
         return iter(self._d)
@@ -177,24 +182,36 @@ class _LazyList(Sequence):
 
     def __getitem__(self, i: Any) -> Any:
         if isinstance(i, slice):
-            return [self._get(v) for v in self._l[i]]
-        return self._get(self._l[i])
+            return [_view(v, self._get) for v in self._l[i]]
+        return _view(self._l[i], self._get)
 
     def __len__(self) -> int:
         return len(self._l)
 
 
-def _lazy(tree: Any, gather_leaf: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    def get(v: Any) -> Any:
-        if isinstance(v, torch.Tensor):
-            return gather_leaf(v)
-        if isinstance(v, Mapping):
-            return _LazyDict(v, get)
-        if isinstance(v, (list, tuple)) and not hasattr(v, "_fields"):
-            return _LazyList(v, get)
+def _view(v: Any, gather_leaf: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(v, torch.Tensor):
+        return gather_leaf(v)
+    if isinstance(v, (_LazyDict, _LazyList)):
         return v
+    if isinstance(v, Mapping):
+        return _LazyDict(v, gather_leaf)
+    if isinstance(v, (list, tuple)) and not hasattr(v, "_fields"):
+        return _LazyList(v, gather_leaf)
+    return v
 
-    return get(tree)
+
+def _lazy(tree: Any, gather_leaf: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    return _view(tree, gather_leaf)
+
+
+_GLOBAL = getattr(optree.registry, "__GLOBAL_NAMESPACE")
+optree.register_pytree_node(
+    _LazyDict, lambda x: (list(x._d.values()), (tuple(x._d), x._get), tuple(x._d)),
+    lambda meta, children: _LazyDict(dict(zip(meta[0], children)), meta[1]), namespace=_GLOBAL)
+optree.register_pytree_node(
+    _LazyList, lambda x: (list(x._l), x._get, None),
+    lambda get, children: _LazyList(list(children), get), namespace=_GLOBAL)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -237,6 +254,94 @@ def _narrow_blocks(x: torch.Tensor, extra: tuple) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------------
 # The step
+
+
+class _Engine:
+    """One step's parameters on this rank: gather them on use, re-gather in the backward, reduce grads.
+
+    ``value_and_grad(blocks, call, ...)`` runs ``call(ws, gather_leaf)`` where ``ws`` are fresh leaves
+    (storage blocks that require grad) and ``gather_leaf(w)`` returns the compute block of ``w``
+    (gathered with its layer on first read); it returns the per-rank loss, the aux and the gradients
+    of the ``wanted`` leaves, reduced and laid out like their optimizer blocks.
+    """
+
+    def __init__(self, mesh: Mesh, plan: Plan, leaves_plan: list[ResolvedLeaf], dtypes: list[torch.dtype]):
+        self.mesh, self.plan, self.leaves_plan = mesh, plan, leaves_plan
+        groups: dict[tuple, list[int]] = {}
+        for i, (r, dt) in enumerate(zip(leaves_plan, dtypes)):
+            if r.gather:
+                groups.setdefault(_group_key(r.path, r, dt), []).append(i)
+        self.group_of = {i: members for members in groups.values() for i in members}
+        self.any_gather = any(r.gather for r in leaves_plan)
+
+    def value_and_grad(self, blocks: list[torch.Tensor], call: Callable[[list[torch.Tensor], Callable], Any],
+                       has_aux: bool, wanted: list[int] | None = None, where: str = "parallel_train_step"):
+        from hpfunc.models.parallel import tensor_parallel
+
+        mesh, plan, leaves_plan = self.mesh, self.plan, self.leaves_plan
+        ws = [x.detach().requires_grad_(x.is_floating_point()) for x in blocks]
+        index = {id(w): i for i, w in enumerate(ws)}
+        regather = _Regather(mesh) if plan.reshard_after_forward else None
+        ready: dict[int, torch.Tensor] = {}  # gathered with their group, not yet read
+        gathered: set[int] = set()  # leaves whose group was gathered in this forward
+        gids = itertools.count()
+
+        def gather(members: list[int]) -> list[torch.Tensor]:
+            group_blocks = [ws[j] for j in members]
+            specs = [leaves_plan[j].gather for j in members]
+            fulls = _gather_group(group_blocks, specs)
+            if regather is not None:
+                detached = [b.detach() for b in group_blocks]
+                regather.register(fulls, next(gids), lambda: _gather_group(detached, specs))
+            return fulls
+
+        def gather_leaf(w: torch.Tensor) -> torch.Tensor:
+            i = index.get(id(w))
+            if i is None or not leaves_plan[i].gather:
+                return w
+            if i in ready:
+                return ready.pop(i)
+            if i in gathered:  # read a second time: gather it alone again
+                return gather([i])[0]
+            members = self.group_of[i]
+            fulls = gather(members)
+            for j, f in zip(members, fulls):
+                gathered.add(j)
+                if j != i:
+                    ready[j] = f
+            return fulls[members.index(i)]
+
+        hooks = (torch.autograd.graph.saved_tensors_hooks(regather.pack, regather.unpack)
+                 if regather is not None and self.any_gather else _nullcontext())
+        with torch.enable_grad(), hooks, tensor_parallel(plan.tp_axis, vocab_parallel=plan.tp_vocab_parallel):
+            out = call(ws, gather_leaf)
+        ready.clear()  # gathered with a layer but never read: free now
+        if has_aux:
+            if not (isinstance(out, tuple) and len(out) == 2):
+                raise TypeError(f"{where}: with has_aux=True the function must return (loss, aux)")
+            loss, aux = out
+        else:
+            loss, aux = out, None
+        if not (isinstance(loss, torch.Tensor) and loss.ndim == 0 and loss.is_floating_point()):
+            raise TypeError(f"{where}: the loss must be a floating 0-d tensor"
+                            f"{' (as the first element, has_aux=True)' if has_aux else ''}; found {loss!r}")
+        wanted = list(range(len(ws))) if wanted is None else wanted
+        diff = [i for i in wanted if ws[i].requires_grad]
+        seed = torch.full_like(loss, 1.0 / mesh.size)
+        gs = (torch.autograd.grad(loss, [ws[i] for i in diff], grad_outputs=seed, allow_unused=True)
+              if diff and loss.requires_grad else [None] * len(diff))
+        by_leaf = dict(zip(diff, gs))
+        grads = [by_leaf.get(i) if by_leaf.get(i) is not None else torch.zeros_like(ws[i]) for i in wanted]
+        with torch.no_grad():
+            red = _reduce_grads(grads, [leaves_plan[i] for i in wanted])
+        return loss, aux, red
+
+    def data_axes(self) -> tuple[str, ...]:
+        return tuple(a for a in self.mesh.axis_names if a in self.plan.data_axes and self.mesh.axis_size(a) > 1)
+
+
+def _maybe_lazy(tree: Any, get: Callable, engine: _Engine) -> Any:
+    return _lazy(tree, get) if engine.any_gather else tree
 
 
 @attrs.frozen(eq=False)
@@ -300,78 +405,18 @@ class ParallelStep:
 
     def _local_step(self, leaves_plan: list[ResolvedLeaf], treedef: Any, params: Any, opt_state: Any,
                     batch: Any):
-        from hpfunc.models.parallel import tensor_parallel
         from hpfunc.optim import apply_updates
 
-        mesh, plan = self.mesh, self.plan
+        mesh = self.mesh
         leaves = optree.tree_leaves(params, none_is_leaf=True)
-        ws = [x.detach().requires_grad_(x.is_floating_point()) for x in leaves]
-        index = {id(w): i for i, w in enumerate(ws)}
-        regather = _Regather(mesh) if plan.reshard_after_forward else None
-        groups: dict[tuple, list[int]] = {}
-        for i, (r, w) in enumerate(zip(leaves_plan, ws)):
-            if r.gather:
-                groups.setdefault(_group_key(r.path, r, w.dtype), []).append(i)
-        group_of = {i: members for members in groups.values() for i in members}
-        ready: dict[int, torch.Tensor] = {}  # gathered with their group, not yet read
-        gathered: set[int] = set()  # leaves whose group was gathered in this forward
-        gids = itertools.count()
-
-        def gather(members: list[int]) -> list[torch.Tensor]:
-            blocks = [ws[j] for j in members]
-            specs = [leaves_plan[j].gather for j in members]
-            fulls = _gather_group(blocks, specs)
-            if regather is not None:
-                detached = [b.detach() for b in blocks]
-                regather.register(fulls, next(gids), lambda: _gather_group(detached, specs))
-            return fulls
-
-        def gather_leaf(w: torch.Tensor) -> torch.Tensor:
-            i = index.get(id(w))
-            if i is None or not leaves_plan[i].gather:
-                return w
-            if i in ready:
-                return ready.pop(i)
-            if i in gathered:  # read a second time: gather it alone again
-                return gather([i])[0]
-            members = group_of[i]
-            fulls = gather(members)
-            for j, f in zip(members, fulls):
-                gathered.add(j)
-                if j != i:
-                    ready[j] = f
-            return fulls[members.index(i)]
-
-        any_gather = any(r.gather for r in leaves_plan)
-        tree_in = optree.tree_unflatten(treedef, ws)
-        view = _lazy(tree_in, gather_leaf) if any_gather else tree_in
-        hooks = (torch.autograd.graph.saved_tensors_hooks(regather.pack, regather.unpack)
-                 if regather is not None and any_gather else _nullcontext())
-        with hooks, tensor_parallel(plan.tp_axis, vocab_parallel=plan.tp_vocab_parallel):
-            out = self.loss_fn(view, batch)
-        ready.clear()  # gathered with a layer but never read: free now
-        loss, aux = out if self.has_aux else (out, None)
-        if not (isinstance(loss, torch.Tensor) and loss.ndim == 0 and loss.is_floating_point()):
-            raise TypeError(f"parallel_train_step: loss_fn must return a floating 0-d tensor"
-                            f"{' (as the first element, has_aux=True)' if self.has_aux else ''}; found {loss!r}")
-        diff = [i for i, w in enumerate(ws) if w.requires_grad]
-        seed = torch.full_like(loss, 1.0 / mesh.size)
-        gs = torch.autograd.grad(loss, [ws[i] for i in diff], grad_outputs=seed, allow_unused=True)
-        grads = [torch.zeros_like(w) for w in ws]
-        for i, g in zip(diff, gs):
-            if g is not None:
-                grads[i] = g
+        engine = _Engine(mesh, self.plan, leaves_plan, [x.dtype for x in leaves])
+        loss, aux, red = engine.value_and_grad(
+            leaves, lambda ws, get: self.loss_fn(_maybe_lazy(optree.tree_unflatten(treedef, ws), get, engine), batch),
+            self.has_aux)
+        ws = leaves
         with torch.no_grad():
-            data_axes = tuple(a for a in mesh.axis_names if a in plan.data_axes and mesh.axis_size(a) > 1)
-            red = _reduce_grads(grads, leaves_plan)
-            sq_terms = []
-            for r, g in zip(leaves_plan, red):
-                # each opt block is replicated on the axes its opt spec does not name
-                reps = math.prod(mesh.axis_size(a) for a in mesh.axis_names if a not in r.spec.opt.axes)
-                sq_terms.append(g.double().pow(2).sum() / reps)
-            sq = torch.stack(sq_terms).sum() if sq_terms else torch.zeros((), dtype=torch.float64)
-            sq = lax.psum(sq, mesh.axis_names) if mesh.size > 1 else sq
-            gnorm = sq.sqrt()
+            data_axes = engine.data_axes()
+            gnorm = plan_context.blocks_sq_norm(mesh, [r.spec.opt for r in leaves_plan], red).sqrt()
             reduced = optree.tree_unflatten(treedef, red)  # returned (before clipping) with return_grads
             if self.clip_norm is not None:
                 scale = torch.clamp(self.clip_norm / (gnorm + 1e-6), max=1.0)
@@ -546,7 +591,11 @@ def parallel_train_step(loss_fn: Callable, optimizer: Any, mesh: Mesh, plan: Pla
     return ParallelStep(loss_fn, optimizer, mesh, plan, has_aux, clip_norm, return_grads)
 
 
-parallelize = parallel_train_step
+def parallelize(step: Callable, mesh: Mesh, plan: Plan, *, params: str = "params") -> Any:
+    """``hpfunc.parallelize(step, mesh, plan)``: see :func:`hpfunc.transforms.state_step.parallelize`."""
+    from hpfunc.transforms.state_step import parallelize as _parallelize
+
+    return _parallelize(step, mesh, plan, params=params)
 
 
 def init_sharded(init_fn: Callable, mesh: Mesh, plan: Plan, key: torch.Tensor, *, shapes: Any) -> Any:

@@ -1,0 +1,153 @@
+"""Rank-side helpers for the ``hpfunc.parallelize(step, mesh, plan)`` tests: the trainer's own
+single-device step, distributed, against the same step on one device."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+import _parallel_helpers as H
+
+LR = 1e-3
+
+
+def optimizer(name: str, clip: float | None):
+    from hpfunc import optim
+
+    tx = {"adamw": lambda: optim.adamw(LR, eps=H.ADAM_EPS, weight_decay=0.1),
+          "muon_adamw": lambda: optim.muon_adamw(0.02, adamw_lr=LR, adamw_eps=H.ADAM_EPS, weight_decay=0.1)}[name]()
+    return tx if clip is None else optim.chain(optim.clip_by_global_norm(clip), tx)
+
+
+def _sharded_loss(n_data: int):
+    """The single-device twin of the sharded loss: the mean over data shards of the per-shard loss;
+    aux floats averaged, integers (token and expert counts) summed."""
+    from hpfunc.models import qwen3
+
+    def loss_fn(params, batch, cfg):
+        parts = [qwen3.loss(params, {"tokens": t}, cfg) for t in batch["tokens"].chunk(n_data)]
+        loss = torch.stack([p[0] for p in parts]).mean()
+        aux = {}
+        for k in parts[0][1]:
+            vals = torch.stack([p[1][k] for p in parts])
+            aux[k] = vals.float().mean(0) if vals.is_floating_point() else vals.sum(0)
+        return loss, aux
+
+    return loss_fn
+
+
+def run_state_parity(name, model: str, seed: int, opt: str = "adamw", clip: float | None = None,
+                     steps: int = 3, bias_rate: float = 0.0) -> dict:
+    """``parallelize(make_train_step(...))`` vs ``make_train_step(...)`` on one device, ``steps`` steps:
+    metrics (loss, ce, aux, grad norm, expert load) and the parameters after every step."""
+    import hpfunc
+    from hpfunc.models import parallel, qwen3
+    from hpfunc.testing import assert_trees_close, to_full
+    from hpfunc.train.step import init_train_state, make_train_step
+    from hpfunc.transforms.parallelize import init_sharded
+
+    mesh, plan = H.make(name)
+    cfg = H.config(model)
+    n_data = mesh.axis_size(tuple(a for a in mesh.axis_names if a in plan.data_axes)) if plan.data_axes else 1
+    tx = optimizer(opt, clip)
+    step = make_train_step(cfg, tx, loss_fn=parallel.loss, expert_bias_rate=bias_rate)
+    ref_step = make_train_step(cfg, tx, loss_fn=_sharded_loss(n_data), expert_bias_rate=bias_rate)
+    train_step = hpfunc.parallelize(step, mesh, plan)
+    key = hpfunc.random.key(seed)
+    params = init_sharded(functools.partial(parallel.init, cfg=cfg), mesh, plan, key, shapes=qwen3.param_shapes(cfg))
+    state = train_step.init_state(lambda p: init_train_state(p, tx), params)
+    ref = init_train_state(qwen3.init(key, cfg), tx)
+    assert_trees_close(to_full(state), ref, rtol=0, atol=0, what="init_state")
+    for i, b in enumerate(H.batches(cfg, steps, 4, 8, seed)):
+        state, metrics = train_step(state, b)
+        ref, ref_metrics = ref_step(ref, b)
+        m = to_full(metrics)
+        for k in ("loss", "ce_loss", "aux_loss", "grad_norm"):
+            assert_trees_close(m[k], ref_metrics[k], rtol=1e-5, atol=1e-6, what=f"step {i} {k}")
+        if "expert_load" in ref_metrics:
+            assert torch.equal(m["expert_load"], ref_metrics["expert_load"]), f"step {i} expert_load"
+        # independent trajectories (see _parallel_helpers.run_parity for the Adam eps bound)
+        assert_trees_close(to_full(state.params), ref.params, rtol=1e-5, atol=0.05 * LR * (i + 1),
+                           what=f"step {i} params")
+        assert_trees_close(to_full(state.opt_state), ref.opt_state, rtol=1e-4, atol=1e-6, what=f"step {i} opt_state")
+        assert int(state.step.full_tensor()) == i + 1
+    assert all(hpfunc.typeof(a) == hpfunc.typeof(b) for a, b in zip(hpfunc.tree.leaves(state.params),
+                                                                     hpfunc.tree.leaves(params)))
+    return {"loss": float(m["loss"])}
+
+
+def run_comm_equal(name: str) -> int:
+    """The front door moves exactly the bytes of ``parallel_train_step`` (whose volumes
+    test_parallel_comm proves against the formulas): same collectives, axes, phases and bytes."""
+    from collections import Counter
+
+    import hpfunc
+    from hpfunc import optim
+    from hpfunc.models import parallel, qwen3
+    from hpfunc.train.step import init_train_state, make_train_step
+    from hpfunc.transforms.parallelize import init_sharded, parallel_train_step
+
+    mesh, plan = H.make(name)
+    cfg = H.config("qwen3-dense-tiny", tie_word_embeddings=False)
+    tx = optim.adamw(LR)
+    params = init_sharded(functools.partial(parallel.init, cfg=cfg), mesh, plan, hpfunc.random.key(0),
+                          shapes=qwen3.param_shapes(cfg))
+    b = H.batches(cfg, 1, 4, 6, 0)[0]
+
+    def records(stats):
+        return Counter((r.op, r.axes, r.phase, r.sent_bytes) for r in stats.records if r.payload_bytes > 8)
+
+    old = parallel_train_step(lambda p, bb: parallel.loss(p, bb, cfg)[0], tx, mesh, plan)
+    opt_state = old.init_opt_state(params)
+    with hpfunc.comm_stats() as s_old:
+        old(params, opt_state, b)
+    new = hpfunc.parallelize(make_train_step(cfg, tx, loss_fn=parallel.loss), mesh, plan)
+    state = new.init_state(lambda p: init_train_state(p, tx), params)
+    with hpfunc.comm_stats() as s_new:
+        new(state, b)
+    assert records(s_new) == records(s_old), (records(s_new) - records(s_old), records(s_old) - records(s_new))
+    return sum(records(s_new).values())
+
+
+def run_errors() -> list[str]:
+    """Misuse inside a parallelized step fails on every rank with a message naming the culprit."""
+    import hpfunc
+    from hpfunc import optim
+    from hpfunc.transforms import plans
+    from hpfunc.transforms.plans import PlanError
+
+    mesh = hpfunc.Mesh({"fsdp": 2})
+    plan = plans.fsdp("fsdp")
+    tx = optim.adamw(LR)
+    init = lambda p: {"params": p, "opt": tx.init(p)}  # noqa: E731
+    params = {"w": torch.ones(4, 3)}
+    batch = torch.ones(4, 4)
+    msgs = []
+
+    def expect(step, match: str, **kw) -> None:
+        ts = hpfunc.parallelize(step, mesh, plan, **kw)
+        try:
+            state = ts.init_state(init, ts.shard_params(params)) if not kw else {"weights": ts.shard_params(params)}
+            ts(state, batch)
+        except PlanError as e:
+            assert match in str(e), str(e)
+            msgs.append(str(e))
+        else:
+            raise AssertionError(f"no PlanError for {match!r}")
+
+    def grad_of_batch(state, b):
+        hpfunc.value_and_grad(lambda x: x.sum())(b)
+        return state, {}
+
+    def wrong_shape(state, b):
+        return {"params": {"w": torch.zeros(4, 3)}, "opt": state["opt"]}, {}
+
+    def norm_of_other(state, b):
+        return state, {"n": optim.global_norm({"activations": b})}
+
+    expect(grad_of_batch, "is not one of the state's parameters")
+    expect(wrong_shape, "'w'")
+    expect(norm_of_other, "'activations' is not a parameter path")
+    expect(lambda s, b: (s, {}), "the state has no 'params'", params="params")
+    return msgs

@@ -1,0 +1,49 @@
+"""``hpfunc.parallelize(step, mesh, plan)``: the trainer's single-device ``step(state, batch)``,
+distributed, equals the same step on one device (metrics and parameters after every step), with
+AdamW or Muon + AdamW, clipping by the global norm inside the optimizer chain, and the MoE expert bias.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import _parallel_helpers as H
+import _state_helpers as S
+
+pytestmark = pytest.mark.multirank
+
+
+@pytest.mark.parametrize("name", ["fsdp", "zero1", "ddp", "tp"])
+def test_step_matches_single_device_2_ranks(pools, name):
+    pools(2).run(S.run_state_parity, name, "qwen3-dense-tiny", 0, "adamw", 0.5)
+
+
+def test_main_job_setup_fsdp_x_tp(pools):
+    # what `hpfunc train` runs by default: MoE, Muon + AdamW, clipping, expert-bias balancing, 2x2 mesh
+    pools(4).run(S.run_state_parity, "fsdp_tp", "qwen3-moe-tiny", 1, "muon_adamw", 0.5, 3, 1e-3)
+
+
+def test_zero2_x_tp_with_muon(pools):
+    # ZeRO shards Muon's matrices on the data axis and TP on another: both gathered for Newton-Schulz
+    pools(4).run(S.run_state_parity, "zero2_tp", "qwen3-moe-tiny", 2, "muon_adamw", None, 2)
+
+
+@settings(max_examples=4)
+@given(name=st.sampled_from(sorted(k for k, v in H.PLANS.items() if v[0] <= 4)),
+       model=st.sampled_from(["qwen3-dense-tiny", "qwen3-moe-tiny"]), seed=st.integers(0, 2**16),
+       opt=st.sampled_from(["adamw", "muon_adamw"]), clip=st.sampled_from([None, 0.5]))
+def test_random_plans_optimizers_seeds(pools, name, model, seed, opt, clip):
+    pools(H.PLANS[name][0]).run(S.run_state_parity, name, model, seed, opt, clip, 2, 1e-3)
+
+
+@pytest.mark.parametrize("name", ["fsdp", "zero2", "tp", "fsdp_tp"])
+def test_same_bytes_as_parallel_train_step(pools, name):
+    counts = pools(H.PLANS[name][0]).run(S.run_comm_equal, name)
+    assert all(c > 0 for c in counts)
+
+
+def test_misuse_is_a_clear_error(pools):
+    msgs = pools(2).run(S.run_errors)
+    assert len(msgs[0]) == 4
