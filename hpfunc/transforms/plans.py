@@ -121,15 +121,18 @@ class _Layer:
         return None
 
 
-def _free_dim(shape: tuple[int, ...], dims: list[tuple[str, ...]], n: int, mesh: Mesh) -> int | None:
-    """The dimension to shard over one more axis of size ``n``: first an unsharded dim that divides,
-    then a sharded dim whose blocks still divide."""
+def _free_dim(shape: tuple[int, ...], dims: list[tuple[str, ...]], axis: str, mesh: Mesh) -> int | None:
+    """The dimension to shard over one more axis: first an unsharded dim that divides, then a sharded dim
+    whose blocks still divide and whose axes all precede ``axis`` in the mesh (DTensor splits a
+    dimension over several axes in mesh order only)."""
+    n = mesh.axis_size(axis)
     for d, size in enumerate(shape):
         if not dims[d] and size % n == 0 and size >= n:
             return d
+    order = mesh.axis_names
     for d, size in enumerate(shape):
         k = mesh.axis_size(dims[d]) if dims[d] else 1
-        if dims[d] and size % (k * n) == 0:
+        if dims[d] and size % (k * n) == 0 and all(order.index(a) < order.index(axis) for a in dims[d]):
             return d
     return None
 
@@ -170,7 +173,7 @@ def _apply_layer(layer: _Layer, path: str, shape: tuple[int, ...], spec: LeafSpe
         for dims in (st, cp, op):
             dims[d] = dims[d] + (layer.axis,)
         return LeafSpec(_to_spec(st), _to_spec(cp), _to_spec(op))
-    d = _free_dim(shape, op if layer.kind == "zero" else st, n, mesh)
+    d = _free_dim(shape, op if layer.kind == "zero" else st, layer.axis, mesh)
     if d is None:
         return spec  # nothing divides: this leaf stays replicated on the axis (listed by Plan.describe)
     if layer.kind == "fsdp":

@@ -88,7 +88,7 @@ def batches(cfg, steps: int, batch: int, seq: int, seed: int) -> list[dict]:
 
 
 def run_parity(name: str, model: str, seed: int, steps: int = 2, clip_norm: float | None = None,
-               tie: bool | None = None) -> dict:
+               tie: bool | None = None, overrides: dict | None = None) -> dict:
     """Train ``steps`` AdamW steps sharded by plan ``name`` and on one device (the same global batches);
     return the largest errors (scaled) seen for loss, grads, grad norm and params."""
     import hpfunc
@@ -99,7 +99,7 @@ def run_parity(name: str, model: str, seed: int, steps: int = 2, clip_norm: floa
 
     torch.manual_seed(0)
     mesh, plan = make(name)
-    overrides = {} if tie is None else {"tie_word_embeddings": tie}
+    overrides = dict(overrides or {}) if tie is None else {**(overrides or {}), "tie_word_embeddings": tie}
     cfg = config(model, **overrides)
     key = hpfunc.random.key(seed)
     n_data = mesh.axis_size(tuple(a for a in mesh.axis_names if a in plan.data_axes)) if plan.data_axes else 1

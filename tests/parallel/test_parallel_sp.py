@@ -45,6 +45,14 @@ def test_sp_untied_embeddings(pools, name):
     pools(H.SP_PLANS[name][0]).run(H.run_parity, name, "qwen3-dense-tiny", 13, 2, None, False)
 
 
+@pytest.mark.parametrize("name", ["tp_sp", "fsdp_tp_sp_vocab"])
+def test_sp_every_parameter_family(pools, name):
+    # attention biases (bo added once, on the sequence block, after the reduce-scatter), a dense and a
+    # MoE layer with a shared expert, an untied head
+    overrides = dict(attention_bias=True, decoder_sparse_step=2, shared_expert_intermediate_size=32)
+    pools(H.SP_PLANS[name][0]).run(H.run_parity, name, "qwen3-moe-tiny", 14, 2, None, False, overrides)
+
+
 @settings(max_examples=6)
 @given(name=st.sampled_from(sorted(H.SP_PLANS)), model=st.sampled_from(["qwen3-dense-tiny", "qwen3-moe-tiny"]),
        seed=st.integers(0, 2**16), clip=st.sampled_from([None, 0.5]), tie=st.sampled_from([None, True, False]))
