@@ -313,7 +313,8 @@ class _Engine:
 
         hooks = (torch.autograd.graph.saved_tensors_hooks(regather.pack, regather.unpack)
                  if regather is not None and self.any_gather else _nullcontext())
-        with torch.enable_grad(), hooks, tensor_parallel(plan.tp_axis, vocab_parallel=plan.tp_vocab_parallel):
+        with torch.enable_grad(), hooks, tensor_parallel(plan.tp_axis, vocab_parallel=plan.tp_vocab_parallel,
+                                                       sequence_parallel=plan.tp_sequence_parallel):
             out = call(ws, gather_leaf)
         ready.clear()  # gathered with a layer but never read: free now
         if has_aux:
@@ -393,7 +394,7 @@ class ParallelStep:
         res = self.resolve(params)
         _check_params(params, res, mesh)
         batch_spec = plan.batch_spec(mesh)
-        _check_batch(batch, batch_spec, mesh)
+        plan.check_batch(batch, mesh)
         storage = _spec_tree(params, {p: r.spec.storage for p, r in res.items()})
         opt_specs = _spec_tree(params, {p: r.spec.opt for p, r in res.items()})
         treedef = optree.tree_structure(params, none_is_leaf=True)
@@ -556,17 +557,6 @@ def _norm(spec: P) -> tuple:
     while s and s[-1] is None:
         s.pop()
     return tuple(s)
-
-
-def _check_batch(batch: Any, spec: P, mesh: Mesh) -> None:
-    axes = spec.dim_axes(0)
-    n = mesh.axis_size(axes) if axes else 1
-    for path, x in _tree.leaves_with_paths(batch):
-        if not isinstance(x, torch.Tensor):
-            continue
-        if x.ndim == 0 or x.shape[0] % n:
-            raise PlanError(f"batch leaf {path!r} of shape {tuple(x.shape)}: dimension 0 must divide evenly over "
-                            f"the data axes {axes} ({n} ranks)")
 
 
 def parallel_train_step(loss_fn: Callable, optimizer: Any, mesh: Mesh, plan: Plan, *, has_aux: bool = False,

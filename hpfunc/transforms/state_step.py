@@ -47,7 +47,7 @@ from hpfunc import tree as _tree
 from hpfunc.mesh import Mesh
 from hpfunc.sharding import P
 from hpfunc.transforms import plan_context
-from hpfunc.transforms.parallelize import (_check_batch, _check_params, _Engine, _gather_params, _lazy,
+from hpfunc.transforms.parallelize import (_check_params, _Engine, _gather_params, _lazy,
                                             _narrow_blocks)
 from hpfunc.transforms.plans import Plan, PlanError, ResolvedLeaf
 from hpfunc.transforms.shard_map import shard_map
@@ -348,7 +348,7 @@ class ParallelizedStep:
         res, specs = self._specs(state)
         _check_params(_get(state, self.params), res, self.mesh)
         batch_spec = self.plan.batch_spec(self.mesh)
-        _check_batch(batch, batch_spec, self.mesh)
+        self.plan.check_batch(batch, self.mesh)
 
         def fn(user_state: Any, b: Any) -> tuple:
             out = self.step(user_state, b)
