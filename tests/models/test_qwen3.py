@@ -98,3 +98,28 @@ def test_reduce_partial_sees_row_parallel_outputs() -> None:
     same = qwen3.apply(params, tokens, cfg, reduce_partial=lambda y: seen.append(y.shape) or y)
     torch.testing.assert_close(same, full, atol=1e-6, rtol=1e-6)
     assert len(seen) == 2 * cfg.num_hidden_layers
+
+
+def test_layout_hooks_see_embedding_block_inputs_and_head() -> None:
+    # The parallel-layout hooks (hpfunc.models.parallel supplies them): as the single-device operations
+    # they leave the model unchanged; gather_input sees each attention and MLP/MoE input
+    cfg = preset("qwen3-moe-tiny", num_hidden_layers=2, decoder_sparse_step=2, tie_word_embeddings=False)
+    params = qwen3.init(hpfunc.random.key(4), cfg)
+    batch = {"tokens": torch.randint(0, 256, (2, 6))}
+    seen = {"embed": 0, "gather": 0, "head": 0, "ce": 0}
+
+    def count(name, fn):
+        def hook(*args):
+            seen[name] += 1
+            return fn(*args)
+        return hook
+
+    import torch.nn.functional as F
+
+    hooks = dict(embed=count("embed", F.embedding), gather_input=count("gather", lambda x: x),
+                 head=count("head", F.linear))
+    ce = count("ce", lambda logits, labels: F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
+                                                            ignore_index=qwen3.IGNORE_INDEX))
+    value, _ = qwen3.loss(params, batch, cfg, cross_entropy=ce, **hooks)
+    torch.testing.assert_close(value, qwen3.loss(params, batch, cfg)[0], atol=1e-6, rtol=1e-6)
+    assert seen == {"embed": 1, "gather": 2 * cfg.num_hidden_layers, "head": 1, "ce": 1}

@@ -60,3 +60,12 @@ def test_bad_styles_are_plan_errors(pool2, case, needles):
     msg = pool2.run(H.run_bad_input, case)[0]
     for n in needles:
         assert n in msg, msg
+
+
+@pytest.mark.parametrize("module", ["hpfunc.transforms.styles", "hpfunc.transforms.plans", "hpfunc.models.parallel"])
+def test_docstring_examples(module):
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0 and result.attempted > 0
