@@ -173,12 +173,16 @@ def _apply_layer(layer: _Layer, path: str, shape: tuple[int, ...], spec: LeafSpe
         for dims in (st, cp, op):
             dims[d] = dims[d] + (layer.axis,)
         return LeafSpec(_to_spec(st), _to_spec(cp), _to_spec(op))
-    d = _free_dim(shape, op if layer.kind == "zero" else st, layer.axis, mesh)
+    # the dim must be free in the optimizer layout (a superset of storage): after a zero layer, fsdp then
+    # shards another dimension, or stacks on the zero one only in storage-first order (opt extends storage)
+    d = _free_dim(shape, op, layer.axis, mesh)
     if d is None:
         return spec  # nothing divides: this leaf stays replicated on the axis (listed by Plan.describe)
     if layer.kind == "fsdp":
+        if any(a not in st[d] for a in op[d]):
+            return spec  # only a zero-sharded dim left: stacking fsdp under it breaks "opt extends storage"
         st[d] = st[d] + (layer.axis,)
-        op[d] = op[d] + (layer.axis,)
+        op[d] = st[d]
         return LeafSpec(_to_spec(st), _to_spec(cp), _to_spec(op))
     op[d] = op[d] + (layer.axis,)  # zero 1/2: only the optimizer state (and reduced grads)
     return LeafSpec(spec.storage, spec.compute, _to_spec(op))
