@@ -47,3 +47,15 @@ def test_same_bytes_as_parallel_train_step(pools, name):
 def test_misuse_is_a_clear_error(pools):
     msgs = pools(2).run(S.run_errors)
     assert len(msgs[0]) == 4
+
+
+@pytest.mark.parametrize("role", ["fsdp", "zero2", "tp"])
+def test_one_rank_mesh_is_the_single_device_step(pools, role):
+    axis = "tp" if role == "tp" else "dp"
+    pools(1).run(S.run_state_parity, ({axis: 1}, (role,)), "qwen3-moe-tiny", 3, "muon_adamw", 0.5, 2, 1e-3)
+
+
+@pytest.mark.slow
+def test_three_axis_mesh_8_ranks(pools):
+    # dp x fsdp x tp with vocabulary-parallel TP, MoE, Muon + AdamW, clipping, expert bias
+    pools(8).run(S.run_state_parity, "hsdp_tp8", "qwen3-moe-tiny", 4, "muon_adamw", 0.5, 2, 1e-3)
