@@ -63,17 +63,10 @@ def make(name):
 
 
 def model_loss(cfg, plan):
-    """``parallel.loss(p, b, cfg)[0]``, binding the plan's sequence parallelism itself when it has some
-    (the step binds the tp axis and vocab_parallel; binding again inside is harmless)."""
+    """``parallel.loss(p, b, cfg)[0]``: the step binds the plan's tp axis and its vocabulary / sequence modes."""
     from hpfunc.models import parallel
 
-    def loss_fn(p, b):
-        if not plan.tp_sequence_parallel:
-            return parallel.loss(p, b, cfg)[0]
-        with parallel.tensor_parallel(plan.tp_axis, vocab_parallel=plan.tp_vocab_parallel, sequence_parallel=True):
-            return parallel.loss(p, b, cfg)[0]
-
-    return loss_fn
+    return lambda p, b: parallel.loss(p, b, cfg)[0]
 
 
 def config(model: str, **overrides):
@@ -288,7 +281,7 @@ def run_bad_input(case: str) -> str:
         batch = {"tokens": torch.zeros(3, 8, dtype=torch.long)}
     elif case == "compute_not_prefix":
         plan = plan.with_rules([("embed", plans.LeafSpec(P("fsdp"), P(None, "fsdp")))])
-    elif case in ("sp_sequence", "sp_sequence_plan"):  # 7 tokens do not split over tp = 2
+    elif case in ("sp_sequence", "sp_sequence_plan", "sp_sequence_model"):  # 7 tokens do not split over tp = 2
         mesh, plan = hpfunc.Mesh({"tp": 2}), plans.tp("tp", sequence_parallel=True)
         batch = {"tokens": torch.zeros(4, 7, dtype=torch.long)}
     elif case == "two_tp_layers":
@@ -306,6 +299,9 @@ def run_bad_input(case: str) -> str:
         try:
             if case == "sp_sequence_plan":
                 plan.check_batch(batch, mesh)
+            elif case == "sp_sequence_model":  # the model checks too, when called without a step
+                with mesh, parallel.tensor_parallel("tp", sequence_parallel=True):
+                    parallel.loss(qwen3.init(hpfunc.random.key(0), cfg), batch, cfg)
             elif case in ("batch", "sp_sequence"):
                 params = step.shard_params(qwen3.init(hpfunc.random.key(0), cfg))
                 state = step.init_opt_state(params)

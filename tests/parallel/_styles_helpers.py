@@ -121,7 +121,6 @@ def run_user_mlp(mesh_axes: dict, sequence_parallel: bool, seed: int, dim: int =
     AdamW update agree at every step (rtol 1e-5)."""
     import hpfunc
     from hpfunc import optim
-    from hpfunc.models import parallel
     from hpfunc.testing import assert_trees_close, to_full
     from hpfunc.transforms import plans
     from hpfunc.transforms.parallelize import parallel_train_step
@@ -132,13 +131,9 @@ def run_user_mlp(mesh_axes: dict, sequence_parallel: bool, seed: int, dim: int =
         plan = plans.fsdp("fsdp") + plan
     assert plan.tp_sequence_parallel == sequence_parallel
 
-    def loss_fn(p, b):
-        # binds sequence parallelism itself until the step passes plan.tp_sequence_parallel
-        with parallel.tensor_parallel(plan.tp_axis, sequence_parallel=plan.tp_sequence_parallel):
-            return mlp_loss(p, b)
-
     opt = optim.adamw(LR, eps=1e-6)
-    step = parallel_train_step(loss_fn, opt, mesh, plan, return_grads=True)
+    # the step binds the tp axis and plan.tp_sequence_parallel for the model's layout hooks
+    step = parallel_train_step(mlp_loss, opt, mesh, plan, return_grads=True)
     params = step.shard_params(mlp_init(hpfunc.random.key(seed), dim, hidden))
     state = step.init_opt_state(params)
     g = torch.Generator().manual_seed(seed)

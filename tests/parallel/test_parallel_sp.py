@@ -117,6 +117,7 @@ def test_fsdp_x_tp_sp_counts(pools):
 @pytest.mark.parametrize("case,needles", [
     ("sp_sequence", ["'tokens'", "(4, 7)", "dimension 1", "'tp'", "2 ranks"]),
     ("sp_sequence_plan", ["'tokens'", "(4, 7)", "dimension 1", "'tp'", "2 ranks"]),
+    ("sp_sequence_model", ["'tokens'", "(4, 7)", "dimension 1", "'tp'", "2 ranks"]),
     ("two_tp_layers", ["one tensor-parallel layer", "tp('tp'), tp('tp')"]),
 ])
 def test_sp_bad_input_is_a_clear_plan_error(pool2, case, needles):
