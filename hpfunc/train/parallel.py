@@ -92,10 +92,7 @@ def _entry_plan(e: PlanEntry) -> Any:
     if e.kind == "hsdp":
         return plans.hsdp(e.axes[0], e.axes[1], reshard_after_forward=o["reshard_after_forward"])
     if e.kind == "tp":
-        kw = {"vocab_parallel": o["vocab_parallel"]}
-        if o.get("sequence_parallel"):
-            kw["sequence_parallel"] = True
-        return plans.tp(e.axes[0], **kw)
+        return plans.tp(e.axes[0], vocab_parallel=o["vocab_parallel"], sequence_parallel=o["sequence_parallel"])
     return getattr(plans, e.kind)(e.axes[0])  # ddp, zero1, zero2
 
 
@@ -108,10 +105,7 @@ def build_plan(pc: ParallelConfig) -> Any:
         return plans.Plan()
     order = {a: i for i, a in enumerate(pc.mesh)}
     entries = sorted(pc.plan, key=lambda e: order[e.axes[0]])
-    try:
-        return functools.reduce(operator.add, (_entry_plan(e) for e in entries))
-    except TypeError as e:  # an option this version of plans does not take
-        raise ConfigError(f"parallel.plan: {e}") from None
+    return functools.reduce(operator.add, (_entry_plan(e) for e in entries))
 
 
 def _tp_entry(pc: ParallelConfig) -> tuple[int, PlanEntry] | None:
