@@ -1,4 +1,5 @@
-"""Training on one device: a strict YAML config, token data, a pure ``train_step`` and the loop.
+"""Training from a strict YAML config, on one process or on a mesh of processes it launches itself:
+token data, a pure ``train_step`` and the loop.
 
     hpfunc train examples/configs/qwen3_moe_tiny.yaml       # the command line
     >>> from hpfunc import train                             # the same pieces from Python
@@ -8,12 +9,23 @@
 
 Modules: ``config`` (schema, YAML, ``--set`` overrides), ``build`` (model config, schedule,
 optimizer), ``data`` (corpora, tokenising, seeded batches), ``step`` (``make_train_step``),
-``output`` (metrics JSONL, progress, plot), ``loop`` (``run``), ``cli`` (``hpfunc train``).
+``output`` (metrics JSONL, progress, plot), ``loop`` (``run``), ``parallel`` (``parallel:`` -> a plan,
+checked against the model; the sharded step inside the ranks), ``launch`` (starting the ranks through
+``torch.distributed.run``), ``cli`` (``hpfunc train``).
 See ``docs/train.md``.
 """
 
 from hpfunc.train.build import build_model_config, build_optimizer, build_schedule
-from hpfunc.train.config import Config, ConfigError, apply_overrides, config_to_dict, load_config, load_config_dict
+from hpfunc.train.config import (
+    Config,
+    ConfigError,
+    ParallelConfig,
+    PlanEntry,
+    apply_overrides,
+    config_to_dict,
+    load_config,
+    load_config_dict,
+)
 from hpfunc.train.data import DataError, TokenData, load_data, sample_batch, stdlib_files
 from hpfunc.train.loop import RunResult, run
 from hpfunc.train.output import read_metrics
@@ -22,6 +34,8 @@ from hpfunc.train.step import TrainState, init_train_state, make_eval_step, make
 __all__ = [
     "Config",
     "ConfigError",
+    "ParallelConfig",
+    "PlanEntry",
     "load_config",
     "load_config_dict",
     "apply_overrides",

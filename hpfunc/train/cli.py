@@ -94,6 +94,10 @@ def main(argv: Sequence[str] | None = None) -> None:
                 print("\n".join("# " + line for line in describe_plan(cfg, model_cfg).splitlines()))
             return
         if cfg.parallel.size > 1 and not in_rank:
+            if cfg.output.progress != "none":
+                # the ranks take a while to start (each imports torch): say what is happening
+                print(f"hpfunc train: starting {cfg.parallel.size} processes (torch.distributed.run, gloo) for "
+                      f"the mesh {cfg.parallel.to_data()['mesh']}", flush=True)
             status = launch(["hpfunc.cli", "train", *argv], cfg.parallel.size, module=True,
                             threads=cfg.train.num_threads)
             if status:

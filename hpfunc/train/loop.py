@@ -293,6 +293,8 @@ def _run(cfg: Config, *, out_dir: str | pathlib.Path | None, stream: TextIO | No
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     if cfg.output.plot:
         title = f"{cfg.model.preset} on {cfg.data.source} ({tc.steps} steps, batch {tc.batch_size}x{tc.seq_len})"
+        if mesh is not None:
+            title += "\nmesh " + " x ".join(f"{a} {n}" for a, n in cfg.parallel.mesh.items())
         plot_losses(records, out / "loss.png", title=title)
     say(format_summary(summary))
     return RunResult(state=state, records=records, summary=summary, out_dir=out)
