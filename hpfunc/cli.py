@@ -9,7 +9,8 @@ USAGE = """usage: hpfunc <command> [args]
 
 commands:
   launch --nproc N script.py [args]   run a script on N ranks (torch.distributed.run underneath)
-  train CONFIG.yaml [--set key=value] train a model from a YAML config
+  train CONFIG.yaml [--set key=value] train a model from a YAML config (on N processes, which it
+                                      starts, when its parallel.mesh has N > 1 positions)
 """
 
 

@@ -14,6 +14,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Sequence
 
@@ -93,6 +94,12 @@ def main(argv: Sequence[str] | None = None) -> None:
                 # YAML comments: the output still loads as the resolved config
                 print("\n".join("# " + line for line in describe_plan(cfg, model_cfg).splitlines()))
             return
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if in_rank and world != cfg.parallel.size:
+            # e.g. a single-process config under a 4-process torchrun: 4 copies would write one folder
+            raise ConfigError(f"parallel.mesh: this launch has {world} processes (WORLD_SIZE) but the config's mesh "
+                              f"{cfg.parallel.to_data().get('mesh', {})} needs {cfg.parallel.size}; run "
+                              f"`hpfunc train` without a launcher (it starts the processes) or match the mesh")
         if cfg.parallel.size > 1 and not in_rank:
             if cfg.output.progress != "none":
                 # the ranks take a while to start (each imports torch): say what is happening

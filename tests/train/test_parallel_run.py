@@ -49,6 +49,18 @@ def test_a_plan_that_does_not_fit_fails_before_any_process_starts(tmp_path, caps
     assert not (tmp_path / "out").exists()
 
 
+def test_a_launch_whose_size_differs_from_the_mesh_is_refused(tmp_path, capsys, monkeypatch):
+    # a single-process config under a 4-process launcher would have 4 copies write one folder
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(SystemExit) as info:
+        train_main([str(_config(tmp_path))])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "hpfunc train [rank 0]: config error: parallel.mesh: this launch has 4 processes (WORLD_SIZE)" in err
+    assert not (tmp_path / "out").exists()
+
+
 def test_check_prints_the_resolved_plan_per_parameter(tmp_path, capsys):
     path = _config(tmp_path, parallel=MESH_2X2)
     train_main([str(path), "--check"])
