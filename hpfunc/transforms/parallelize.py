@@ -107,25 +107,55 @@ class _Regather:
         return torch.as_strided(root, size, stride, offset)
 
 
-def _gather_block(x: torch.Tensor, gather: tuple) -> torch.Tensor:
-    for d, axes in gather:
-        x = lax.all_gather(x, axes if len(axes) > 1 else axes[0], axis=d, tiled=True)
+class _MixedGather(torch.autograd.Function):
+    """All-gather in the compute dtype; the transpose reduce-scatters in the reduce dtype and returns
+    the gradient in the storage dtype (mixed precision: the gather moves bf16, the reduction sums fp32)."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, steps: tuple, param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> torch.Tensor:
+        y = x.to(param_dtype)
+        for d, axes, tiled in steps:
+            y = lax.all_gather(y, _axis_arg(axes), axis=d, tiled=tiled)
+        return y
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+        x, steps, _, reduce_dtype = inputs
+        ctx.steps, ctx.reduce_dtype, ctx.dtype = steps, reduce_dtype, x.dtype
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor):
+        g = g.to(ctx.reduce_dtype)
+        for d, axes, tiled in reversed(ctx.steps):
+            g = lax.psum_scatter(g, _axis_arg(axes), scatter_dimension=d, tiled=tiled)
+        return g.to(ctx.dtype), None, None, None
+
+
+def _all_gather(x: torch.Tensor, steps: tuple, mp: tuple | None) -> torch.Tensor:
+    """``steps`` = ((dim, axes, tiled), ...) all-gathers; ``mp`` = (param_dtype, reduce_dtype) or None."""
+    if mp is not None and x.is_floating_point():
+        return _MixedGather.apply(x, steps, mp[0], mp[1])
+    for d, axes, tiled in steps:
+        x = lax.all_gather(x, _axis_arg(axes), axis=d, tiled=tiled)
     return x
 
 
-def _gather_group(blocks: list[torch.Tensor], gathers: list[tuple]) -> list[torch.Tensor]:
+def _gather_block(x: torch.Tensor, gather: tuple, mp: tuple | None = None) -> torch.Tensor:
+    return _all_gather(x, tuple((d, axes, True) for d, axes in gather), mp)
+
+
+def _gather_group(blocks: list[torch.Tensor], gathers: list[tuple], mp: tuple | None = None) -> list[torch.Tensor]:
     """Gather several parameters with one collective: their blocks packed in one flat buffer.
 
     Every member gathers one dimension over the same axes (the grouping guarantees it); a single
     member, or one gathering several dimensions, uses its own ``all_gather``. The transpose is one
-    ``psum_scatter`` of the packed gradients.
+    ``psum_scatter`` of the packed gradients. ``mp``: mixed precision, see :class:`_MixedGather`.
     """
     if len(blocks) == 1:
-        return [_gather_block(blocks[0], gathers[0])]
+        return [_gather_block(blocks[0], gathers[0], mp)]
     axes = gathers[0][0][1]
     n = lax.axis_size(axes)
-    full = lax.all_gather(torch.cat([b.reshape(-1) for b in blocks]), axes if len(axes) > 1 else axes[0],
-                          axis=0, tiled=False)  # (n, sum of block sizes)
+    full = _all_gather(torch.cat([b.reshape(-1) for b in blocks]), ((0, axes, False),), mp)  # (n, sum of sizes)
     outs = []
     for b, g, part in zip(blocks, gathers, full.split([b.numel() for b in blocks], dim=1)):
         d = g[0][0]
@@ -273,12 +303,22 @@ class _Engine:
                 groups.setdefault(_group_key(r.path, r, dt), []).append(i)
         self.group_of = {i: members for members in groups.values() for i in members}
         self.any_gather = any(r.gather for r in leaves_plan)
+        pd = plan.param_dtype
+        self.mixed = None if pd is None else (pd, plan.reduce_dtype or pd)
+        self.needs_view = self.any_gather or self.mixed is not None  # parameters go through gather_leaf
+        # the loss's gradient seed: factor * (data ranks) / (all ranks) -- with the default factor
+        # 1 / data ranks, 1 / mesh.size: the mean over data shards, and on replicated (TP) axes the
+        # per-rank split of hpfunc.lax's semantics
+        n_data = math.prod(mesh.axis_size(a) for a in mesh.axis_names if a in plan.data_axes)
+        factor = plan.gradient_scaling_factor
+        self.seed_scale = (1.0 / mesh.size) if factor is None else factor * n_data / mesh.size
 
     def value_and_grad(self, blocks: list[torch.Tensor], call: Callable[[list[torch.Tensor], Callable], Any],
                        has_aux: bool, wanted: list[int] | None = None, where: str = "parallel_train_step"):
         from hpfunc.models.parallel import tensor_parallel
 
         mesh, plan, leaves_plan = self.mesh, self.plan, self.leaves_plan
+        mp = self.mixed
         ws = [x.detach().requires_grad_(x.is_floating_point()) for x in blocks]
         index = {id(w): i for i, w in enumerate(ws)}
         regather = _Regather(mesh) if plan.reshard_after_forward else None
@@ -289,16 +329,18 @@ class _Engine:
         def gather(members: list[int]) -> list[torch.Tensor]:
             group_blocks = [ws[j] for j in members]
             specs = [leaves_plan[j].gather for j in members]
-            fulls = _gather_group(group_blocks, specs)
+            fulls = _gather_group(group_blocks, specs, mp)
             if regather is not None:
                 detached = [b.detach() for b in group_blocks]
-                regather.register(fulls, next(gids), lambda: _gather_group(detached, specs))
+                regather.register(fulls, next(gids), lambda: _gather_group(detached, specs, mp))
             return fulls
 
         def gather_leaf(w: torch.Tensor) -> torch.Tensor:
             i = index.get(id(w))
-            if i is None or not leaves_plan[i].gather:
+            if i is None:
                 return w
+            if not leaves_plan[i].gather:  # used as stored (cast for use under mixed precision)
+                return w.to(mp[0]) if mp is not None and w.is_floating_point() else w
             if i in ready:
                 return ready.pop(i)
             if i in gathered:  # read a second time: gather it alone again
@@ -328,13 +370,13 @@ class _Engine:
                             f"{' (as the first element, has_aux=True)' if has_aux else ''}; found {loss!r}")
         wanted = list(range(len(ws))) if wanted is None else wanted
         diff = [i for i in wanted if ws[i].requires_grad]
-        seed = torch.full_like(loss, 1.0 / mesh.size)
+        seed = torch.full_like(loss, self.seed_scale)
         gs = (torch.autograd.grad(loss, [ws[i] for i in diff], grad_outputs=seed, allow_unused=True)
               if diff and loss.requires_grad else [None] * len(diff))
         by_leaf = dict(zip(diff, gs))
         grads = [by_leaf.get(i) if by_leaf.get(i) is not None else torch.zeros_like(ws[i]) for i in wanted]
         with torch.no_grad():
-            red = _reduce_grads(grads, [leaves_plan[i] for i in wanted])
+            red = _reduce_grads(grads, [leaves_plan[i] for i in wanted], plan.reduce_dtype)
         return loss, aux, red
 
     def data_axes(self) -> tuple[str, ...]:
@@ -342,7 +384,7 @@ class _Engine:
 
 
 def _maybe_lazy(tree: Any, get: Callable, engine: _Engine) -> Any:
-    return _lazy(tree, get) if engine.any_gather else tree
+    return _lazy(tree, get) if engine.needs_view else tree
 
 
 @attrs.frozen(eq=False)
@@ -449,7 +491,16 @@ def _blocks_first(g: torch.Tensor, d: int, n: int) -> torch.Tensor:
     return g.reshape(split).movedim(d, 0).reshape(n, -1)
 
 
-def _reduce_grads(grads: list[torch.Tensor], plan: list[ResolvedLeaf]) -> list[torch.Tensor]:
+def _reduce_grads(grads: list[torch.Tensor], plan: list[ResolvedLeaf],
+                  reduce_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    """See :func:`_reduce_grads_as`; ``reduce_dtype``: the collectives run in it (results in the grads' dtypes)."""
+    if reduce_dtype is None:
+        return _reduce_grads_as(grads, plan)
+    cast = [g.to(reduce_dtype) if g.is_floating_point() else g for g in grads]
+    return [r.to(g.dtype) for r, g in zip(_reduce_grads_as(cast, plan), grads)]
+
+
+def _reduce_grads_as(grads: list[torch.Tensor], plan: list[ResolvedLeaf]) -> list[torch.Tensor]:
     """Sum every gradient over the axes its storage is replicated on; ZeRO axes by reduce-scatter.
 
     Gradients that need the same collective are packed into one flat buffer (one call per bucket, the

@@ -201,15 +201,59 @@ class Plan:
         rules: ``(pattern, LeafSpec | P)`` pairs; a bare ``P`` is used for storage, compute and opt.
         reshard_after_forward: FSDP frees each gathered parameter after its use in the forward and
             gathers it again in the backward (3 Psi communication instead of 2 Psi, lower peak memory).
+        param_dtype: mixed precision: floating parameters are cast to this dtype for use (before the
+            FSDP all-gather, which then moves half the bytes for bf16); storage, gradients and optimizer
+            state keep the storage dtype. ``None``: used as stored. See :meth:`with_mixed_precision`.
+        reduce_dtype: the dtype gradient reductions run in (reduce-scatter and all-reduce); ``None``:
+            ``param_dtype`` for the FSDP reduce-scatter (its all-gather's transpose), the gradient's
+            dtype for the rest.
+        gradient_scaling_factor: the gradient is ``factor * sum over data shards`` of the per-shard
+            loss's gradient; ``None`` is ``1 / data ranks``, the mean (see
+            :meth:`with_gradient_scaling_factor`).
     """
 
     layers: tuple[_Layer, ...] = ()
     rules: tuple[tuple[str, LeafSpec], ...] = ()
     reshard_after_forward: bool = True
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    gradient_scaling_factor: float | None = None
 
     def __add__(self, other: "Plan") -> "Plan":
+        def one(name: str) -> Any:
+            a, b = getattr(self, name), getattr(other, name)
+            if a is not None and b is not None and a != b:
+                raise PlanError(f"plans combined with +: {name} {a} on the left, {b} on the right; set it once")
+            return a if a is not None else b
+
         return Plan(self.layers + other.layers, self.rules + other.rules,
-                    self.reshard_after_forward and other.reshard_after_forward)
+                    self.reshard_after_forward and other.reshard_after_forward,
+                    one("param_dtype"), one("reduce_dtype"), one("gradient_scaling_factor"))
+
+    def with_mixed_precision(self, param_dtype: torch.dtype | None = torch.bfloat16,
+                             reduce_dtype: torch.dtype | None = torch.float32) -> "Plan":
+        """Compute in ``param_dtype`` (the FSDP all-gather moves it), reduce gradients in ``reduce_dtype``;
+        parameters, gradients and optimizer state stay in their storage dtype (fp32 master weights).
+
+        >>> fsdp("fsdp").with_mixed_precision().param_dtype
+        torch.bfloat16
+        """
+        for name, dt in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
+            if dt is not None and not (isinstance(dt, torch.dtype) and dt.is_floating_point):
+                raise PlanError(f"with_mixed_precision: {name} must be a floating torch.dtype or None, found {dt!r}")
+        return attrs.evolve(self, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+
+    def with_gradient_scaling_factor(self, factor: float | None) -> "Plan":
+        """Gradients are ``factor`` times the sum over data shards of each shard loss's gradient
+        (``None``: the mean, ``1 / data ranks``). ``1.0`` sums, for losses that are per-shard sums
+        normalised elsewhere (e.g. by a global token count).
+
+        >>> fsdp("fsdp").with_gradient_scaling_factor(1.0).gradient_scaling_factor
+        1.0
+        """
+        if factor is not None and not (isinstance(factor, (int, float)) and math.isfinite(factor) and factor > 0):
+            raise PlanError(f"with_gradient_scaling_factor: factor must be a finite number > 0 or None, found {factor!r}")
+        return attrs.evolve(self, gradient_scaling_factor=None if factor is None else float(factor))
 
     def with_rules(self, rules: Sequence[tuple[str, Any]]) -> "Plan":
         conv = tuple((pat, sp if isinstance(sp, LeafSpec) else LeafSpec.of(sp)) for pat, sp in rules)

@@ -184,7 +184,7 @@ class _StepContext:
                 swapped = _tree.tree_map(
                     lambda x: ws[self.index[id(x)]] if isinstance(x, torch.Tensor) and id(x) in self.index else x,
                     args[a])
-                new_args[a] = _lazy(swapped, get) if self.engine.any_gather else swapped
+                new_args[a] = _lazy(swapped, get) if self.engine.needs_view else swapped
             with plan_context.bind(None):
                 return fn(*new_args, **kwargs)
 

@@ -1,0 +1,109 @@
+"""Rank-side helpers: mixed precision and the gradient scaling factor."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+import _parallel_helpers as H
+
+BF16 = torch.bfloat16
+
+
+def _step(name: str, model: str, plan_fn, **cfg_overrides):
+    import hpfunc
+    from hpfunc import optim
+    from hpfunc.models import parallel, qwen3
+    from hpfunc.transforms.parallelize import init_sharded, parallel_train_step
+
+    mesh, plan = H.make(name)
+    plan = plan_fn(plan)
+    cfg = H.config(model, **cfg_overrides)
+    step = parallel_train_step(lambda p, b: parallel.loss(p, b, cfg)[0], optim.adamw(H.LR), mesh, plan,
+                               return_grads=True)
+    params = init_sharded(functools.partial(parallel.init, cfg=cfg), mesh, plan, hpfunc.random.key(0),
+                          shapes=qwen3.param_shapes(cfg))
+    return mesh, plan, cfg, step, params
+
+
+def run_mixed_parity(name: str, model: str, seed: int, reduce_dtype=torch.float32) -> float:
+    """One step with bf16 compute: loss (rtol 1e-2) and reduced fp32 gradients (relative L2 error per leaf
+    <= 1e-2) equal single-device autograd through a bf16 cast of the fp32 parameters; parameters,
+    gradients and optimizer state stay fp32. Returns the worst gradient error."""
+    import hpfunc
+    from hpfunc.models import qwen3
+    from hpfunc.testing import assert_trees_close, to_full
+
+    mesh, plan, cfg, step, params = _step(name, model, lambda p: p.with_mixed_precision(BF16, reduce_dtype))
+    n_data = mesh.axis_size(tuple(a for a in mesh.axis_names if a in plan.data_axes)) if plan.data_axes else 1
+    b = H.batches(cfg, 1, 4, 8, seed)[0]
+    full = to_full(params)
+
+    def ref_loss(p):
+        # one bf16 cast per data shard, as each rank makes: the shards' gradients then meet in fp32 (one
+        # shared cast would sum them in bf16 inside autograd, a rounding the sharded step does not make)
+        cast = lambda: hpfunc.tree.tree_map(lambda x: x.to(BF16), p)  # noqa: E731
+        return torch.stack([qwen3.loss(cast(), {"tokens": t}, cfg)[0] for t in b["tokens"].chunk(n_data)]).mean()
+
+    value, ref_grads = hpfunc.value_and_grad(ref_loss)(full)
+    new_params, state, metrics, grads = step(params, step.init_opt_state(params), b)
+    worst = 0.0
+    tol = 2e-2 if plan.tp_axis is not None else 1e-2
+    assert_trees_close(metrics["loss"], value, rtol=1e-2, atol=1e-2, what="bf16 loss")
+    for (path, g), r in zip(hpfunc.tree.leaves_with_paths(to_full(grads)), hpfunc.tree.leaves(ref_grads)):
+        assert g.dtype == torch.float32, path
+        # bf16 rounds every activation to 8 bits of mantissa, and the shards' matmuls accumulate in another
+        # order than the full batch's: compare each leaf by its relative L2 error (bf16 tolerance 1e-2)
+        # Under TP the row-parallel partial sums are rounded to bf16 on each rank before their all-reduce
+        # (as in Megatron), where one device rounds the finished matmul once: 2e-2 there.
+        err = float((g.double() - r.double()).norm() / max(float(r.double().norm()), 1e-12))
+        assert err <= tol, f"bf16 grad {path}: relative L2 error {err:.2e} > {tol}"
+        worst = max(worst, err)
+    assert all(x.dtype == torch.float32 for x in hpfunc.tree.leaves(new_params))
+    return worst
+
+
+def run_mixed_comm(name: str, reduce_dtype) -> dict:
+    """Bytes each rank sends in one step, by (op, phase), payloads over 8 bytes."""
+    import hpfunc
+    from hpfunc.models import qwen3
+
+    mesh, plan, cfg, step, params = _step(name, "qwen3-dense-tiny",
+                                          lambda p: p.with_mixed_precision(BF16, reduce_dtype),
+                                          tie_word_embeddings=False)
+    b = H.batches(cfg, 1, 4, 6, 0)[0]
+    state = step.init_opt_state(params)
+    with hpfunc.comm_stats() as stats:
+        step(params, state, b)
+    shapes = hpfunc.tree.leaves(qwen3.param_shapes(cfg), is_leaf=lambda x: isinstance(x, torch.Size))
+    out = {"psi": sum(math.prod(s) for s in shapes), "embed": cfg.vocab_size * cfg.hidden_size, "n": mesh.size}
+    for r in stats.records:
+        if r.payload_bytes > 8:
+            k = f"{r.op}/{r.phase}"
+            out[k] = out.get(k, 0) + r.sent_bytes
+    return out
+
+
+def run_scaling_factor(name: str, factor: float) -> None:
+    """``with_gradient_scaling_factor(f)``: gradients are f * (data ranks) times the default mean."""
+    from hpfunc.testing import assert_trees_close, to_full
+
+    mesh, plan, cfg, step, params = _step(name, "qwen3-dense-tiny", lambda p: p)
+    _, _, _, _, params2 = _step(name, "qwen3-dense-tiny", lambda p: p)
+    scaled = _step(name, "qwen3-dense-tiny", lambda p: p.with_gradient_scaling_factor(factor))[3]
+    n_data = mesh.axis_size(tuple(a for a in mesh.axis_names if a in plan.data_axes))
+    b = H.batches(cfg, 1, 4, 8, 0)[0]
+    *_, m1, g1 = step(params, step.init_opt_state(params), b)
+    *_, m2, g2 = scaled(params2, scaled.init_opt_state(params2), b)
+    assert_trees_close(m2["loss"], m1["loss"], rtol=0, atol=0, what="the loss is not scaled")
+    k = factor * n_data
+    assert_trees_close(to_full(g2), _scale(to_full(g1), k), rtol=1e-6, atol=1e-9,
+                       what="scaled grads")
+
+
+def _scale(tree, k):
+    import hpfunc
+
+    return hpfunc.tree.tree_map(lambda x: x * k, tree)
