@@ -98,13 +98,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         if in_rank and world != cfg.parallel.size:
             # e.g. a single-process config under a 4-process torchrun: 4 copies would write one folder
             raise ConfigError(f"parallel.mesh: this launch has {world} processes (WORLD_SIZE) but the config's mesh "
-                              f"{cfg.parallel.to_data().get('mesh', {})} needs {cfg.parallel.size}; run "
+                              f"{cfg.parallel.mesh_text} needs {cfg.parallel.size}; run "
                               f"`hpfunc train` without a launcher (it starts the processes) or match the mesh")
         if cfg.parallel.size > 1 and not in_rank:
             if cfg.output.progress != "none":
                 # the ranks take a while to start (each imports torch): say what is happening
                 print(f"hpfunc train: starting {cfg.parallel.size} processes (torch.distributed.run, gloo) for "
-                      f"the mesh {cfg.parallel.to_data()['mesh']}", flush=True)
+                      f"the mesh {cfg.parallel.mesh_text}", flush=True)
             status = launch(["hpfunc.cli", "train", *argv], cfg.parallel.size, module=True,
                             threads=cfg.train.num_threads)
             if status:

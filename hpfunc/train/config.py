@@ -193,6 +193,11 @@ class ParallelConfig:
             n *= self.mesh[a]
         return n
 
+    @property
+    def mesh_text(self) -> str:
+        """The mesh as written in YAML: ``{fsdp: 2, tp: 2}``."""
+        return _flow(self.mesh)
+
     def to_data(self) -> dict[str, Any]:
         if not self.mesh and not self.plan:
             return {}

@@ -172,7 +172,7 @@ def describe_plan(cfg: Config, model_cfg: Any) -> str:
     mesh = AbstractMesh(pc.mesh)
     per = cfg.train.batch_size // max(pc.data_size, 1)
     head = [
-        f"mesh {_flow(pc.mesh)} ({pc.size} processes), plan {_plan_text(pc)}",
+        f"mesh {pc.mesh_text} ({pc.size} processes), plan {_plan_text(pc)}",
         f"batch {cfg.train.batch_size} x {cfg.train.seq_len} split over {pc.data_axes or 'no axis'}: "
         f"{per} x {cfg.train.seq_len} per data shard",
         f"{'parameter':40s} {'shape':16s} storage -> compute | opt (optimizer state)",
@@ -215,7 +215,7 @@ def start_mesh(pc: ParallelConfig) -> Iterator[Any]:
 
     if not dist.is_initialized() and not in_launched_rank():
         raise ConfigError(
-            f"parallel.mesh: {pc.mesh} needs {pc.size} processes; run it with `hpfunc train CONFIG.yaml`, which "
+            f"parallel.mesh: {pc.mesh_text} needs {pc.size} processes; run it with `hpfunc train CONFIG.yaml`, which "
             f"starts them, or call hpfunc.train.run in every rank of a torchrun launch"
         )
     created = not dist.is_initialized()
@@ -223,7 +223,7 @@ def start_mesh(pc: ParallelConfig) -> Iterator[Any]:
     try:
         world = dist.get_world_size()
         if world != pc.size:
-            raise ConfigError(f"parallel.mesh: {pc.mesh} needs {pc.size} processes but this launch has {world} "
+            raise ConfigError(f"parallel.mesh: {pc.mesh_text} needs {pc.size} processes but this launch has {world} "
                               f"(WORLD_SIZE); launch {pc.size} or change the mesh")
         yield Mesh(pc.mesh)
     finally:
@@ -265,9 +265,6 @@ def parallel_summary(cfg: Config) -> str:
     """The start line of a parallel run: processes, mesh, plan and the batch split."""
     pc = cfg.parallel
     per = cfg.train.batch_size // max(pc.data_size, 1)
-    return (f"parallel: {pc.size} processes (gloo), mesh {_flow(pc.mesh)}, plan {_plan_text(pc)}; "
+    return (f"parallel: {pc.size} processes (gloo), mesh {pc.mesh_text}, plan {_plan_text(pc)}; "
             f"batch {cfg.train.batch_size} split {per} per data shard")
 
-
-def _flow(mesh: Mapping[str, int]) -> str:
-    return "{" + ", ".join(f"{a}: {s}" for a, s in mesh.items()) + "}"
