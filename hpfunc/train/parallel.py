@@ -267,4 +267,3 @@ def parallel_summary(cfg: Config) -> str:
     per = cfg.train.batch_size // max(pc.data_size, 1)
     return (f"parallel: {pc.size} processes (gloo), mesh {pc.mesh_text}, plan {_plan_text(pc)}; "
             f"batch {cfg.train.batch_size} split {per} per data shard")
-
