@@ -18,6 +18,7 @@ from hpfunc import lax, random, tree
 from hpfunc.autodiff import grad, value_and_grad
 from hpfunc.comm import comm_stats
 from hpfunc.mesh import Mesh, current_mesh, make_mesh
+from hpfunc.microbatch import microbatch
 from hpfunc.sharding import NamedSharding, P, SpecError, logical_to_spec, reshard, shard, typeof
 from hpfunc.transforms.offload import offload
 from hpfunc.transforms.pipeline import PipelineError, pipeline_map
@@ -50,6 +51,7 @@ __all__ = [
     "checkpoint_policies",
     "grad",
     "value_and_grad",
+    "microbatch",
     "comm_stats",
     "lax",
     "random",
@@ -62,7 +64,7 @@ _LAZY_SUBMODULES = {
 
 
 _LAZY_ATTRS = {
-    "parallelize": "hpfunc.transforms.parallelize",
+    "parallelize": "hpfunc.transforms.state_step",
     "parallel_train_step": "hpfunc.transforms.parallelize",
     "init_sharded": "hpfunc.transforms.parallelize",
 }

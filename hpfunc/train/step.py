@@ -127,6 +127,7 @@ def make_train_step(
     loss_fn: LossFn | None = None,
     is_frozen: Callable[[str], bool] | None = None,
     update_frozen: Callable[[Any, torch.Tensor, float], Any] | None = None,
+    num_microbatches: int = 1,
 ) -> Callable[[TrainState, Mapping[str, torch.Tensor]], tuple[TrainState, dict[str, torch.Tensor]]]:
     """Build ``train_step(state, batch) -> (state, metrics)`` for a model and an optimizer.
 
@@ -146,6 +147,9 @@ def make_train_step(
       loss_fn: ``(params, batch, model_cfg) -> (loss, aux)``; defaults to ``qwen3.loss``.
       is_frozen: path predicate of the non-gradient leaves; defaults to ``is_expert_bias``.
       update_frozen: their update rule; defaults to ``update_expert_bias``.
+      num_microbatches: gradient accumulation: the batch is split along dimension 0 into this many
+        equal micro-batches, one forward and backward each, values and gradients averaged
+        (:func:`hpfunc.microbatch`; under ``hpfunc.parallelize`` the gradients are reduced once).
 
     Returns:
       A pure function. ``metrics`` holds 0-d tensors ``loss`` (the objective), ``ce_loss``,
@@ -167,6 +171,10 @@ def make_train_step(
         return loss, dict(aux)
 
     grad_fn = value_and_grad(objective, has_aux=True)
+    if num_microbatches != 1:
+        from hpfunc.microbatch import microbatch
+
+        grad_fn = microbatch(grad_fn, num_microbatches, argnums=2)
 
     def train_step(state: TrainState, batch: Mapping[str, torch.Tensor]) -> tuple[TrainState, dict[str, torch.Tensor]]:
         trained, frozen = split_params(state.params, is_frozen)

@@ -314,7 +314,8 @@ class _Engine:
         self.seed_scale = (1.0 / mesh.size) if factor is None else factor * n_data / mesh.size
 
     def value_and_grad(self, blocks: list[torch.Tensor], call: Callable[[list[torch.Tensor], Callable], Any],
-                       has_aux: bool, wanted: list[int] | None = None, where: str = "parallel_train_step"):
+                       has_aux: bool, wanted: list[int] | None = None, where: str = "parallel_train_step",
+                       reduce: bool = True):
         from hpfunc.models.parallel import tensor_parallel
 
         mesh, plan, leaves_plan = self.mesh, self.plan, self.leaves_plan
@@ -375,9 +376,14 @@ class _Engine:
               if diff and loss.requires_grad else [None] * len(diff))
         by_leaf = dict(zip(diff, gs))
         grads = [by_leaf.get(i) if by_leaf.get(i) is not None else torch.zeros_like(ws[i]) for i in wanted]
+        if not reduce:  # the caller accumulates and calls reduce_grads once
+            return loss, aux, grads
+        return loss, aux, self.reduce_grads(grads, wanted)
+
+    def reduce_grads(self, grads: list[torch.Tensor], wanted: list[int]) -> list[torch.Tensor]:
+        """Per-rank gradients of the leaves ``wanted`` (storage layout) -> reduced, optimizer layout."""
         with torch.no_grad():
-            red = _reduce_grads(grads, [leaves_plan[i] for i in wanted], plan.reduce_dtype)
-        return loss, aux, red
+            return _reduce_grads(grads, [self.leaves_plan[i] for i in wanted], self.plan.reduce_dtype)
 
     def data_axes(self) -> tuple[str, ...]:
         return tuple(a for a in self.mesh.axis_names if a in self.plan.data_axes and self.mesh.axis_size(a) > 1)

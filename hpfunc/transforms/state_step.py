@@ -129,6 +129,28 @@ class _StepContext:
         self.index = {id(x): i for i, x in enumerate(opt_blocks)}
         self.engine = _Engine(mesh, plan, leaves_plan, [x.dtype for x in storage])
         self.block_shapes = {p: _opt_block_shape(r, mesh) for p, r in self.by_path.items()}
+        self.deferred: list | None = None  # inside hpfunc.microbatch: [the leaves differentiated]
+
+    # -- micro-batches: reduce once ---------------------------------------------------------------
+    def start_deferred(self) -> None:
+        if self.deferred is not None:
+            raise PlanError("hpfunc.microbatch: micro-batching inside micro-batching is not supported")
+        self.deferred = []
+
+    def finish_deferred(self, grads: Any) -> Any:
+        """Reduce a gradient tree summed over micro-batches (shaped like each micro-batch's)."""
+        order, self.deferred = (self.deferred or [None])[0], None
+        if order is None:  # no value_and_grad ran under the plan
+            return grads
+        leaves, treedef = optree.tree_flatten(grads)
+        if len(leaves) != len(order):
+            raise PlanError(f"hpfunc.microbatch: the accumulated gradient has {len(leaves)} leaves, each "
+                            f"micro-batch's had {len(order)}")
+        at = [k for k, i in enumerate(order) if i is not None]
+        red = self.engine.reduce_grads([leaves[k] for k in at], [order[k] for k in at])
+        for k, r in zip(at, red):
+            leaves[k] = r
+        return optree.tree_unflatten(treedef, leaves)
 
     def leaf(self, path: str, x: torch.Tensor | None, where: str) -> ResolvedLeaf:
         r = self.by_path.get(path)
@@ -188,7 +210,9 @@ class _StepContext:
             with plan_context.bind(None):
                 return fn(*new_args, **kwargs)
 
-        loss, aux, red = self.engine.value_and_grad(self.storage, call, has_aux, wanted, where="value_and_grad")
+        deferred = self.deferred is not None
+        loss, aux, red = self.engine.value_and_grad(self.storage, call, has_aux, wanted, where="value_and_grad",
+                                                    reduce=not deferred)
         grad_of = dict(zip(wanted, red))
         data_axes = self.engine.data_axes()
         with torch.no_grad():
@@ -198,6 +222,13 @@ class _StepContext:
         results = [_tree.tree_map(lambda x: grad_of[self.index[id(x)]] if isinstance(x, torch.Tensor) else x,
                                   args[a]) for a in argnums]
         g_out = tuple(results) if multi else results[0]
+        if deferred:  # inside hpfunc.microbatch: per-rank gradients, reduced once by finish_deferred
+            order = [self.index.get(id(x)) if isinstance(x, torch.Tensor) else None
+                     for a in argnums for x in optree.tree_leaves(args[a])]
+            if self.deferred and self.deferred[0] != order:
+                raise PlanError("hpfunc.microbatch inside hpfunc.parallelize: every micro-batch must differentiate "
+                                "the same parameters")
+            self.deferred[:] = [order]
         return ((value, aux) if has_aux else value), g_out
 
     # -- back to storage ------------------------------------------------------------------------

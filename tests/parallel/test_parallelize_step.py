@@ -59,3 +59,15 @@ def test_one_rank_mesh_is_the_single_device_step(pools, role):
 def test_three_axis_mesh_8_ranks(pools):
     # dp x fsdp x tp with vocabulary-parallel TP, MoE, Muon + AdamW, clipping, expert bias
     pools(8).run(S.run_state_parity, "hsdp_tp8", "qwen3-moe-tiny", 4, "muon_adamw", 0.5, 2, 1e-3)
+
+
+@pytest.mark.parametrize("name", ["ddp", "fsdp", "zero2_tp"])
+def test_microbatches_match_the_whole_batch(pools, name):
+    # 2 micro-batches per data shard, dense model: equals the one-device step on the whole batch
+    pools(H.PLANS[name][0]).run(S.run_state_parity, name, "qwen3-dense-tiny", 6, "adamw", 0.5, 2, 0.0, 2)
+
+
+@pytest.mark.parametrize("name", ["ddp", "zero2_tp", "tp"])
+def test_microbatches_reduce_once(pools, name):
+    # no FSDP gathers: 2 micro-batches move exactly the bytes of one whole-batch step
+    pools(H.PLANS[name][0]).run(S.run_comm_equal, name, 2)
