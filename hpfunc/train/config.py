@@ -110,6 +110,7 @@ class TrainConfig:
 
     steps: int = 100
     batch_size: int = 8
+    microbatches: int = 1  # gradient accumulation: the (per-shard) batch in this many equal slices
     seq_len: int = 128
     log_every: int = 10
     eval_every: int = 0  # 0: evaluate only at the end
@@ -225,6 +226,7 @@ _OPEN_SECTIONS = {ModelConfig: "overrides"}
 _RANGES: list[tuple[str, Any, str]] = [
     ("train.steps", lambda v: v >= 1, "an integer >= 1"),
     ("train.batch_size", lambda v: v >= 1, "an integer >= 1"),
+    ("train.microbatches", lambda v: v >= 1, "an integer >= 1"),
     ("train.seq_len", lambda v: v >= 1, "an integer >= 1"),
     ("train.log_every", lambda v: v >= 1, "an integer >= 1"),
     ("train.eval_every", lambda v: v >= 0, "an integer >= 0"),
@@ -435,6 +437,11 @@ def _check_ranges(cfg: Config) -> None:
             obj = getattr(obj, part)
         if not ok(obj):
             raise ConfigError(f"{path}: expected {expected}, found {_found(obj)}")
+    dp = cfg.parallel.data_size if cfg.parallel.plan else 1
+    if cfg.train.batch_size % dp == 0 and (cfg.train.batch_size // dp) % cfg.train.microbatches:
+        raise ConfigError(f"train.microbatches: the batch of {cfg.train.batch_size}"
+                          f"{f' ({cfg.train.batch_size // dp} per data shard)' if dp > 1 else ''} does not split "
+                          f"into {cfg.train.microbatches} equal micro-batches")
     if cfg.data.source in ("text", "jsonl", "ids") and not cfg.data.paths:
         raise ConfigError(f"data.paths: data.source is {cfg.data.source!r}, which needs file paths (globs); found none")
     if cfg.data.source == "ids" and cfg.data.tokenizer is not None:

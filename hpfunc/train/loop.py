@@ -184,7 +184,8 @@ def _run(cfg: Config, *, out_dir: str | pathlib.Path | None, stream: TextIO | No
     if mesh is None:
         params = qwen3.init(init_key, model_cfg, dtype=model_dtype(cfg.model))
         state = init_train_state(params, optimizer)
-        train_step = make_train_step(model_cfg, optimizer, expert_bias_rate=tc.expert_bias_rate, lr_schedule=lr)
+        train_step = make_train_step(model_cfg, optimizer, expert_bias_rate=tc.expert_bias_rate, lr_schedule=lr,
+                                     num_microbatches=tc.microbatches)
         full_params: Callable[[Any], Any] = lambda p: p  # noqa: E731
     else:
         from hpfunc.train.parallel import build_parallel_step, gather_params, parallel_summary

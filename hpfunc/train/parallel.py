@@ -245,7 +245,7 @@ def build_parallel_step(cfg: Config, model_cfg: Any, optimizer: Any, lr: Callabl
 
     plan = build_plan(cfg.parallel)
     step = make_train_step(model_cfg, optimizer, expert_bias_rate=cfg.train.expert_bias_rate, lr_schedule=lr,
-                           loss_fn=model_parallel.loss)
+                           loss_fn=model_parallel.loss, num_microbatches=cfg.train.microbatches)
     train_step = hpfunc.parallelize(step, mesh, plan, params="params")
     init = functools.partial(model_parallel.init, cfg=model_cfg, dtype=model_dtype(cfg.model))
     params = init_sharded(init, mesh, plan, init_key, shapes=qwen3.param_shapes(model_cfg))

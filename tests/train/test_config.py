@@ -260,3 +260,14 @@ def test_duplicate_yaml_key_is_an_error(tmp_path):
     path.write_text("train:\n  steps: 3\n  batch_size: 2\n  steps: 4\n")
     with pytest.raises(ConfigError, match=r"line 4: key 'steps' is given twice in the same section \(first on line 2\)"):
         load_config(path)
+
+
+def test_microbatches_must_split_the_batch():
+    assert load_config_dict({"train": {"batch_size": 8, "microbatches": 4}}).train.microbatches == 4
+    with pytest.raises(ConfigError, match=r"train.microbatches: the batch of 8 does not split into 3"):
+        load_config_dict({"train": {"batch_size": 8, "microbatches": 3}})
+    with pytest.raises(ConfigError, match=r"the batch of 8 \(4 per data shard\) does not split into 8"):
+        load_config_dict({"train": {"batch_size": 8, "microbatches": 8},
+                          "parallel": {"mesh": {"fsdp": 2}, "plan": ["fsdp"]}})
+    with pytest.raises(ConfigError, match="train.microbatches: expected an integer >= 1"):
+        load_config_dict({"train": {"microbatches": 0}})
