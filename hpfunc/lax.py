@@ -27,7 +27,9 @@ reduced twice or never, without the user inserting ``pvary`` anywhere; the prope
 one; the communication volume per layer is the same.)
 
 All collectives are ``torch.autograd.Function`` s with ``setup_context``, so ``torch.autograd.grad``
-and ``torch.func.grad``/``vjp`` both differentiate through them.
+and ``torch.func.grad``/``vjp`` both differentiate through them. (Outside torch.func a collective runs
+in the equivalent ctx-first form, and one with no gradient to track runs as its bare forward: the same
+values, less host time.)
 
 Example (in a 2-rank program)::
 
@@ -112,9 +114,16 @@ class _Axes:
         self.me = mesh.axis_index(names)
 
 
+def _axes_of(mesh: Mesh, axes: AxisName | Sequence[str]) -> _Axes:
+    """The resolved axes, built once per mesh and axis tuple (a process-group lookup and rank maps
+    that every collective and its transpose would otherwise rebuild)."""
+    names = normalize_axes(axes)
+    return mesh._cached(("lax.axes", names), lambda: _Axes(mesh, names))
+
+
 def _resolve(axes: AxisName | Sequence[str]) -> _Axes:
     mesh = current_mesh(required=True, what=f"a collective over axis {axes!r}")
-    return _Axes(mesh, axes)
+    return _axes_of(mesh, axes)
 
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives; older releases only have the old names.
@@ -141,8 +150,9 @@ def _phase() -> str:
 def _all_reduce(x: torch.Tensor, ax: _Axes, op: dist.ReduceOp, collectors, name: str) -> torch.Tensor:
     out = x.detach().clone(memory_format=torch.contiguous_format)
     if ax.n > 1:
-        _comm.record(collectors, op="all_reduce", name=name, axes=ax.names, n=ax.n, payload_bytes=_nbytes(out),
-                     phase=_phase())
+        if collectors:
+            _comm.record(collectors, op="all_reduce", name=name, axes=ax.names, n=ax.n, payload_bytes=_nbytes(out),
+                         phase=_phase())
         dist.all_reduce(out, op=op, group=ax.group)
     return out
 
@@ -155,8 +165,9 @@ def _gather_dim0(x: torch.Tensor, ax: _Axes, collectors, name: str) -> torch.Ten
         return x.clone().reshape(shape)
     flat = x.reshape(-1).contiguous()
     out = flat.new_empty(ax.n * flat.numel())  # new_empty: same torch.func level as the input
-    _comm.record(collectors, op="all_gather", name=name, axes=ax.names, n=ax.n, payload_bytes=_nbytes(out),
-                 phase=_phase())
+    if collectors:
+        _comm.record(collectors, op="all_gather", name=name, axes=ax.names, n=ax.n, payload_bytes=_nbytes(out),
+                     phase=_phase())
     _ALL_GATHER(out, flat, group=ax.group)
     out = out.view(shape)
     if not ax.identity_order:
@@ -172,8 +183,9 @@ def _scatter_dim0(x: torch.Tensor, ax: _Axes, collectors, name: str) -> torch.Te
     if not ax.identity_order:
         x = x[torch.tensor(ax.g2l)]  # group rank g must receive logical chunk g2l[g]
     flat = x.reshape(-1).clone()
-    _comm.record(collectors, op="reduce_scatter", name=name, axes=ax.names, n=ax.n, payload_bytes=_nbytes(flat),
-                 phase=_phase())
+    if collectors:
+        _comm.record(collectors, op="reduce_scatter", name=name, axes=ax.names, n=ax.n, payload_bytes=_nbytes(flat),
+                     phase=_phase())
     if _is_func_wrapped(flat) and dist.get_backend(ax.group) == "gloo":
         # gloo's reduce-scatter copies its result into the output on a worker thread, which fails for
         # tensors wrapped by torch.func transforms: all-reduce in place and keep this rank's block.
@@ -183,6 +195,42 @@ def _scatter_dim0(x: torch.Tensor, ax: _Axes, collectors, name: str) -> torch.Te
         out = flat[: flat.numel() // ax.n].clone()
         _REDUCE_SCATTER(out, flat, group=ax.group)
     return out.view(tuple(x.shape[1:]))
+
+
+# ---------------------------------------------------------------------------------------------
+# Calling the autograd functions
+
+
+def _ctx_first(fn: type[torch.autograd.Function]) -> type[torch.autograd.Function]:
+    """``fn`` (written with ``setup_context``, as torch.func needs) in the ctx-first form.
+
+    ``Function.apply`` binds a ``setup_context``-style ``forward``'s default arguments through
+    ``inspect.signature`` on every call (50-200 us, more than a small collective); the ctx-first
+    form skips that and runs the same forward, context setup and backward.
+    """
+
+    def forward(ctx, *args):
+        out = fn.forward(*args)
+        fn.setup_context(ctx, args, out)
+        return out
+
+    return type(f"{fn.__name__}CtxFirst", (torch.autograd.Function,),
+                {"forward": staticmethod(forward), "backward": staticmethod(fn.backward)})
+
+
+def _call(fns: tuple[type[torch.autograd.Function], type[torch.autograd.Function]], *args):
+    """Run ``fns = (fn, _ctx_first(fn))`` on ``args`` (``args[0]`` the tensor): through ``fn.apply``
+    under torch.func transforms and forward-mode AD, through the ctx-first twin when autograd must
+    record it, and as the bare forward when there is no gradient to track (a graph node costs more
+    than the small collectives of a training step's bookkeeping)."""
+    fn, twin = fns
+    x = args[0]
+    if (torch._C._are_functorch_transforms_active() or _is_func_wrapped(x)
+            or getattr(torch.autograd.forward_ad, "_current_level", -1) >= 0):
+        return fn.apply(*args)
+    if x.requires_grad and torch.is_grad_enabled():
+        return twin.apply(*args)
+    return fn.forward(*args)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -206,20 +254,23 @@ class _PSum(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         with ctx.mesh:
-            ax = _Axes(ctx.mesh, ctx.axes)
+            ax = _axes_of(ctx.mesh, ctx.axes)
             out = _all_reduce(g, ax, dist.ReduceOp.SUM, ctx.collectors, "psum" if ctx.scale == 1 else "pmean")
         return (out * ctx.scale if ctx.scale != 1 else out), None, None
 
 
+_PSUM_FNS = (_PSum, _ctx_first(_PSum))
+
+
 def psum(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
     """Sum of ``x`` over the ranks along ``axis_name`` (every rank gets the sum)."""
-    return _PSum.apply(x, axis_name, 1)
+    return _call(_PSUM_FNS, x, axis_name, 1)
 
 
 def pmean(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
     """Mean of ``x`` over the ranks along ``axis_name``."""
     n = axis_size(axis_name)
-    return _PSum.apply(x, axis_name, 1.0 / n)
+    return _call(_PSUM_FNS, x, axis_name, 1.0 / n)
 
 
 class _PExtreme(torch.autograd.Function):
@@ -241,7 +292,7 @@ class _PExtreme(torch.autograd.Function):
     def backward(ctx, g):
         x, y = ctx.saved_tensors
         with ctx.mesh:
-            ax = _Axes(ctx.mesh, ctx.axes)
+            ax = _axes_of(ctx.mesh, ctx.axes)
             name = "pmax" if ctx.is_max else "pmin"
             total = _all_reduce(g, ax, dist.ReduceOp.SUM, ctx.collectors, name)
             hit = (x == y).to(g.dtype)
@@ -249,15 +300,18 @@ class _PExtreme(torch.autograd.Function):
         return total * hit / ties.clamp_min(1), None, None
 
 
+_PEXTREME_FNS = (_PExtreme, _ctx_first(_PExtreme))
+
+
 def pmax(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
     """Elementwise max over the ranks along ``axis_name``; the gradient goes to the arg-max ranks
     (split evenly between ties, as ``torch.amax`` does)."""
-    return _PExtreme.apply(x, axis_name, True)
+    return _call(_PEXTREME_FNS, x, axis_name, True)
 
 
 def pmin(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
     """Elementwise min over the ranks along ``axis_name`` (gradient as in :func:`pmax`)."""
-    return _PExtreme.apply(x, axis_name, False)
+    return _call(_PEXTREME_FNS, x, axis_name, False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -316,8 +370,11 @@ class _AllGather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         with ctx.mesh:
-            ax = _Axes(ctx.mesh, ctx.axes)
+            ax = _axes_of(ctx.mesh, ctx.axes)
             return _scatter(g, ax, ctx.dim, ctx.tiled, ctx.collectors, "all_gather"), None, None, None
+
+
+_ALL_GATHER_FNS = (_AllGather, _ctx_first(_AllGather))
 
 
 def all_gather(x: torch.Tensor, axis_name: AxisName, *, axis: int = 0, tiled: bool = False) -> torch.Tensor:
@@ -327,7 +384,7 @@ def all_gather(x: torch.Tensor, axis_name: AxisName, *, axis: int = 0, tiled: bo
     along the existing dimension ``axis``. Transpose: :func:`psum_scatter`.
     """
     axis = _norm_dim(axis, x.ndim + (0 if tiled else 1), "all_gather")
-    return _AllGather.apply(x, axis_name, axis, tiled)
+    return _call(_ALL_GATHER_FNS, x, axis_name, axis, tiled)
 
 
 class _PSumScatter(torch.autograd.Function):
@@ -345,8 +402,11 @@ class _PSumScatter(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         with ctx.mesh:
-            ax = _Axes(ctx.mesh, ctx.axes)
+            ax = _axes_of(ctx.mesh, ctx.axes)
             return _gather(g, ax, ctx.dim, ctx.tiled, ctx.collectors, "psum_scatter"), None, None, None
+
+
+_PSUM_SCATTER_FNS = (_PSumScatter, _ctx_first(_PSumScatter))
 
 
 def psum_scatter(x: torch.Tensor, axis_name: AxisName, *, scatter_dimension: int = 0, tiled: bool = False) -> torch.Tensor:
@@ -356,7 +416,7 @@ def psum_scatter(x: torch.Tensor, axis_name: AxisName, *, scatter_dimension: int
     to have size ``n`` and removes it. Transpose: :func:`all_gather`.
     """
     dim = _norm_dim(scatter_dimension, x.ndim, "psum_scatter")
-    return _PSumScatter.apply(x, axis_name, dim, tiled)
+    return _call(_PSUM_SCATTER_FNS, x, axis_name, dim, tiled)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -390,8 +450,9 @@ def _a2a(x: torch.Tensor, ax: _Axes, split_dim: int, concat_dim: int, split_size
         # fast path (e.g. MoE token dispatch): rows already go to ranks in order; no layout copies
         send = x.contiguous()
         out = send.new_empty(send.shape)
-        _comm.record(collectors, op="all_to_all", name=name, axes=ax.names, n=n, payload_bytes=_nbytes(send),
-                     phase=_phase())
+        if collectors:
+            _comm.record(collectors, op="all_to_all", name=name, axes=ax.names, n=n, payload_bytes=_nbytes(send),
+                         phase=_phase())
         dist.all_to_all_single(out, send, group=ax.group)
         return out, split_sizes, [send.shape[0] // n] * n
     # Move the split dim to the front so each chunk is contiguous rows; concat happens after.
@@ -407,8 +468,9 @@ def _a2a(x: torch.Tensor, ax: _Axes, split_dim: int, concat_dim: int, split_size
     in_split = [rows_per[ax.g2l[g]] for g in range(n)]
     out_split = [int(recv_sizes[ax.g2l[g]]) for g in range(n)]
     out = send.new_empty((sum(out_split),) + rest)
-    _comm.record(collectors, op="all_to_all", name=name, axes=ax.names, n=n, payload_bytes=_nbytes(send),
-                 phase=_phase())
+    if collectors:
+        _comm.record(collectors, op="all_to_all", name=name, axes=ax.names, n=n, payload_bytes=_nbytes(send),
+                     phase=_phase())
     if even:
         dist.all_to_all_single(out, send, group=ax.group)
     else:
@@ -434,13 +496,16 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         with ctx.mesh:
-            ax = _Axes(ctx.mesh, ctx.axes)
+            ax = _axes_of(ctx.mesh, ctx.axes)
             if ctx.split_sizes is None:
                 out, _, _ = _a2a(g, ax, ctx.concat_dim, ctx.split_dim, None, None, ctx.collectors, "all_to_all")
             else:
                 out, _, _ = _a2a(g, ax, ctx.concat_dim, ctx.split_dim, ctx.recv_sizes, ctx.split_sizes,
                                  ctx.collectors, "all_to_all")
         return out, None, None, None, None, None
+
+
+_ALL_TO_ALL_FNS = (_AllToAll, _ctx_first(_AllToAll))
 
 
 def all_to_all(
@@ -467,7 +532,7 @@ def all_to_all(
     if split_sizes is not None and recv_sizes is None:
         ax = _resolve(axis_name)
         recv_sizes = _exchange_sizes(split_sizes, ax)
-    return _AllToAll.apply(x, axis_name, split_axis, concat_axis,
+    return _call(_ALL_TO_ALL_FNS, x, axis_name, split_axis, concat_axis,
                            None if split_sizes is None else tuple(int(s) for s in split_sizes),
                            None if recv_sizes is None else tuple(int(s) for s in recv_sizes))
 
@@ -501,8 +566,9 @@ def _permute(x: torch.Tensor, ax: _Axes, perm: Sequence[tuple[int, int]], collec
             continue
         peer = dist.get_global_rank(ax.group, ax.l2g[d])
         ops.append(dist.P2POp(dist.isend, x, peer, group=ax.group))
-        _comm.record(collectors, op="ppermute", name=name, axes=ax.names, n=ax.n, payload_bytes=_nbytes(x),
-                     phase=_phase())
+        if collectors:
+            _comm.record(collectors, op="ppermute", name=name, axes=ax.names, n=ax.n, payload_bytes=_nbytes(x),
+                         phase=_phase())
     for s in src:
         if s == ax.me:
             continue
@@ -541,9 +607,12 @@ class _PPermute(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         with ctx.mesh:
-            ax = _Axes(ctx.mesh, ctx.axes)
+            ax = _axes_of(ctx.mesh, ctx.axes)
             inv = tuple((d, s) for s, d in ctx.perm)
             return _permute(g, ax, inv, ctx.collectors, "ppermute"), None, None
+
+
+_PPERMUTE_FNS = (_PPermute, _ctx_first(_PPermute))
 
 
 def ppermute(x: torch.Tensor, axis_name: AxisName, perm: Sequence[tuple[int, int]]) -> torch.Tensor:
@@ -553,7 +622,7 @@ def ppermute(x: torch.Tensor, axis_name: AxisName, perm: Sequence[tuple[int, int
     Example: a ring shift ``perm=[(i, (i + 1) % n) for i in range(n)]``.
     """
     n = axis_size(axis_name)
-    return _PPermute.apply(x, axis_name, _check_perm(perm, n, axis_name))
+    return _call(_PPERMUTE_FNS, x, axis_name, _check_perm(perm, n, axis_name))
 
 
 # ---------------------------------------------------------------------------------------------

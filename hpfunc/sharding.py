@@ -15,6 +15,7 @@ Example (in a 4-rank program)::
 
 from __future__ import annotations
 
+import copy
 import fnmatch
 import re
 from typing import Any, Callable, Mapping, Sequence
@@ -23,6 +24,12 @@ import attrs
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
+
+try:  # DTensor's own spec types: building a DTensor from them skips from_local's autograd function
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec as _DTensorSpec
+    from torch.distributed.tensor._dtensor_spec import TensorMeta as _TensorMeta
+except ImportError:  # another torch release: always use DTensor.from_local
+    _DTensorSpec = _TensorMeta = None
 
 from hpfunc import tree as _tree
 from hpfunc.mesh import Mesh, current_mesh, normalize_axes
@@ -148,6 +155,11 @@ def spec_to_placements(spec: P, mesh: Mesh, ndim: int, *, where: str = "") -> li
     inner in mesh order).
     """
     spec = as_spec(spec)
+    # every step asks this for every leaf: checked and built once per mesh, spec and rank
+    return list(mesh._cached(("placements", spec, ndim), lambda: tuple(_placements(spec, mesh, ndim, where))))
+
+
+def _placements(spec: P, mesh: Mesh, ndim: int, where: str) -> list[Placement]:
     spec.check(mesh, ndim, where=where)
     placements: list[Placement] = [Replicate() for _ in mesh.axis_names]
     for d, part in enumerate(spec):
@@ -220,6 +232,31 @@ def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
         stride.append(acc)
         acc *= max(int(s), 1)
     return tuple(reversed(stride))
+
+
+def _wrap_local(local: torch.Tensor, mesh: Mesh, placements: Sequence[Placement], global_shape: Sequence[int]) -> DTensor:
+    """``DTensor.from_local(local, ..., run_check=False)`` with a contiguous global stride, for a small
+    fraction of its host cost when ``local`` needs no gradient: ``from_local`` is an autograd function
+    that builds its spec from scratch, ~0.3 ms a call, paid for every leaf of every ``shard_map`` output.
+    Here the spec is built once per mesh, placements, shape and dtype and each DTensor gets a copy of it
+    (as DTensor's own backward does, so no two tensors share a mutable spec)."""
+    if local.requires_grad or _DTensorSpec is None or local.device.type != mesh.device_type:
+        return DTensor.from_local(local, mesh.device_mesh, placements, run_check=False, shape=torch.Size(global_shape),
+                                  stride=_contiguous_stride(global_shape))
+    key = ("dtensor spec", tuple(placements), tuple(global_shape), local.dtype)
+    spec = mesh._cached(key, lambda: _DTensorSpec(mesh.device_mesh, tuple(placements), tensor_meta=_TensorMeta(
+        torch.Size(global_shape), _contiguous_stride(global_shape), local.dtype)))
+    # __new__ alone: DTensor.__init__ does nothing but sits behind torch._disable_dynamo (~50 us a call)
+    return DTensor.__new__(DTensor, local, _copy_spec(spec), requires_grad=False)
+
+
+def _copy_spec(spec: Any) -> Any:
+    """``copy.copy`` of a DTensorSpec (a plain dataclass) without the reduce protocol: ~1 us, not ~13."""
+    if not hasattr(spec, "__dict__"):
+        return copy.copy(spec)
+    out = object.__new__(type(spec))
+    out.__dict__.update(spec.__dict__)
+    return out
 
 
 def from_local(local: torch.Tensor, sharding: NamedSharding, *, global_shape: Sequence[int]) -> DTensor:

@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from hpfunc import lax as _lax
 from hpfunc import tree as _tree
 from hpfunc.mesh import Mesh, current_mesh
-from hpfunc.sharding import P, SpecError, _contiguous_stride, as_spec, spec_to_placements
+from hpfunc.sharding import P, SpecError, _wrap_local, as_spec, spec_to_placements
 
 __all__ = ["shard_map", "ReplicationError"]
 
@@ -48,17 +48,26 @@ def _is_spec(x: Any) -> bool:
     return x is None or isinstance(x, P)
 
 
-def _broadcast_specs(specs: Any, values: Any, what: str) -> list[tuple[str, Any, P]]:
-    """Flatten ``values`` and pair each leaf with its spec from the prefix tree ``specs``."""
-    try:
-        full = optree.tree_broadcast_prefix(specs, values, is_leaf=_is_spec, none_is_leaf=True)
-    except (ValueError, TypeError) as e:
-        raise SpecError(
-            f"{what} must be a spec P(...) or a tree prefix of the {what.split('_')[0]}puts; got {specs!r}: {e}"
-        ) from None
-    spec_leaves = optree.tree_leaves(full, is_leaf=_is_spec, none_is_leaf=True)
-    paths, leaves, _ = optree.tree_flatten_with_path(values, none_is_leaf=True)
-    return [(_tree.path_str(p), leaf, as_spec(s)) for p, leaf, s in zip(paths, leaves, spec_leaves)]
+def _pair_specs(specs: Any, values: Any, what: str) -> tuple[list[Any], list[P], Any, Callable[[int], str]]:
+    """Flatten ``values`` and pair each leaf with its spec from the prefix tree ``specs``.
+
+    Returns the leaves, their specs, the treedef and ``path(i)``, the dotted path of leaf ``i`` (built
+    only when asked: only errors need it).
+    """
+    leaves, treedef = optree.tree_flatten(values, none_is_leaf=True)
+    spec_leaves, spec_def = optree.tree_flatten(specs, is_leaf=_is_spec, none_is_leaf=True)
+    if spec_def != treedef:  # a proper prefix: one spec stands for a whole subtree
+        try:
+            spec_leaves = optree.broadcast_prefix(specs, values, is_leaf=_is_spec, none_is_leaf=True)
+        except (ValueError, TypeError) as e:
+            raise SpecError(
+                f"{what} must be a spec P(...) or a tree prefix of the {what.split('_')[0]}puts; got {specs!r}: {e}"
+            ) from None
+
+    def path(i: int) -> str:
+        return _tree.path_str(optree.tree_paths(values, none_is_leaf=True)[i])
+
+    return leaves, [s if isinstance(s, P) else as_spec(s) for s in spec_leaves], treedef, path
 
 
 class _SumReplicaGrads(torch.autograd.Function):
@@ -94,43 +103,77 @@ class _SplitReplicaCotangent(torch.autograd.Function):
         return g / ctx.count, None
 
 
+_SUM_REPLICA_GRADS = (_SumReplicaGrads, _lax._ctx_first(_SumReplicaGrads))
+_SPLIT_REPLICA_COTANGENT = (_SplitReplicaCotangent, _lax._ctx_first(_SplitReplicaCotangent))
+
+
 def _checked_default() -> bool:
     return os.environ.get("HPFUNC_CHECK_REP", "0").lower() in ("1", "true", "yes")
 
 
-def _enter(path: str, x: Any, spec: P, mesh: Mesh, argname: str) -> Any:
+def _replicated_axes(spec: P, mesh: Mesh) -> tuple[str, ...]:
+    return tuple(a for a in mesh.axis_names if a not in spec.axes and mesh.axis_size(a) > 1)
+
+
+def _in_layout(x: torch.Tensor, spec: P, mesh: Mesh, where: Callable[[], str]) -> tuple:
+    """``(placements, splits, replicated axes)`` of an input of ``x``'s shape under ``spec``, checked
+    (rank, axes, even division) once per mesh, spec and shape; ``splits`` are ``(dim, axes, block)``."""
+
+    def make() -> tuple:
+        path = where()
+        spec.check(mesh, x.ndim, where=path)
+        splits = []
+        for d in range(x.ndim):
+            axes = spec.dim_axes(d)
+            n = mesh.axis_size(axes)
+            if x.shape[d] % n:
+                raise SpecError(
+                    f"shard_map input {path} has dimension {d} of size {x.shape[d]}, not divisible by {n} "
+                    f"(mesh axes {axes}); shard_map needs equal blocks"
+                )
+            if n > 1:
+                splits.append((d, axes, x.shape[d] // n))
+        placements = tuple(spec_to_placements(spec, mesh, x.ndim, where=path))
+        return placements, tuple(splits), _replicated_axes(spec, mesh)
+
+    return mesh._cached(("shard_map.in", spec, tuple(x.shape)), make)
+
+
+def _enter(path: Callable[[], str], x: Any, spec: P, mesh: Mesh, argname: str) -> Any:
     if not isinstance(x, torch.Tensor):
         return x
-    spec.check(mesh, x.ndim, where=f"{argname}.{path}" if path else argname)
-    for d in range(x.ndim):
-        n = mesh.axis_size(spec.dim_axes(d))
-        if x.shape[d] % n:
-            raise SpecError(
-                f"shard_map input {argname}{'.' + path if path else ''} has dimension {d} of size "
-                f"{x.shape[d]}, not divisible by {n} (mesh axes {spec.dim_axes(d)}); shard_map needs equal blocks"
-            )
-    placements = spec_to_placements(spec, mesh, x.ndim, where=path)
+    where = lambda: f"{argname}.{path()}" if path() else argname  # noqa: E731
+    placements, splits, replicated = _in_layout(x, spec, mesh, where)
     if isinstance(x, DTensor):
         if x.device_mesh != mesh.device_mesh and tuple(x.device_mesh.mesh.flatten().tolist()) != tuple(
             mesh.ranks.flatten().tolist()
         ):
-            raise SpecError(f"shard_map input {argname}.{path} lives on another mesh {x.device_mesh}")
-        dt = x.redistribute(mesh.device_mesh, placements) if list(x.placements) != placements else x
+            raise SpecError(f"shard_map input {where()} lives on another mesh {x.device_mesh}")
+        if not x.requires_grad and tuple(x.placements) == placements:
+            # already laid out as the spec says: this rank's block is the DTensor's local tensor (what
+            # to_local returns, without its autograd function); a fresh alias, as to_local gives
+            return x._local_tensor.detach()
+        dt = x.redistribute(mesh.device_mesh, list(placements)) if tuple(x.placements) != placements else x
+    elif not x.requires_grad and x.device.type == mesh.device_type:
+        # the same full value on every rank: this rank's block is a slice (no communication)
+        local = x.detach()
+        for d, axes, k in splits:
+            local = local.narrow(d, mesh.axis_index(axes) * k, k)
+        return local.contiguous() if splits else local
     else:
         dt = DTensor.from_local(x, mesh.device_mesh, [Replicate()] * len(mesh.axis_names), run_check=False)
-        dt = dt.redistribute(mesh.device_mesh, placements)
+        dt = dt.redistribute(mesh.device_mesh, list(placements))
     local = dt.to_local()
-    replicated = tuple(a for a in mesh.axis_names if a not in spec.axes and mesh.axis_size(a) > 1)
     if replicated and local.requires_grad:
-        local = _SumReplicaGrads.apply(local, mesh, replicated)
+        local = _lax._call(_SUM_REPLICA_GRADS, local, mesh, replicated)
     return local
 
 
 def _check_replicated(path: str, y: torch.Tensor, mesh: Mesh, axes: tuple[str, ...], rtol: float) -> None:
-    from hpfunc.lax import _Axes, _gather_dim0
+    from hpfunc.lax import _axes_of, _gather_dim0
 
     for a in axes:
-        ax = _Axes(mesh, a)
+        ax = _axes_of(mesh, a)
         with torch.no_grad():
             allv = _gather_dim0(y.detach(), ax, (), "check")
         ref = allv[0]
@@ -148,21 +191,30 @@ def _check_replicated(path: str, y: torch.Tensor, mesh: Mesh, axes: tuple[str, .
                 )
 
 
-def _exit(path: str, y: Any, spec: P, mesh: Mesh, check: bool, rtol: float) -> Any:
+def _out_layout(y: torch.Tensor, spec: P, mesh: Mesh, where: Callable[[], str]) -> tuple:
+    """``(placements, replicated axes, global shape)`` of an output block, checked once per mesh, spec and shape."""
+
+    def make() -> tuple:
+        path = where()
+        spec.check(mesh, y.ndim, where=f"out.{path}" if path else "out")
+        placements = tuple(spec_to_placements(spec, mesh, y.ndim, where=path))
+        gshape = tuple(int(s) * mesh.axis_size(spec.dim_axes(d)) for d, s in enumerate(y.shape))
+        return placements, _replicated_axes(spec, mesh), gshape
+
+    return mesh._cached(("shard_map.out", spec, tuple(y.shape)), make)
+
+
+def _exit(path: Callable[[], str], y: Any, spec: P, mesh: Mesh, check: bool, rtol: float) -> Any:
     if not isinstance(y, torch.Tensor):
         return y
     if isinstance(y, DTensor):
-        raise SpecError(f"shard_map function returned a DTensor at {path or '<root>'!r}; return local tensors")
-    spec.check(mesh, y.ndim, where=f"out.{path}" if path else "out")
-    replicated = tuple(a for a in mesh.axis_names if a not in spec.axes and mesh.axis_size(a) > 1)
+        raise SpecError(f"shard_map function returned a DTensor at {path() or '<root>'!r}; return local tensors")
+    placements, replicated, gshape = _out_layout(y, spec, mesh, path)
     if check and replicated:
-        _check_replicated(path, y, mesh, replicated, rtol)
+        _check_replicated(path(), y, mesh, replicated, rtol)
     if replicated and y.requires_grad:
-        y = _SplitReplicaCotangent.apply(y, mesh.axis_size(replicated))
-    placements = spec_to_placements(spec, mesh, y.ndim, where=path)
-    gshape = tuple(int(s) * mesh.axis_size(spec.dim_axes(d)) for d, s in enumerate(y.shape))
-    return DTensor.from_local(y, mesh.device_mesh, placements, run_check=False, shape=torch.Size(gshape),
-                              stride=_contiguous_stride(gshape))
+        y = _lax._call(_SPLIT_REPLICA_COTANGENT, y, mesh.axis_size(replicated))
+    return _wrap_local(y, mesh, placements, gshape)
 
 
 def shard_map(
@@ -203,16 +255,16 @@ def shard_map(
             )
         local_args = []
         for i, (spec_i, arg) in enumerate(zip(specs, args)):
-            leaves = _broadcast_specs(spec_i, arg, "in_specs")
-            _, treedef = optree.tree_flatten(arg, none_is_leaf=True)
-            new = [_enter(p, x, s, m, f"args[{i}]") for p, x, s in leaves]
+            leaves, leaf_specs, treedef, path = _pair_specs(spec_i, arg, "in_specs")
+            new = [_enter(functools.partial(path, j), x, s, m, f"args[{i}]")
+                   for j, (x, s) in enumerate(zip(leaves, leaf_specs))]
             local_args.append(optree.tree_unflatten(treedef, new))
         with m:
             out = f(*local_args)
         check = _checked_default() if check_rep is None else check_rep
-        leaves = _broadcast_specs(out_specs, out, "out_specs")
-        _, treedef = optree.tree_flatten(out, none_is_leaf=True)
-        new = [_exit(p, y, s, m, check, check_rtol) for p, y, s in leaves]
+        leaves, leaf_specs, treedef, path = _pair_specs(out_specs, out, "out_specs")
+        new = [_exit(functools.partial(path, j), y, s, m, check, check_rtol)
+               for j, (y, s) in enumerate(zip(leaves, leaf_specs))]
         return optree.tree_unflatten(treedef, new)
 
     return mapped
