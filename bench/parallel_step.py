@@ -1,19 +1,43 @@
-"""hpfunc.parallel_train_step vs hand-written PyTorch (DDP, FSDP2 ``fully_shard``) on the same model.
+"""hpfunc's distributed training step vs the same training written directly with torch.distributed.
 
-For the dense tiny Qwen3 (untied) on 2 and 4 gloo ranks it runs, interleaved in one process per rank,
-a full training step (forward, backward, AdamW) of
+On the dense tiny Qwen3 (untied embeddings), with gloo ranks on CPU, it times full training steps
+(forward, backward, AdamW) side by side, interleaved step by step in one process per rank:
 
-  * hpfunc ``plans.ddp``  next to ``torch.nn.parallel.DistributedDataParallel``,
-  * hpfunc ``plans.fsdp`` next to FSDP2 ``fully_shard`` per layer + root (reshard after forward),
+======  ===========  ====================================================================================
+ranks   plan         PyTorch twin
+======  ===========  ====================================================================================
+1       (one rank)   the plain single-device ``make_train_step`` step, and a plain torch loop
+                     (``nn.Module`` + ``torch.optim.AdamW``)
+2, 4    ddp          ``DistributedDataParallel``
+2, 4    fsdp         FSDP2 ``fully_shard`` per layer + root (reshard after forward)
+2       tp           ``parallelize_module``: ``ColwiseParallel`` on wq/wk/wv/w_gate/w_up, ``RowwiseParallel``
+                     on wo/w_down (``PrepareModuleInput`` makes the block input one replicated DTensor,
+                     as torchtitan does, so each block all-reduces its input gradient once)
+4       fsdp x tp    the same TP on the ``tp`` axis of a 2-D DeviceMesh, then FSDP2 on its ``fsdp`` axis
+======  ===========  ====================================================================================
 
-and reports the median step times, their ratio, the bytes each rank sends per step as counted by
-hpfunc.comm_stats next to the REFERENCE.md formula (DDP 2 Psi (n-1)/n, FSDP 3 Psi (n-1)/n less the
-embedding table, which the backward does not need), and the model-state bytes per rank.
+Each hpfunc plan runs two ways: ``parallel_train_step(loss, optim.adamw(lr), mesh, plan)`` and the
+front door ``hpfunc.parallelize(make_train_step(cfg, optim.adamw(lr), loss_fn=parallel.loss), mesh,
+plan)``. A step's time is the slowest rank's; the table shows the median over ``--iters`` steps and
+the ratio hpfunc / PyTorch (1-rank rows: hpfunc / the plain single-device step, and that step / the
+torch loop). Goals (issue 4): ratio <= 1.0 on 2 and 4 ranks, <= 1.05 on one rank.
 
-The PyTorch twins wrap the *same* building blocks (hpfunc.models) in nn.Modules, so the compute is
-identical and the difference is the framework overhead plus the communication schedule.
+Bytes: what each rank sends per step as counted by ``hpfunc.comm_stats`` (ring formulas), next to the
+REFERENCE.md formula: DDP ``2 Psi (n-1)/n``; FSDP with reshard after forward ``3 Psi (n-1)/n`` less
+the embedding table (the backward does not regather a lookup table); Megatron TP ``2 + 2`` all-reduces
+of ``b s h`` per layer, plus one all-reduce of the gradients of the parameters replicated over ``tp``
+(hpfunc's per-rank semantics split their gradient over the ranks; the torch twin computes it whole on
+every rank instead); Psi in bytes of the block each rank gathers. The rest ("extra") are the step's
+scalars (loss, norms, metrics). ``params+adam`` is the model state each rank holds.
 
-Usage:  python bench/parallel_step.py [--ranks 2,4] [--iters 8] [--batch 8] [--seq 32] [--out FILE]
+The PyTorch twins are ``nn.Module`` s over the *same* building blocks (``hpfunc.models`` rms_norm,
+rope, sdpa) with ``nn.Linear`` projections, so the arithmetic is the same and the difference is the
+framework overhead plus the communication schedule. The attention reads its head counts from the
+projections' local widths, so it runs unchanged on TP shards.
+
+The machine is shared and noisy: compare the ratios of one run, not absolute times across runs.
+
+Usage:  python bench/parallel_step.py [--ranks 1,2,4] [--iters 10] [--batch 8] [--seq 32] [--out FILE]
 """
 
 from __future__ import annotations
@@ -27,30 +51,69 @@ from pathlib import Path
 
 import torch
 
+_HP = ("parallel_train_step", "parallelize")
+_KINDS = {1: ("single",), 2: ("ddp", "fsdp", "tp"), 4: ("ddp", "fsdp", "fsdp_tp")}
+
+
+# ---------------------------------------------------------------------------------------------
+# The PyTorch twin
+
 
 def _torch_model(cfg, params):
-    """An nn.Module with the hpfunc parameter tree as nn.Parameters; one submodule per layer so that
-    FSDP2 can shard (and gather) layer by layer."""
+    """Qwen3 as an nn.Module holding copies of ``params``: one submodule per layer (FSDP2's unit), and
+    ``nn.Linear`` projections (what ``parallelize_module``'s styles act on)."""
+    import torch.nn.functional as F
     from torch import nn
 
-    from hpfunc.models.attention import gqa_attention
-    from hpfunc.models.layers import rms_norm, swiglu_mlp
-    from hpfunc.models.rope import rope_inv_freq, rope_tables
+    from hpfunc.models import qwen3
+    from hpfunc.models.layers import rms_norm
+    from hpfunc.models.rope import apply_rope, rope_inv_freq, rope_tables
+
+    eps = cfg.rms_norm_eps
+
+    def linear(w):
+        m = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
+        m.weight = nn.Parameter(w.detach().clone())
+        return m
+
+    class Attention(nn.Module):
+        def __init__(self, p):
+            super().__init__()
+            self.wq, self.wk, self.wv, self.wo = (linear(p[k]) for k in ("wq", "wk", "wv", "wo"))
+            self.q_norm = nn.Parameter(p["q_norm"].clone())
+            self.k_norm = nn.Parameter(p["k_norm"].clone())
+
+        def forward(self, x, cos, sin):
+            B, S, _ = x.shape
+            D = self.q_norm.shape[0]
+            q, k, v = self.wq(x), self.wk(x), self.wv(x)
+            hq, hkv = q.shape[-1] // D, k.shape[-1] // D  # local heads: ColwiseParallel returns the shard
+            q = rms_norm(q.view(B, S, hq, D), self.q_norm, eps).transpose(1, 2)
+            k = rms_norm(k.view(B, S, hkv, D), self.k_norm, eps).transpose(1, 2)
+            v = v.view(B, S, hkv, D).transpose(1, 2)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=hq != hkv)
+            return self.wo(out.transpose(1, 2).reshape(B, S, hq * D))
+
+    class Mlp(nn.Module):
+        def __init__(self, p):
+            super().__init__()
+            self.w_gate, self.w_up, self.w_down = (linear(p[k]) for k in ("w_gate", "w_up", "w_down"))
+
+        def forward(self, x):
+            return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
 
     class Layer(nn.Module):
         def __init__(self, p):
             super().__init__()
             self.attn_norm = nn.Parameter(p["attn_norm"].clone())
             self.mlp_norm = nn.Parameter(p["mlp_norm"].clone())
-            self.attn = nn.ParameterDict({k: nn.Parameter(v.clone()) for k, v in p["attn"].items()})
-            self.mlp = nn.ParameterDict({k: nn.Parameter(v.clone()) for k, v in p["mlp"].items()})
+            self.attn = Attention(p["attn"])
+            self.mlp = Mlp(p["mlp"])
 
         def forward(self, h, cos, sin):
-            a = self.attn
-            h = h + gqa_attention(rms_norm(h, self.attn_norm, cfg.rms_norm_eps), a["wq"], a["wk"], a["wv"], a["wo"],
-                                  a["q_norm"], a["k_norm"], cos, sin, eps=cfg.rms_norm_eps)
-            x = rms_norm(h, self.mlp_norm, cfg.rms_norm_eps)
-            return h + swiglu_mlp(x, self.mlp["w_gate"], self.mlp["w_up"], self.mlp["w_down"])
+            h = h + self.attn(rms_norm(h, self.attn_norm, eps), cos, sin)
+            return h + self.mlp(rms_norm(h, self.mlp_norm, eps))
 
     class Model(nn.Module):
         def __init__(self):
@@ -61,126 +124,276 @@ def _torch_model(cfg, params):
             self.lm_head = nn.Parameter(params["lm_head"].clone())
 
         def forward(self, tokens):
-            import torch.nn.functional as F
-
-            from hpfunc.models import qwen3
-
             h = F.embedding(tokens, self.embed)
-            S = tokens.shape[1]
             inv, sc = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
                                     max_position_embeddings=cfg.max_position_embeddings)
-            cos, sin = rope_tables(torch.arange(S), inv, sc, dtype=h.dtype)
+            cos, sin = rope_tables(torch.arange(tokens.shape[1]), inv, sc, dtype=h.dtype)
             for layer in self.layers:
                 h = layer(h, cos, sin)
-            logits = F.linear(rms_norm(h, self.final_norm, cfg.rms_norm_eps), self.lm_head)
+            logits = F.linear(rms_norm(h, self.final_norm, eps), self.lm_head)
             labels = qwen3.shift_labels(tokens)
-            return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
+            return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                   ignore_index=qwen3.IGNORE_INDEX)
 
     return Model()
 
 
-def _bench_on_rank(batch: int, seq: int, iters: int) -> dict:
+def _tensor_parallel(layer, tp_mesh):
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   parallelize_module)
+
+    one_input = PrepareModuleInput(input_layouts=(Replicate(), None, None), desired_input_layouts=(Replicate(), None, None))
+    parallelize_module(layer, tp_mesh, {
+        "attn": one_input,
+        "attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
+        "attn.wo": RowwiseParallel(),
+        "mlp": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)),
+        "mlp.w_gate": ColwiseParallel(), "mlp.w_up": ColwiseParallel(), "mlp.w_down": RowwiseParallel(),
+    })
+
+
+def _torch_step(kind, mesh, cfg, full, tokens, lr):
+    """``(step, local tokens)``: one training step of the twin for ``kind`` on ``mesh``."""
+    import torch.distributed as dist
+
+    model = _torch_model(cfg, full)
+    dm = mesh.device_mesh if kind != "single" else None
+    if kind == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(model)
+    elif kind in ("fsdp", "fsdp_tp"):
+        from torch.distributed.fsdp import fully_shard
+
+        data = dm["fsdp"] if kind == "fsdp_tp" else dm
+        for layer in model.layers:
+            if kind == "fsdp_tp":
+                _tensor_parallel(layer, dm["tp"])
+            fully_shard(layer, mesh=data)
+        model = fully_shard(model, mesh=data)
+    elif kind == "tp":
+        for layer in model.layers:
+            _tensor_parallel(layer, dm)
+    if kind in ("ddp", "fsdp"):
+        local = tokens.chunk(dist.get_world_size())[dist.get_rank()]
+    elif kind == "fsdp_tp":
+        local = tokens.chunk(mesh.axis_size("fsdp"))[mesh.axis_index("fsdp")]
+    else:
+        local = tokens
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=1e-2)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        model(local).backward()
+        opt.step()
+
+    return step
+
+
+# ---------------------------------------------------------------------------------------------
+# hpfunc
+
+
+def _mesh_plan(kind, n):
+    import hpfunc
+    from hpfunc.transforms import plans
+
+    if kind == "ddp":
+        return hpfunc.Mesh({"dp": n}), plans.ddp("dp")
+    if kind in ("fsdp", "single"):
+        return hpfunc.Mesh({"fsdp": n}), plans.fsdp("fsdp")
+    if kind == "tp":
+        return hpfunc.Mesh({"tp": n}), plans.tp("tp")
+    if kind == "fsdp_tp":
+        return hpfunc.Mesh({"fsdp": n // 2, "tp": 2}), plans.fsdp("fsdp") + plans.tp("tp")
+    raise ValueError(kind)
+
+
+def _hpfunc_steps(mesh, plan, cfg, full, tokens, lr):
+    """``({name: step}, {name: () -> bytes sent in one step}, state bytes per rank)``."""
+    import hpfunc
+    from hpfunc import optim
+    from hpfunc.models import parallel
+    from hpfunc.train.step import init_train_state, make_train_step
+    from hpfunc.transforms.parallelize import parallel_train_step
+
+    batch = {"tokens": tokens}
+    pts = parallel_train_step(lambda p, b: parallel.loss(p, b, cfg)[0], optim.adamw(lr), mesh, plan)
+    s1 = {"p": pts.shard_params(full)}
+    s1["o"] = pts.init_opt_state(s1["p"])
+
+    def hp_pts():
+        s1["p"], s1["o"], _ = pts(s1["p"], s1["o"], batch)
+
+    tx = optim.adamw(lr)
+    front = hpfunc.parallelize(make_train_step(cfg, tx, loss_fn=parallel.loss), mesh, plan)
+    s2 = {"s": front.init_state(lambda p: init_train_state(p, tx), front.shard_params(full))}
+
+    def hp_front():
+        s2["s"], _ = front(s2["s"], batch)
+
+    def sent(fn):
+        def count():
+            with hpfunc.comm_stats() as stats:
+                fn()
+            return float(stats.total_sent_bytes())
+        return count
+
+    state_bytes = sum(x.to_local().numel() * x.element_size() for x in hpfunc.tree.leaves((s1["p"], s1["o"]))
+                      if isinstance(x, torch.Tensor) and x.ndim > 0)
+    return ({"parallel_train_step": hp_pts, "parallelize": hp_front},
+            {"parallel_train_step": sent(hp_pts), "parallelize": sent(hp_front)}, state_bytes)
+
+
+def _formula(kind, mesh, plan, cfg, full, batch, seq):
+    """Bytes each rank sends per step by the REFERENCE.md formulas, and the parts they are made of."""
     import math
 
+    from hpfunc.comm import ring_sent_bytes
+
+    res = plan.resolve(full, mesh)
+    parts = {}
+    if kind == "ddp":
+        psi = sum(math.prod(r.shape) for r in res.values())
+        parts["grad all-reduce 2 Psi (n-1)/n"] = ring_sent_bytes("all_reduce", 4 * psi, mesh.size)
+    if kind in ("fsdp", "fsdp_tp"):
+        d = mesh.axis_size("fsdp")
+        # what each rank gathers: the compute block of every FSDP-stored parameter (its TP shard)
+        block = {p: math.prod(r.shape) // mesh.axis_size(r.spec.compute.axes) for p, r in res.items() if r.gather}
+        psi = sum(block.values())
+        parts["fsdp (3 Psi - Psi_embed)(n-1)/n"] = ring_sent_bytes("all_gather", 4 * (3 * psi - block["embed"]), d)
+    if kind in ("tp", "fsdp_tp"):
+        t = mesh.axis_size("tp")
+        b = batch // mesh.axis_size(plan.data_axes) if plan.data_axes else batch
+        act = 4 * b * seq * cfg.hidden_size
+        parts["tp 4 L all-reduce(b s h)"] = 4 * cfg.num_hidden_layers * ring_sent_bytes("all_reduce", act, t)
+        # the gradients of parameters replicated over tp (their storage block) are all-reduced over tp
+        rep = sum(math.prod(r.shape) // mesh.axis_size(r.spec.storage.axes) for r in res.values()
+                  if "tp" in r.replicated)
+        parts["tp-replicated grads all-reduce"] = ring_sent_bytes("all_reduce", 4 * rep, t)
+    return float(sum(parts.values())), {k: float(v) for k, v in parts.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing
+
+
+def _interleaved(steps, iters, warmup=2):
+    """Per-step times of every step function, run round-robin (alternating order) after a warm-up.
+    Every rank runs the same sequence; a barrier before each step keeps the ranks' clocks aligned."""
+    import torch.distributed as dist
+
+    for f in steps.values():
+        for _ in range(warmup):
+            f()
+    times = {k: [] for k in steps}
+    names = list(steps)
+    for i in range(iters):
+        for k in (names if i % 2 == 0 else names[::-1]):
+            dist.barrier()
+            t = time.perf_counter()
+            steps[k]()
+            times[k].append(time.perf_counter() - t)
+    return times
+
+
+def _bench_on_rank(batch, seq, iters, kinds=None):
     import torch.distributed as dist
 
     import hpfunc
     from hpfunc import optim
     from hpfunc.models import parallel, qwen3
-    from hpfunc.transforms import plans
-    from hpfunc.transforms.parallelize import parallel_train_step
+    from hpfunc.train.step import init_train_state, make_train_step
 
     torch.set_num_threads(1)
     n = dist.get_world_size()
-    rank = dist.get_rank()
     cfg = qwen3.preset("qwen3-dense-tiny", tie_word_embeddings=False)
     full = qwen3.init(hpfunc.random.key(0), cfg)
     psi = sum(p.numel() for p in hpfunc.tree.leaves(full))
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)
-    local = tokens.chunk(n)[rank]
+    tokens = torch.randint(0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
     lr = 1e-3
-    results = {"ranks": n, "psi": psi, "batch": batch, "seq": seq}
+    out = {"ranks": n, "psi": psi, "batch": batch, "seq": seq, "kinds": {}}
+    for kind in kinds or _KINDS[n]:
+        mesh, plan = _mesh_plan(kind, n)
+        steps, counters, state_bytes = _hpfunc_steps(mesh, plan, cfg, full, tokens, lr)
+        if kind == "single":
+            tx = optim.adamw(lr)
+            plain = make_train_step(cfg, tx, loss_fn=parallel.loss)
+            st = {"s": init_train_state(hpfunc.tree.tree_map(lambda x: x.clone(), full), tx)}
 
-    def timed(fn):
-        fn()  # warm-up
-        ts = []
-        for _ in range(iters):
-            t = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t)
-        return statistics.median(ts)
+            def plain_step():
+                st["s"], _ = plain(st["s"], {"tokens": tokens})
 
-    for kind in ("ddp", "fsdp"):
-        mesh = hpfunc.Mesh({kind if kind == "fsdp" else "dp": n})
-        plan = plans.fsdp("fsdp") if kind == "fsdp" else plans.ddp("dp")
-        step = parallel_train_step(lambda p, b: parallel.loss(p, b, cfg)[0], optim.adamw(lr), mesh, plan)
-        state = {"p": step.shard_params(full)}
-        state["o"] = step.init_opt_state(state["p"])
+            steps["plain step"] = plain_step
+        steps["torch"] = _torch_step(kind, mesh, cfg, full, tokens, lr)
+        times = _interleaved(steps, iters)
+        formula, parts = _formula(kind, mesh, plan, cfg, full, batch, seq) if n > 1 else (0.0, {})
+        out["kinds"][kind] = {"times": times, "sent": {k: c() for k, c in counters.items()}, "formula": formula,
+                              "formula_parts": parts, "state_bytes": state_bytes}
+    return out
 
-        def hp_step():
-            state["p"], state["o"], m = step(state["p"], state["o"], {"tokens": tokens})
 
-        model = _torch_model(cfg, full)
-        if kind == "ddp":
-            from torch.nn.parallel import DistributedDataParallel
+def _summarise(per_rank):
+    """Step time = the slowest rank's, per step; medians and ratios."""
+    r0 = per_rank[0]
+    rows = []
+    for kind, k in r0["kinds"].items():
+        med = {}
+        for name in k["times"]:
+            slowest = [max(r["kinds"][kind]["times"][name][i] for r in per_rank)
+                       for i in range(len(k["times"][name]))]
+            med[name] = 1e3 * statistics.median(slowest)
+        base = "plain step" if kind == "single" else "torch"
+        row = {"ranks": r0["ranks"], "plan": kind, "ms": med, "baseline": base,
+               "ratio": {h: med[h] / med[base] for h in _HP},
+               "sent_bytes": k["sent"], "formula_bytes": k["formula"], "formula_parts": k["formula_parts"],
+               "params_plus_adam_bytes_per_rank": k["state_bytes"], "psi": r0["psi"]}
+        if kind == "single":
+            row["ratio"]["plain step / torch"] = med["plain step"] / med["torch"]
+            row["ratio"]["parallelize / torch"] = med["parallelize"] / med["torch"]
+        rows.append(row)
+    return rows
 
-            tmodel = DistributedDataParallel(model)
-        else:
-            from torch.distributed.fsdp import fully_shard
 
-            for layer in model.layers:
-                fully_shard(layer, mesh=mesh.device_mesh)
-            tmodel = fully_shard(model, mesh=mesh.device_mesh)
-        topt = torch.optim.AdamW(tmodel.parameters(), lr=lr, weight_decay=1e-2, foreach=False)
-
-        def torch_step():
-            topt.zero_grad(set_to_none=True)
-            tmodel(local).backward()
-            topt.step()
-
-        # interleave: hpfunc, torch, hpfunc, torch ... (same load for both)
-        t_h, t_t = [], []
-        for _ in range(2):
-            t_h.append(timed(hp_step))
-            t_t.append(timed(torch_step))
-        with hpfunc.comm_stats() as stats:
-            hp_step()
-        sent = float(stats.total_sent_bytes())
-        f = (n - 1) / n
-        formula = 2 * f * 4 * psi if kind == "ddp" else f * 4 * (3 * psi - full["embed"].numel())
-        local_bytes = sum(x.to_local().numel() * 4 for x in hpfunc.tree.leaves(state["p"]))
-        local_bytes += sum(x.to_local().numel() * 4 for x in hpfunc.tree.leaves(state["o"])
-                           if isinstance(x, torch.Tensor) and x.ndim > 0)
-        results[kind] = {"hpfunc_ms": 1e3 * min(t_h), "torch_ms": 1e3 * min(t_t),
-                         "ratio": min(t_h) / min(t_t), "sent_bytes": sent, "formula_bytes": formula,
-                         "params_plus_adam_bytes_per_rank": local_bytes,
-                         "expected_bytes_per_rank": 12 * psi if kind == "ddp" else 12 * psi / n}
-    return results
+def _print_table(rows):
+    print(f"{'ranks':>5} {'plan':<8} {'pts ms':>8} {'front ms':>8} {'base ms':>8} {'base':<10} "
+          f"{'pts/base':>8} {'front/base':>10} {'sent pts B':>11} {'sent front B':>12} {'formula B':>10}  state B/rank")
+    for r in rows:
+        ms, ra = r["ms"], r["ratio"]
+        print(f"{r['ranks']:>5} {r['plan']:<8} {ms['parallel_train_step']:8.1f} {ms['parallelize']:8.1f} "
+              f"{ms[r['baseline']]:8.1f} {r['baseline']:<10} {ra['parallel_train_step']:8.2f} {ra['parallelize']:10.2f} "
+              f"{r['sent_bytes']['parallel_train_step']:11.0f} {r['sent_bytes']['parallelize']:12.0f} "
+              f"{r['formula_bytes']:10.0f}  {r['params_plus_adam_bytes_per_rank']}")
+        if r["plan"] == "single":
+            print(f"{'':>5} {'':<8} torch loop {ms['torch']:.1f} ms; plain step / torch {ra['plain step / torch']:.2f}, "
+                  f"parallelize / torch {ra['parallelize / torch']:.2f}")
+    print("(pts = parallel_train_step, front = hpfunc.parallelize(make_train_step(...)); base = the torch twin, "
+          "or on 1 rank the plain single-device make_train_step; sent = hpfunc.comm_stats bytes per rank per step)")
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ranks", default="2,4")
-    ap.add_argument("--iters", type=int, default=8)
+    ap.add_argument("--ranks", default="1,2,4")
+    ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=32)
+    ap.add_argument("--kinds", default=None, help="comma-separated subset of ddp,fsdp,tp,fsdp_tp,single")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     from hpfunc.testing import RankPool
 
     rows = []
     for n in [int(x) for x in args.ranks.split(",")]:
+        kinds = [k for k in args.kinds.split(",") if k in _KINDS[n]] if args.kinds else None
+        if kinds == []:
+            continue
         with RankPool(n, timeout=900) as pool:
-            r = pool.run(_bench_on_rank, args.batch, args.seq, args.iters)[0]
-        rows.append(r)
-        for kind in ("ddp", "fsdp"):
-            k = r[kind]
-            print(f"{n} ranks {kind:5s} hpfunc {k['hpfunc_ms']:7.1f} ms  torch {k['torch_ms']:7.1f} ms  "
-                  f"ratio {k['ratio']:.2f}  sent {k['sent_bytes']:.0f} B (formula {k['formula_bytes']:.0f} + 2 scalars)  "
-                  f"params+adam/rank {k['params_plus_adam_bytes_per_rank']} B (expected {k['expected_bytes_per_rank']:.0f})",
-                  flush=True)
+            per_rank = pool.run(_bench_on_rank, args.batch, args.seq, args.iters, kinds)
+        rows += _summarise(per_rank)
+    _print_table(rows)
     if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(rows, indent=2))
     return 0
 
