@@ -149,7 +149,7 @@ def _phase() -> str:
 
 def _all_reduce(x: torch.Tensor, ax: _Axes, op: dist.ReduceOp, collectors, name: str) -> torch.Tensor:
     out = x.detach().clone(memory_format=torch.contiguous_format)
-    if ax.n > 1:
+    if ax.n > 1 and out.numel():  # an empty tensor has nothing to send (a gloo round trip saved)
         if collectors:
             _comm.record(collectors, op="all_reduce", name=name, axes=ax.names, n=ax.n, payload_bytes=_nbytes(out),
                          phase=_phase())
@@ -163,6 +163,8 @@ def _gather_dim0(x: torch.Tensor, ax: _Axes, collectors, name: str) -> torch.Ten
     shape = (ax.n,) + tuple(x.shape)
     if ax.n == 1:
         return x.clone().reshape(shape)
+    if not x.numel():  # nothing to send
+        return x.new_empty(shape)
     flat = x.reshape(-1).contiguous()
     out = flat.new_empty(ax.n * flat.numel())  # new_empty: same torch.func level as the input
     if collectors:
@@ -178,7 +180,7 @@ def _gather_dim0(x: torch.Tensor, ax: _Axes, collectors, name: str) -> torch.Ten
 def _scatter_dim0(x: torch.Tensor, ax: _Axes, collectors, name: str) -> torch.Tensor:
     """Reduce-scatter of ``x`` of shape (n, ...): logical rank l receives sum over ranks of x[l]."""
     x = x.detach()
-    if ax.n == 1:
+    if ax.n == 1 or not x.numel():  # one rank, or nothing to send
         return x[0].clone()
     if not ax.identity_order:
         x = x[torch.tensor(ax.g2l)]  # group rank g must receive logical chunk g2l[g]
