@@ -22,13 +22,16 @@ plan)``. A step's time is the slowest rank's; the table shows the median over ``
 the ratio hpfunc / PyTorch (1-rank rows: hpfunc / the plain single-device step, and that step / the
 torch loop). Goals (issue 4): ratio <= 1.0 on 2 and 4 ranks, <= 1.05 on one rank.
 
-Bytes: what each rank sends per step as counted by ``hpfunc.comm_stats`` (ring formulas), next to the
-REFERENCE.md formula: DDP ``2 Psi (n-1)/n``; FSDP with reshard after forward ``3 Psi (n-1)/n`` less
-the embedding table (the backward does not regather a lookup table); Megatron TP ``2 + 2`` all-reduces
-of ``b s h`` per layer, plus one all-reduce of the gradients of the parameters replicated over ``tp``
-(hpfunc's per-rank semantics split their gradient over the ranks; the torch twin computes it whole on
-every rank instead); Psi in bytes of the block each rank gathers. The rest ("extra") are the step's
-scalars (loss, norms, metrics). ``params+adam`` is the model state each rank holds.
+Bytes: what each rank sends per step by the ring formulas, for hpfunc as counted by
+``hpfunc.comm_stats`` and for PyTorch from the c10d ops it dispatches, next to the REFERENCE.md
+formula: DDP ``2 Psi (n-1)/n``; FSDP with reshard after forward ``3 Psi (n-1)/n`` less the embedding
+table (the backward does not regather a lookup table; FSDP2 also keeps its root unit -- embedding,
+final norm, head -- gathered through the backward, so it sends ``(3 Psi - Psi_root)(n-1)/n``);
+Megatron TP ``2 + 2`` all-reduces of ``b s h`` per layer, plus one all-reduce of the gradients of the
+parameters replicated over ``tp`` (hpfunc's per-rank semantics split their gradient over the ranks;
+the torch twin computes it whole on every rank instead); Psi in bytes of the block each rank
+gathers. The rest are the step's scalars (loss, norms, metrics). The number of collectives per step
+is shown too (on gloo each costs a round trip). ``params+adam`` is the model state each rank holds.
 
 The PyTorch twins are ``nn.Module`` s over the *same* building blocks (``hpfunc.models`` rms_norm,
 rope, sdpa) with ``nn.Linear`` projections, so the arithmetic is the same and the difference is the
@@ -191,6 +194,63 @@ def _torch_step(kind, mesh, cfg, full, tokens, lr):
     return step
 
 
+def _torch_comm(step):
+    """``(bytes each rank sends, number of collectives)`` in one call of ``step``, by the ring formulas
+    of hpfunc.comm (broadcast: (n-1)/n M), counted from the c10d ops PyTorch dispatches (the ops DDP's
+    reducer, FSDP2 and DTensor all go through)."""
+    from fractions import Fraction
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hpfunc.comm import ring_sent_bytes
+
+    kinds = {"allreduce_": "all_reduce", "all_reduce": "all_reduce", "all_reduce_": "all_reduce",
+             "_allgather_base_": "all_gather", "allgather_into_tensor_coalesced": "all_gather",
+             "all_gather_into_tensor": "all_gather", "_reduce_scatter_base_": "reduce_scatter",
+             "reduce_scatter_tensor_coalesced": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
+             "broadcast_": "broadcast"}
+    tally = {"sent": Fraction(0), "calls": 0, "unknown": []}
+
+    def group_size(args):
+        from torch._C._distributed_c10d import ProcessGroup
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        for a in args:
+            if isinstance(a, torch.ScriptObject):
+                return ProcessGroup.unbox(a).size()
+        return _resolve_process_group(args[-1]).size()  # functional collectives: (..., group_name)
+
+    def tensors(a):
+        if isinstance(a, torch.Tensor):
+            return [a]
+        if isinstance(a, (list, tuple)):
+            return [t for x in a for t in tensors(x)]
+        return []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ns, _, name = func._schema.name.partition("::")
+            if ns in ("c10d", "_c10d_functional") and name not in ("wait_tensor", "_wrap_tensor_autograd", "barrier",
+                                                                  "monitored_barrier"):
+                kind = kinds.get(name)
+                if kind is None:
+                    tally["unknown"].append(func._schema.name)
+                else:
+                    n = group_size(args)
+                    # payload M = the full array: the output of a gather, the input of the others
+                    blocks = tensors(args[0]) if kind != "reduce_scatter" else tensors(args[1] if ns == "c10d" else args[0])
+                    if ns == "_c10d_functional" and kind == "all_gather":
+                        blocks = [t.repeat(n) for t in tensors(args[0])]  # input block; M = n blocks
+                    m = sum(t.numel() * t.element_size() for t in blocks)
+                    tally["sent"] += Fraction((n - 1) * m, n) if kind == "broadcast" else ring_sent_bytes(kind, m, n)
+                    tally["calls"] += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        step()
+    return float(tally["sent"]), tally["calls"], tally["unknown"]
+
+
 # ---------------------------------------------------------------------------------------------
 # hpfunc
 
@@ -237,7 +297,7 @@ def _hpfunc_steps(mesh, plan, cfg, full, tokens, lr):
         def count():
             with hpfunc.comm_stats() as stats:
                 fn()
-            return float(stats.total_sent_bytes())
+            return float(stats.total_sent_bytes()), stats.count()
         return count
 
     state_bytes = sum(x.to_local().numel() * x.element_size() for x in hpfunc.tree.leaves((s1["p"], s1["o"]))
@@ -329,7 +389,11 @@ def _bench_on_rank(batch, seq, iters, kinds=None):
         steps["torch"] = _torch_step(kind, mesh, cfg, full, tokens, lr)
         times = _interleaved(steps, iters)
         formula, parts = _formula(kind, mesh, plan, cfg, full, batch, seq) if n > 1 else (0.0, {})
-        out["kinds"][kind] = {"times": times, "sent": {k: c() for k, c in counters.items()}, "formula": formula,
+        sent = {k: c() for k, c in counters.items()}
+        if n > 1:
+            sent["torch"] = _torch_comm(steps["torch"])[:2]
+        out["kinds"][kind] = {"times": times, "sent": {k: v[0] for k, v in sent.items()},
+                              "calls": {k: v[1] for k, v in sent.items()}, "formula": formula,
                               "formula_parts": parts, "state_bytes": state_bytes}
     return out
 
@@ -347,7 +411,8 @@ def _summarise(per_rank):
         base = "plain step" if kind == "single" else "torch"
         row = {"ranks": r0["ranks"], "plan": kind, "ms": med, "baseline": base,
                "ratio": {h: med[h] / med[base] for h in _HP},
-               "sent_bytes": k["sent"], "formula_bytes": k["formula"], "formula_parts": k["formula_parts"],
+               "sent_bytes": k["sent"], "collectives": k["calls"], "formula_bytes": k["formula"],
+               "formula_parts": k["formula_parts"],
                "params_plus_adam_bytes_per_rank": k["state_bytes"], "psi": r0["psi"]}
         if kind == "single":
             row["ratio"]["plain step / torch"] = med["plain step"] / med["torch"]
@@ -357,19 +422,23 @@ def _summarise(per_rank):
 
 
 def _print_table(rows):
-    print(f"{'ranks':>5} {'plan':<8} {'pts ms':>8} {'front ms':>8} {'base ms':>8} {'base':<10} "
-          f"{'pts/base':>8} {'front/base':>10} {'sent pts B':>11} {'sent front B':>12} {'formula B':>10}  state B/rank")
+    print(f"{'ranks':>5} {'plan':<8} {'pts ms':>7} {'front ms':>8} {'base ms':>7} {'base':<10} {'pts/base':>8} "
+          f"{'front/base':>10} | {'sent B/rank: pts':>16} {'front':>8} {'formula':>8} {'torch':>8} | "
+          f"{'collectives pts/front/torch':>27} | params+adam B/rank")
     for r in rows:
-        ms, ra = r["ms"], r["ratio"]
-        print(f"{r['ranks']:>5} {r['plan']:<8} {ms['parallel_train_step']:8.1f} {ms['parallelize']:8.1f} "
-              f"{ms[r['baseline']]:8.1f} {r['baseline']:<10} {ra['parallel_train_step']:8.2f} {ra['parallelize']:10.2f} "
-              f"{r['sent_bytes']['parallel_train_step']:11.0f} {r['sent_bytes']['parallelize']:12.0f} "
-              f"{r['formula_bytes']:10.0f}  {r['params_plus_adam_bytes_per_rank']}")
+        ms, ra, sb, c = r["ms"], r["ratio"], r["sent_bytes"], r["collectives"]
+        torch_b = f"{sb['torch']:8.0f}" if "torch" in sb else f"{'-':>8}"
+        calls = f"{c['parallel_train_step']}/{c['parallelize']}/{c.get('torch', '-')}"
+        print(f"{r['ranks']:>5} {r['plan']:<8} {ms['parallel_train_step']:7.1f} {ms['parallelize']:8.1f} "
+              f"{ms[r['baseline']]:7.1f} {r['baseline']:<10} {ra['parallel_train_step']:8.2f} {ra['parallelize']:10.2f} | "
+              f"{sb['parallel_train_step']:16.0f} {sb['parallelize']:8.0f} {r['formula_bytes']:8.0f} {torch_b} | "
+              f"{calls:>27} | {r['params_plus_adam_bytes_per_rank']}")
         if r["plan"] == "single":
-            print(f"{'':>5} {'':<8} torch loop {ms['torch']:.1f} ms; plain step / torch {ra['plain step / torch']:.2f}, "
-                  f"parallelize / torch {ra['parallelize / torch']:.2f}")
-    print("(pts = parallel_train_step, front = hpfunc.parallelize(make_train_step(...)); base = the torch twin, "
-          "or on 1 rank the plain single-device make_train_step; sent = hpfunc.comm_stats bytes per rank per step)")
+            print(f"{'':>5} {'':<8} torch loop {ms['torch']:.1f} ms; plain step / torch loop {ra['plain step / torch']:.2f}, "
+                  f"parallelize / torch loop {ra['parallelize / torch']:.2f}")
+    print("pts = parallel_train_step, front = hpfunc.parallelize(make_train_step(...)); base = the torch twin (on 1 rank "
+          "the plain single-device make_train_step); ms = median step time of the slowest rank; sent = bytes each rank "
+          "sends per step by the ring formulas (hpfunc.comm_stats; torch: its c10d ops)")
 
 
 def main(argv=None) -> int:
