@@ -404,6 +404,7 @@ class ParallelStep:
     has_aux: bool = False
     clip_norm: float | None = None
     return_grads: bool = False
+    _cache: dict = attrs.field(factory=dict, init=False, repr=False)
 
     # -- planning (no communication) ------------------------------------------------------------
     def resolve(self, params: Any) -> dict[str, ResolvedLeaf]:
@@ -437,16 +438,29 @@ class ParallelStep:
         return shard_map(body, mesh=self.mesh, in_specs=(storage,), out_specs=state_specs)(params)
 
     # -- the step -----------------------------------------------------------------------------
+    def _plan_for(self, params: Any, opt_state: Any) -> tuple:
+        """``(res, storage specs, opt specs, treedef, state specs)``, cached by structure and shapes."""
+        p_leaves, p_def = optree.tree_flatten(params, none_is_leaf=True)
+        s_leaves, s_def = optree.tree_flatten(opt_state, none_is_leaf=True)
+        shapes = lambda xs: tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in xs)  # noqa: E731
+        key = (p_def, shapes(p_leaves), s_def, shapes(s_leaves))
+        cache = self._cache
+        hit = cache.get(key)
+        if hit is None:
+            res = self.resolve(params)
+            storage = _spec_tree(params, {p: r.spec.storage for p, r in res.items()})
+            opt_specs = _spec_tree(params, {p: r.spec.opt for p, r in res.items()})
+            treedef = optree.tree_structure(params, none_is_leaf=True)
+            hit = (res, storage, opt_specs, treedef, _state_specs(opt_state, treedef, opt_specs))
+            cache[key] = hit
+        return hit
+
     def __call__(self, params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, dict]:
         mesh, plan = self.mesh, self.plan
-        res = self.resolve(params)
+        res, storage, opt_specs, treedef, state_specs = self._plan_for(params, opt_state)
         _check_params(params, res, mesh)
         batch_spec = plan.batch_spec(mesh)
         plan.check_batch(batch, mesh)
-        storage = _spec_tree(params, {p: r.spec.storage for p, r in res.items()})
-        opt_specs = _spec_tree(params, {p: r.spec.opt for p, r in res.items()})
-        treedef = optree.tree_structure(params, none_is_leaf=True)
-        state_specs = _state_specs(opt_state, treedef, opt_specs)
         out_specs = (storage, state_specs, P()) if not self.return_grads else (storage, state_specs, P(), opt_specs)
         body = functools.partial(self._local_step, [res[p] for p, _ in _tree.leaves_with_paths(params)], treedef)
         return shard_map(body, mesh=mesh, in_specs=(storage, state_specs, batch_spec),

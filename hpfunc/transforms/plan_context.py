@@ -107,9 +107,11 @@ def blocks_sq_norm(mesh: Any, opt_specs: list[Any], blocks: list[torch.Tensor]) 
     (inside ``shard_map`` on ``mesh``): one scalar ``psum``."""
     from hpfunc import lax
 
+    # only the axes some block is split on need a sum (on the others every block is whole on every rank)
+    split = tuple(a for a in mesh.axis_names if mesh.axis_size(a) > 1 and any(a in s.axes for s in opt_specs))
     terms = []
     for spec, x in zip(opt_specs, blocks):
-        reps = math.prod(mesh.axis_size(a) for a in mesh.axis_names if a not in spec.axes)
+        reps = math.prod(mesh.axis_size(a) for a in split if a not in spec.axes)
         terms.append(x.detach().double().pow(2).sum() / reps)
     total = torch.stack(terms).sum() if terms else torch.zeros((), dtype=torch.float64)
-    return lax.psum(total, mesh.axis_names) if mesh.size > 1 else total
+    return lax.psum(total, split) if split else total

@@ -39,7 +39,7 @@ SP_PLANS = {
 ALL_PLANS = {**PLANS, **SP_PLANS}
 
 LR = 1e-3
-ADAM_EPS = 1e-6
+ADAM_EPS = 1e-5
 
 
 def make(name):
@@ -105,7 +105,7 @@ def run_parity(name: str, model: str, seed: int, steps: int = 2, clip_norm: floa
         parts = [qwen3.loss(p, {"tokens": t}, cfg)[0] for t in b["tokens"].chunk(n_data)]
         return torch.stack(parts).mean()
 
-    # eps 1e-6 (not 1e-8) bounds the slope of Adam's g / (sqrt(v) + eps) for the trajectory check below
+    # eps 1e-5 (not 1e-8) bounds the slope of Adam's g / (sqrt(v) + eps) for the trajectory check below
     opt = optim.adamw(LR, eps=ADAM_EPS)
     ref_opt = opt if clip_norm is None else optim.chain(optim.clip_by_global_norm(clip_norm), opt)
     step = parallel_train_step(loss_fn, opt, mesh, plan, clip_norm=clip_norm, return_grads=True)
@@ -141,8 +141,10 @@ def run_parity(name: str, model: str, seed: int, steps: int = 2, clip_norm: floa
         # independent trajectories: Adam's g / (sqrt(v) + eps) has slope up to 1 / eps for |g| <~ eps, so a
         # gradient entry near zero whose rounding differs by d (the summation order differs; the gradient
         # check above allows d up to 1e-5 of the leaf's largest entry) moves its parameter by up to
-        # lr d / eps. With eps = 1e-6 that is <= 0.01 lr for d <= 1e-8; allowed: 0.05 lr per step.
-        # (With the default eps = 1e-8 such entries move by up to ~lr: see the sweep note in docs/parallel.md.)
+        # lr d / eps. With eps = 1e-5 that is <= 0.01 lr for d <= 1e-7; allowed: 0.05 lr per step.
+        # (eps = 1e-6 failed this on a derandomized SP example, 0.14 lr after two steps for an embedding
+        # row of vocabulary-parallel x sequence-parallel TP whose gradient is ~1e-8; with the default
+        # eps = 1e-8 such entries move by up to ~lr: see the sweep note in docs/parallel.md.)
         assert_trees_close(params, ref_params, rtol=1e-5, atol=0.05 * LR * (i + 1), what=f"step {i} params")
     # same specs in and out
     assert all(hpfunc.typeof(a) == hpfunc.typeof(b) for a, b in zip(
