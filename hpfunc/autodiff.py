@@ -22,6 +22,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from hpfunc import layout
 from hpfunc import tree as _tree
 
 __all__ = ["grad", "value_and_grad"]
@@ -65,9 +66,7 @@ def value_and_grad(fn: Callable, argnums: int | Sequence[int] = 0, has_aux: bool
 
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        from hpfunc.transforms import plan_context
-
-        ctx = plan_context.current()
+        ctx = layout.current()
         if ctx is not None:  # inside hpfunc.parallelize: gather on use, reduce the gradient
             return ctx.value_and_grad(fn, nums, multi, has_aux, args, kwargs)
         for a in nums:

@@ -20,11 +20,13 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any, Callable, Sequence
 
 import torch
 
+from hpfunc import layout
 from hpfunc import tree as _tree
 
 __all__ = ["microbatch"]
@@ -61,16 +63,13 @@ def microbatch(fn: Callable, num: int, *, argnums: int | Sequence[int] = 1) -> C
 
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        from hpfunc.transforms import plan_context
-
         for a in nums:
             if a >= len(args):
                 raise ValueError(f"microbatch: argnums {a} but the function got {len(args)} positional arguments")
         slices = {a: _split(args[a], num, a) for a in nums}
-        ctx = plan_context.current()
-        if ctx is not None:
-            ctx.start_deferred()
-        try:
+        ctx = layout.current()
+        # inside a parallelized step the gradients stay per rank until the last micro-batch
+        with (ctx.accumulate() if ctx is not None else contextlib.nullcontext()) as acc:
             total_out, total_g = None, None
             for k in range(num):
                 call = list(args)
@@ -79,12 +78,8 @@ def microbatch(fn: Callable, num: int, *, argnums: int | Sequence[int] = 1) -> C
                 out, g = fn(*call, **kwargs)
                 total_out = out if total_out is None else _tree.tree_map(torch.add, total_out, out)
                 total_g = g if total_g is None else _tree.tree_map(torch.add, total_g, g)
-        except BaseException:
-            if ctx is not None:
-                ctx.deferred = None
-            raise
-        if ctx is not None:
-            total_g = ctx.finish_deferred(total_g)
+            if acc is not None:
+                total_g = acc.reduce(total_g)
         mean = lambda x: x / num if isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex()) else x  # noqa: E731
         return _tree.tree_map(mean, total_out), _tree.tree_map(mean, total_g)
 

@@ -46,6 +46,7 @@ __all__ = [
     "logical_to_spec",
     "local_block",
     "from_local",
+    "full",
     "sharding_of",
     "is_dtensor",
     "as_spec",
@@ -270,6 +271,20 @@ def from_local(local: torch.Tensor, sharding: NamedSharding, *, global_shape: Se
         shape=torch.Size(global_shape),
         stride=_contiguous_stride(global_shape),
     )
+
+
+def full(shape: Sequence[int], fill_value: float, *, dtype: torch.dtype = torch.float32,
+         sharding: NamedSharding | None = None) -> torch.Tensor:
+    """``torch.full(shape, fill_value)``, or with ``sharding`` a DTensor of that global value in which
+    every rank allocates only its own block (no communication).
+
+    >>> full((2, 3), 1.0).tolist()
+    [[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]]
+    """
+    if sharding is None:
+        return torch.full(tuple(shape), fill_value, dtype=dtype)
+    _, sizes = local_block(tuple(shape), sharding.mesh, sharding.spec, sharding.mesh.coordinate())
+    return from_local(torch.full(sizes, fill_value, dtype=dtype), sharding, global_shape=tuple(shape))
 
 
 def is_dtensor(x: Any) -> bool:

@@ -1,7 +1,9 @@
-"""Pytree helpers on optree, with dotted path strings.
+"""Pytree helpers on optree, with dotted path strings: hpfunc's one pytree library.
 
 A *path* names a leaf the way users read parameters: ``layers.3.attn.wq``. Every error hpfunc raises
-about a leaf names it by this path.
+about a leaf names it by this path. hpfunc's own node types (the lazy parameter view of a
+parallelized step) are registered in optree's namespace :data:`NAMESPACE` (:func:`register_node`), never
+in optree's global one, and every function here flattens with that namespace.
 
 Example:
     >>> import torch
@@ -18,6 +20,8 @@ from typing import Any, Callable, Iterable
 import optree
 
 __all__ = [
+    "NAMESPACE",
+    "register_node",
     "path_str",
     "leaves_with_paths",
     "map_with_path",
@@ -32,6 +36,15 @@ __all__ = [
 # None is an empty subtree (as in JAX), not a leaf.
 NONE_IS_LEAF = False
 
+NAMESPACE = "hpfunc"
+"""optree's registry namespace of hpfunc's node types."""
+
+
+def register_node(cls: type, flatten: Callable[[Any], tuple], unflatten: Callable[[Any, Any], Any]) -> None:
+    """Register a node type in hpfunc's namespace: ``flatten(x) -> (children, metadata, keys)``,
+    ``unflatten(metadata, children) -> x`` (optree's ``register_pytree_node`` protocol)."""
+    optree.register_pytree_node(cls, flatten, unflatten, namespace=NAMESPACE)
+
 
 def path_str(path: Iterable[Any]) -> str:
     """Join an optree path (a tuple of keys and indices) into a dotted string.
@@ -44,7 +57,7 @@ def path_str(path: Iterable[Any]) -> str:
 
 def leaves_with_paths(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> list[tuple[str, Any]]:
     """Return ``[(dotted_path, leaf), ...]`` in optree's flattening order."""
-    paths, leaves, _ = optree.tree_flatten_with_path(tree, is_leaf=is_leaf, none_is_leaf=NONE_IS_LEAF)
+    paths, leaves, _ = optree.tree_flatten_with_path(tree, is_leaf=is_leaf, none_is_leaf=NONE_IS_LEAF, namespace=NAMESPACE)
     return [(path_str(p), leaf) for p, leaf in zip(paths, leaves)]
 
 
@@ -57,18 +70,18 @@ def map_with_path(
     {'a': {'b': 'a.b'}}
     """
     return optree.tree_map_with_path(
-        lambda p, *xs: fn(path_str(p), *xs), tree, *rest, is_leaf=is_leaf, none_is_leaf=NONE_IS_LEAF
+        lambda p, *xs: fn(path_str(p), *xs), tree, *rest, is_leaf=is_leaf, none_is_leaf=NONE_IS_LEAF, namespace=NAMESPACE
     )
 
 
 def tree_map(fn: Callable[..., Any], tree: Any, *rest: Any, is_leaf: Callable[[Any], bool] | None = None) -> Any:
     """``optree.tree_map`` with hpfunc's conventions (``None`` is an empty subtree)."""
-    return optree.tree_map(fn, tree, *rest, is_leaf=is_leaf, none_is_leaf=NONE_IS_LEAF)
+    return optree.tree_map(fn, tree, *rest, is_leaf=is_leaf, none_is_leaf=NONE_IS_LEAF, namespace=NAMESPACE)
 
 
 def flatten(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> tuple[list[Any], Any]:
     """Return ``(leaves, treespec)``."""
-    return optree.tree_flatten(tree, is_leaf=is_leaf, none_is_leaf=NONE_IS_LEAF)
+    return optree.tree_flatten(tree, is_leaf=is_leaf, none_is_leaf=NONE_IS_LEAF, namespace=NAMESPACE)
 
 
 def unflatten(treespec: Any, leaves: Iterable[Any]) -> Any:
@@ -78,12 +91,12 @@ def unflatten(treespec: Any, leaves: Iterable[Any]) -> Any:
 
 def structure(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> Any:
     """The treespec of ``tree``."""
-    return optree.tree_structure(tree, is_leaf=is_leaf, none_is_leaf=NONE_IS_LEAF)
+    return optree.tree_structure(tree, is_leaf=is_leaf, none_is_leaf=NONE_IS_LEAF, namespace=NAMESPACE)
 
 
 def leaves(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> list[Any]:
     """The leaves of ``tree`` in flattening order."""
-    return optree.tree_leaves(tree, is_leaf=is_leaf, none_is_leaf=NONE_IS_LEAF)
+    return optree.tree_leaves(tree, is_leaf=is_leaf, none_is_leaf=NONE_IS_LEAF, namespace=NAMESPACE)
 
 
 def check_same_structure(expected: Any, found: Any, *, what: str = "tree") -> None:

@@ -27,9 +27,9 @@ from typing import Any, NamedTuple, Sequence
 import torch
 import torch.nn.functional as F
 
+from hpfunc import layout
 from hpfunc import tree as _tree
 from hpfunc.models.layers import swiglu_mlp
-from hpfunc.transforms import plan_context
 
 EXPERT_BIAS_SUFFIX = "moe.expert_bias"
 
@@ -261,7 +261,7 @@ def update_expert_bias(params: Any, expert_load: torch.Tensor, rate: float) -> A
             return leaf
         load = expert_load[row[path]].to(device=leaf.device, dtype=torch.float32)
         delta = rate * torch.sign(load.mean() - load)
-        delta = plan_context.local_block(path, delta)  # inside hpfunc.parallelize: this rank's experts
+        delta = layout.local_block(path, delta)  # inside hpfunc.parallelize: this rank's experts
         if delta.shape != leaf.shape:
             raise ValueError(f"update_expert_bias: {path} has shape {tuple(leaf.shape)}, "
                              f"expert_load row has {tuple(load.shape)}")

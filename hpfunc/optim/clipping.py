@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from hpfunc import layout
 from hpfunc.optim import _ops, _tree
 from hpfunc.optim.base import EmptyState, GradientTransformation, Params, Updates
 
@@ -37,10 +38,8 @@ def global_norm(tree: Updates) -> torch.Tensor:
         >>> global_norm({"a": torch.tensor([3.0]), "b": [torch.tensor([4.0])]})
         tensor(5.)
     """
-    from hpfunc.transforms import plan_context
-
     paths, leaves, _ = _tree.paths_and_leaves(tree)
-    sq = plan_context.global_sq_norm(paths, leaves, "global_norm")
+    sq = layout.global_sq_norm(paths, leaves, "global_norm")
     if sq is not None:  # inside hpfunc.parallelize: the leaves are blocks of sharded tensors
         return sq.sqrt().to(torch.promote_types(leaves[0].dtype, torch.float32) if leaves else torch.float32)
     if not leaves:

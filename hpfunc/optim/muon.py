@@ -11,7 +11,7 @@ from hpfunc.optim import _tree
 from hpfunc.optim._dtypes import zeros_state
 from hpfunc.optim.base import GradientTransformation, Params, Updates
 from hpfunc.optim.errors import UnsupportedLeafError
-from hpfunc.transforms import plan_context
+from hpfunc import layout
 
 __all__ = [
     "NS_COEFFICIENTS",
@@ -237,7 +237,7 @@ def scale_by_muon(
         _tree.check_shapes(g_leaves, m_leaves, updates, "updates", "state.momentum", "scale_by_muon")
         if any(g.ndim not in (2, 3) for g in g_leaves):
             check_all(updates, "scale_by_muon.update")
-        ctx = plan_context.current()
+        ctx = layout.current()
         paths = _tree.paths(updates) if ctx is not None else [None] * len(g_leaves)
         out, bufs = [], []
         for path, g, m in zip(paths, g_leaves, m_leaves):

@@ -32,6 +32,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from hpfunc import layout
 from hpfunc import random as _random
 from hpfunc import tree as _tree
 from hpfunc.models.attention import gqa_attention
@@ -39,6 +40,7 @@ from hpfunc.models.config import ConfigError, Qwen3Config, RopeScaling, preset  
 from hpfunc.models.layers import rms_norm, swiglu_mlp
 from hpfunc.models.moe import expert_counts, is_expert_bias, load_balancing_loss, moe_block, update_expert_bias
 from hpfunc.models.rope import rope_inv_freq, rope_tables
+from hpfunc.sharding import NamedSharding, full
 
 IGNORE_INDEX = -100
 
@@ -90,12 +92,16 @@ def _is_shape(x: Any) -> bool:
 
 
 def init(key: torch.Tensor, cfg: Qwen3Config, dtype: torch.dtype = torch.float32,
-         device: torch.device | str | None = None) -> dict:
+         device: torch.device | str | None = None, *, shardings: Any = None) -> dict:
     """Initialise parameters: weights ``N(0, initializer_range)``, norm weights 1, biases 0.
 
-    Each leaf draws from ``fold_in(key, i)`` (``i`` its index in flattening order), so values do not
-    depend on the device or on sharding. ``device="meta"`` allocates nothing (dry runs of the full
-    model). ``expert_bias`` is always float32.
+    Each leaf draws from ``fold_in(key, i)`` (``i`` its index in flattening order) with counter-based
+    :mod:`hpfunc.random`, so values do not depend on the device or on sharding. ``device="meta"``
+    allocates nothing (dry runs of the full model). ``expert_bias`` is always float32.
+
+    ``shardings``: a tree of :class:`~hpfunc.sharding.NamedSharding` shaped like :func:`param_shapes`
+    (what ``hpfunc.transforms.parallelize.init_sharded`` passes): each leaf is created directly as a
+    DTensor, every rank filling or sampling only its own block, with the values of the unsharded init.
 
     >>> from hpfunc.models import preset
     >>> p = init(_random.key(0), preset("qwen3-moe-tiny"))
@@ -103,24 +109,29 @@ def init(key: torch.Tensor, cfg: Qwen3Config, dtype: torch.dtype = torch.float32
     (64, 64)
     """
     meta = device is not None and torch.device(device).type == "meta"
-    leaves = _tree.leaves_with_paths(param_shapes(cfg), is_leaf=_is_shape)
+    shapes = param_shapes(cfg)
+    leaves = _tree.leaves_with_paths(shapes, is_leaf=_is_shape)
     index = {path: i for i, (path, _) in enumerate(leaves)}
+    by_path = {} if shardings is None else dict(_tree.leaves_with_paths(shardings, is_leaf=_is_sharding))
 
     def make(path: str, shape: torch.Size) -> torch.Tensor:
         name = path.rsplit(".", 1)[-1]
         leaf_dtype = torch.float32 if name == "expert_bias" else dtype
         if meta:
             return torch.empty(shape, dtype=leaf_dtype, device="meta")
-        if name in _ONES:
-            out = torch.ones(shape, dtype=leaf_dtype)
-        elif name in _ZEROS:
-            out = torch.zeros(shape, dtype=leaf_dtype)
+        sharding = by_path.get(path)
+        if name in _ONES or name in _ZEROS:
+            out = full(tuple(shape), 1.0 if name in _ONES else 0.0, dtype=leaf_dtype, sharding=sharding)
         else:
             out = _random.normal(_random.fold_in(key, index[path]), tuple(shape), leaf_dtype,
-                                 std=cfg.initializer_range)
+                                 std=cfg.initializer_range, sharding=sharding)
         return out if device is None else out.to(device)
 
-    return _tree.map_with_path(make, param_shapes(cfg), is_leaf=_is_shape)
+    return _tree.map_with_path(make, shapes, is_leaf=_is_shape)
+
+
+def _is_sharding(x: Any) -> bool:
+    return isinstance(x, NamedSharding)
 
 
 def count_params(cfg: Qwen3Config) -> int:
@@ -208,6 +219,10 @@ def apply(params: dict, tokens: torch.Tensor, cfg: Qwen3Config, *, positions: to
     torch.Size([1, 3, 256])
     """
     check_tokens(tokens, cfg.vocab_size)
+    if reduce_partial is None and layout.tp_axis() is not None:
+        raise layout.PlanError(
+            f"qwen3.apply: a tensor-parallel axis ({layout.tp_axis()!r}) is bound but no parallel hooks were given, "
+            f"so row-parallel outputs would not be summed; use hpfunc.models.qwen3.parallel_plan.loss / .apply")
     B, S = tokens.shape
     h = F.embedding(tokens, params["embed"]) if embed is None else embed(tokens, params["embed"])
     if positions is None:
@@ -310,31 +325,6 @@ def loss(params: dict, batch: dict, cfg: Qwen3Config, *, moe_impl: str = "auto",
                    "expert_load": aux["expert_load"], "tokens": (labels != IGNORE_INDEX).sum()}
 
 
-def from_pretrained(path: Any, *, dtype: torch.dtype | None = None, device: Any = None) -> tuple[Qwen3Config, dict]:
-    """Load ``(cfg, params)`` from a Hugging Face checkpoint directory (see :mod:`hpfunc.models.hf`).
-
-    >>> import tempfile
-    >>> from hpfunc.models import preset
-    >>> cfg = preset("qwen3-moe-tiny")
-    >>> params = init(_random.key(0), cfg)
-    >>> d = tempfile.mkdtemp()
-    >>> save_pretrained(params, cfg, d)
-    >>> cfg2, params2 = from_pretrained(d)
-    >>> cfg2 == cfg and bool(torch.equal(params2["embed"], params["embed"]))
-    True
-    """
-    from hpfunc.models import hf
-
-    return hf.from_pretrained(path, dtype=dtype, device=device)
-
-
-def save_pretrained(params: dict, cfg: Qwen3Config, path: Any, *, max_shard_size: int | str = "5GB") -> None:
-    """Write ``config.json`` + safetensors in the published Hugging Face layout (see :mod:`hpfunc.models.hf`)."""
-    from hpfunc.models import hf
-
-    hf.save_pretrained(params, cfg, path, max_shard_size=max_shard_size)
-
-
 __all__ = ["Qwen3Config", "RopeScaling", "ConfigError", "preset", "param_shapes", "init", "apply", "loss",
-           "shift_labels", "count_params", "active_params", "check_tokens", "from_pretrained",
-           "save_pretrained", "update_expert_bias", "is_expert_bias", "IGNORE_INDEX"]
+           "shift_labels", "count_params", "active_params", "check_tokens", "update_expert_bias", "is_expert_bias",
+           "IGNORE_INDEX"]

@@ -19,7 +19,7 @@ import torch
 
 from hpfunc import tree as _tree
 from hpfunc.models.config import ConfigError, Qwen3Config
-from hpfunc.models.qwen3 import _is_shape, param_shapes
+from hpfunc.models.qwen3.model import _is_shape, param_shapes
 
 CONFIG_NAME = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -215,6 +215,17 @@ def from_pretrained(path: str | os.PathLike, *, dtype: torch.dtype | None = None
 
     ``dtype``: cast floating weights (default: as stored). The expert bias is float32 (zeros when the
     checkpoint has none).
+
+    >>> import tempfile
+    >>> from hpfunc import random
+    >>> from hpfunc.models import preset, qwen3
+    >>> cfg = preset("qwen3-moe-tiny")
+    >>> params = qwen3.init(random.key(0), cfg)
+    >>> d = tempfile.mkdtemp()
+    >>> save_pretrained(params, cfg, d)
+    >>> cfg2, params2 = from_pretrained(d)
+    >>> cfg2 == cfg and bool(torch.equal(params2["embed"], params["embed"]))
+    True
     """
     cfg = load_config(path)
     return cfg, from_hf_state_dict(_read_tensors(path), cfg, dtype=dtype, device=device)

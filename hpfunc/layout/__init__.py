@@ -1,0 +1,62 @@
+"""The layout seam: how code that is not elementwise learns where a value lives inside a parallelized step.
+
+This is hpfunc's extension point. ``hpfunc.parallelize(step, mesh, plan)`` runs ``step`` on every rank
+on this rank's blocks and binds, for the step, a :class:`StepLayout` (a ``contextvars`` context).
+Library code written for one device asks it the few questions that blocks change, and gives the
+single-device answer; outside a step every question answers for one device, so the same code runs
+unchanged on one device, in a notebook and on a mesh. The core (``autodiff``, ``microbatch``), the
+models and the optimizers import only this package, never ``hpfunc.transforms``.
+
+What you can ask:
+
+===================================  =================================================================
+:func:`current`                      the bound :class:`StepLayout` (``None`` outside a step)
+:func:`leaf` (path)                  the :class:`LeafLayout` of a parameter: global shape, storage /
+                                     compute / optimizer specs, what is gathered before use
+:func:`varying_axes` (path)          the mesh axes along which that parameter's block differs
+:func:`data_axes`                    the mesh axes the batch is split over (batch statistics vary
+                                     over them)
+:func:`local_block` (path, full)     the block of a global value that this rank's block covers
+:func:`gather_block` (path, block)   the global value from this rank's block (a collective)
+:func:`global_sq_norm`               the squared norm of global tensors from their blocks
+:func:`tp_axis`, ...                 the tensor-parallel binding (:mod:`hpfunc.layout.tensor_parallel`)
+                                     and its building blocks :func:`scatter_sequence`,
+                                     :func:`gather_sequence`, :func:`reduce_partial`
+styles                               :class:`ColwiseParallel`, :class:`RowwiseParallel`, ... : how a
+                                     model declares its tensor-parallel table
+===================================  =================================================================
+
+Who uses it: :func:`hpfunc.value_and_grad` hands the differentiation to the bound layout (gather on
+use, reduced gradients); :func:`hpfunc.optim.global_norm` sums over shards; Muon gathers a sharded
+matrix with :func:`gather_block` and cuts its update back with :func:`local_block`; the MoE
+expert-bias update cuts the global load to this rank's experts; Qwen3's parallel hooks
+(``hpfunc.models.qwen3_parallel``) read the tensor-parallel binding.
+
+A new parallelism is a plan layer plus hooks that read this context; nothing else changes. A layer of
+your own does the same (the one-device run is the reference; ``docs/parallel.md`` runs it on a mesh):
+
+    >>> import torch, torch.nn.functional as F
+    >>> from hpfunc import layout
+    >>> def mlp(p, x):                       # w_in column-parallel, w_out row-parallel over the bound axis
+    ...     h = F.gelu(F.linear(layout.gather_sequence(x), p["w_in"]))
+    ...     return layout.reduce_partial(F.linear(h, p["w_out"]))
+    >>> p = {"w_in": torch.ones(8, 4), "w_out": torch.ones(4, 8)}
+    >>> mlp(p, torch.ones(2, 3, 4)).shape    # no step bound: exactly the single-device layer
+    torch.Size([2, 3, 4])
+    >>> layout.current() is None, layout.tp_axis()
+    (True, None)
+"""
+
+from hpfunc.layout.step import (Accumulation, LeafLayout, LeafSpec, PlanError, StepLayout, bind, blocks_sq_norm,
+                                current, data_axes, gather_block, global_sq_norm, leaf, local_block, varying_axes)
+from hpfunc.layout.styles import ColwiseParallel, Replicate, RowwiseParallel, SequenceParallel, Style, VocabParallel
+from hpfunc.layout.tensor_parallel import (check_sequence, gather_sequence, reduce_partial, scatter_sequence,
+                                           sequence_parallel, tensor_parallel, tp_axis, vocab_parallel)
+
+__all__ = [
+    "StepLayout", "LeafLayout", "LeafSpec", "Accumulation", "PlanError", "current", "bind", "leaf", "data_axes",
+    "varying_axes", "local_block", "gather_block", "global_sq_norm", "blocks_sq_norm",
+    "tensor_parallel", "tp_axis", "sequence_parallel", "vocab_parallel", "scatter_sequence", "gather_sequence",
+    "reduce_partial", "check_sequence",
+    "Style", "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "VocabParallel", "Replicate",
+]

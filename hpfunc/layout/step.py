@@ -1,0 +1,232 @@
+"""The layout a parallelized step binds, and the questions library code asks it.
+
+A step run by :func:`hpfunc.parallelize` sees every parameter, gradient and optimizer-state leaf as
+this rank's block. The transform binds a :class:`StepLayout` (a ``contextvars`` context) for the
+step; code that is not elementwise asks it how a value is laid out and so gives the single-device
+answer on blocks. Outside a step :func:`current` is ``None`` and every query answers for one device:
+
+    >>> import torch
+    >>> current() is None, data_axes(), local_block("w", torch.arange(4)).tolist()
+    (True, (), [0, 1, 2, 3])
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+from typing import Any, ContextManager, Iterator, Protocol
+
+import attrs
+import torch
+
+from hpfunc.sharding import P, as_spec
+
+__all__ = ["PlanError", "LeafSpec", "LeafLayout", "StepLayout", "Accumulation", "current", "bind", "leaf",
+           "data_axes", "varying_axes", "local_block", "gather_block", "global_sq_norm", "blocks_sq_norm"]
+
+
+class PlanError(ValueError):
+    """A plan does not fit the model, the mesh or the batch, or a step broke a rule of parallelize."""
+
+
+@attrs.frozen
+class LeafSpec:
+    """Storage (at rest), compute (in use) and optimizer-state specs of one parameter.
+
+    On every dimension ``compute`` is a prefix of ``storage`` (the rest is all-gathered before use,
+    FSDP) and ``storage`` a prefix of ``opt`` (the extra axes are ZeRO's).
+    """
+
+    storage: P = attrs.field(converter=as_spec, factory=P)
+    compute: P = attrs.field(converter=as_spec, default=attrs.Factory(lambda self: self.storage, takes_self=True))
+    opt: P = attrs.field(converter=as_spec, default=attrs.Factory(lambda self: self.storage, takes_self=True))
+
+    @classmethod
+    def of(cls, storage: Any, compute: Any = None, opt: Any = None) -> "LeafSpec":
+        """``LeafSpec.of(P("fsdp"), P())``: compute / opt default to the storage spec.
+
+        >>> LeafSpec.of(P("fsdp"), P()).opt
+        P('fsdp')
+        """
+        s = as_spec(storage)
+        return cls(s, s if compute is None else compute, s if opt is None else opt)
+
+
+@attrs.frozen
+class LeafLayout:
+    """How one parameter is laid out on the mesh: its specs checked against its global shape.
+
+    ``gather``: the ``(dim, axes)`` all-gathered before use (storage -> compute); ``opt_extra``: the
+    ``(dim, axes)`` the optimizer block is split on beyond storage (ZeRO); ``replicated``: the mesh axes
+    (of size > 1) the stored block is replicated on.
+    """
+
+    path: str
+    shape: tuple[int, ...]
+    spec: LeafSpec
+    gather: tuple[tuple[int, tuple[str, ...]], ...] = ()
+    opt_extra: tuple[tuple[int, tuple[str, ...]], ...] = ()
+    replicated: tuple[str, ...] = ()
+
+    def opt_axes(self, dim: int) -> tuple[str, ...]:
+        """The mesh axes that split dimension ``dim`` of the optimizer block (gradients, moments)."""
+        return self.spec.opt.dim_axes(dim)
+
+    def block_shape(self, mesh: Any) -> tuple[int, ...]:
+        """This rank's optimizer block: the global shape divided along every split dimension."""
+        return tuple(s // mesh.axis_size(self.opt_axes(d)) if self.opt_axes(d) else s
+                     for d, s in enumerate(self.shape))
+
+    @property
+    def varying_axes(self) -> tuple[str, ...]:
+        """The mesh axes along which this leaf's optimizer block differs between ranks."""
+        return tuple(self.spec.opt.axes)
+
+
+class Accumulation(Protocol):
+    """Micro-batches inside a step (:func:`hpfunc.microbatch`): gradients stay per rank until ``reduce``."""
+
+    def reduce(self, grads: Any) -> Any:
+        """The accumulated per-rank gradient tree reduced once, laid out like the optimizer blocks."""
+
+
+class StepLayout(Protocol):
+    """What a parallelized step tells shard-unaware library code (implemented by the transform).
+
+    This is *the* extension point of hpfunc: a new parallelism (expert, context, pipeline parallel)
+    is a plan layer plus the hooks that read this context; a user's own layer reads it too.
+    """
+
+    mesh: Any
+
+    def leaf(self, path: str, x: torch.Tensor | None, where: str) -> LeafLayout:
+        """The layout of the parameter at ``path`` (relative to the parameters' root), after checking
+        that ``x`` (if given) has the shape of that parameter's block here; :class:`PlanError` naming
+        ``where`` otherwise."""
+
+    def data_axes(self) -> tuple[str, ...]:
+        """The mesh axes (size > 1) the batch is split over: values computed from the batch vary
+        over them."""
+
+    def value_and_grad(self, fn: Any, argnums: tuple[int, ...], multi: bool, has_aux: bool, args: tuple,
+                       kwargs: dict) -> Any:
+        """:func:`hpfunc.value_and_grad` of ``fn`` under the plan (gather on use, reduced gradients)."""
+
+    def accumulate(self) -> ContextManager[Accumulation]:
+        """A block inside which ``value_and_grad`` returns per-rank gradients, reduced once at the end."""
+
+
+_CURRENT: contextvars.ContextVar[StepLayout | None] = contextvars.ContextVar("hpfunc_step_layout", default=None)
+
+
+def current() -> StepLayout | None:
+    """The layout of the parallelized step running now; ``None`` outside one, and inside the function
+    being differentiated (where the model computes on gathered blocks, as on one device)."""
+    return _CURRENT.get()
+
+
+@contextlib.contextmanager
+def bind(ctx: StepLayout | None) -> Iterator[None]:
+    """Make ``ctx`` current for the ``with`` block (``None`` hides an outer one)."""
+    token = _CURRENT.set(ctx)
+    try:
+        yield
+    finally:
+        _CURRENT.reset(token)
+
+
+def leaf(path: str, x: torch.Tensor | None = None, *, where: str = "layout.leaf") -> LeafLayout | None:
+    """The :class:`LeafLayout` of the parameter at ``path`` in the step running now (``None`` outside).
+
+    >>> leaf("layers.0.attn.wq") is None
+    True
+    """
+    ctx = current()
+    return None if ctx is None else ctx.leaf(path, x, where)
+
+
+def data_axes() -> tuple[str, ...]:
+    """The mesh axes the batch is split over in the step running now (``()`` outside one)."""
+    ctx = current()
+    return () if ctx is None else ctx.data_axes()
+
+
+def varying_axes(path: str) -> tuple[str, ...]:
+    """The mesh axes along which the block of the parameter at ``path`` differs (``()`` outside a step)."""
+    found = leaf(path, where="layout.varying_axes")
+    return () if found is None else found.varying_axes
+
+
+def _split_dims(lay: LeafLayout, ndim: int, dims: Any) -> list[tuple[int, tuple[str, ...]]]:
+    chosen = range(ndim) if dims is None else [d % ndim for d in dims]
+    return [(d, lay.opt_axes(d)) for d in chosen if lay.opt_axes(d)]
+
+
+def local_block(path: str, full: torch.Tensor, *, dims: Any = None) -> torch.Tensor:
+    """The block of ``full`` (shaped like the whole parameter at ``path``, or like it on ``dims``) that
+    this rank's optimizer block of that parameter covers; ``full`` itself outside a parallelized step.
+    No communication.
+
+    >>> local_block("layers.0.moe.expert_bias", torch.zeros(8)).shape
+    torch.Size([8])
+    """
+    lay = leaf(path, where="local_block")
+    if lay is None:
+        return full
+    from hpfunc import lax
+
+    want = tuple(lay.shape) if dims is None else tuple(lay.shape[d % len(lay.shape)] for d in dims)
+    have = tuple(full.shape) if dims is None else tuple(full.shape[d % full.ndim] for d in dims)
+    if have != want:
+        raise PlanError(f"local_block: {path!r} has global shape {tuple(lay.shape)}, the value has "
+                        f"{tuple(full.shape)}")
+    for d, axes in _split_dims(lay, full.ndim, dims):
+        k = full.shape[d] // lax.axis_size(axes)
+        full = full.narrow(d, lax.axis_index(axes) * k, k)
+    return full
+
+
+def gather_block(path: str, block: torch.Tensor, *, dims: Any = None) -> torch.Tensor:
+    """The inverse of :func:`local_block`: all-gather this rank's optimizer block of the parameter at
+    ``path`` (or a value laid out like it) along ``dims`` (default: every split dimension) into the
+    global tensor. ``block`` itself outside a parallelized step.
+
+    >>> gather_block("w", torch.ones(2, 3)).shape
+    torch.Size([2, 3])
+    """
+    ctx = current()
+    if ctx is None:
+        return block
+    from hpfunc import lax
+
+    lay = ctx.leaf(path, block, "gather_block")
+    for d, axes in _split_dims(lay, block.ndim, dims):
+        block = lax.all_gather(block, axes if len(axes) > 1 else axes[0], axis=d, tiled=True)
+    return block
+
+
+def global_sq_norm(paths: list[str], leaves: list[torch.Tensor], where: str) -> torch.Tensor | None:
+    """Sum of squares (fp64) of the global tensors whose blocks here are ``leaves`` (at parameter
+    ``paths``), or ``None`` outside a parallelized step."""
+    ctx = current()
+    if ctx is None:
+        return None
+    specs = [ctx.leaf(path, x, where).spec.opt for path, x in zip(paths, leaves)]
+    return blocks_sq_norm(ctx.mesh, specs, leaves)
+
+
+def blocks_sq_norm(mesh: Any, opt_specs: list[P], blocks: list[torch.Tensor]) -> torch.Tensor:
+    """Sum of squares (fp64) of global tensors given as this rank's blocks laid out by ``opt_specs``
+    (inside ``shard_map`` on ``mesh``): one scalar ``psum``. Each block counts once: a block replicated
+    on ``k`` ranks adds ``1/k`` of its square on each."""
+    from hpfunc import lax
+
+    # only the axes some block is split on need a sum (on the others every block is whole on every rank)
+    split = tuple(a for a in mesh.axis_names if mesh.axis_size(a) > 1 and any(a in s.axes for s in opt_specs))
+    terms = []
+    for spec, x in zip(opt_specs, blocks):
+        reps = math.prod(mesh.axis_size(a) for a in split if a not in spec.axes)
+        terms.append(x.detach().double().pow(2).sum() / reps)
+    total = torch.stack(terms).sum() if terms else torch.zeros((), dtype=torch.float64)
+    return lax.psum(total, split) if split else total

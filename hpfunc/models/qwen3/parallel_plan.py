@@ -1,0 +1,179 @@
+"""Qwen3's parallel plan: what the model knows about being distributed, kept beside the model (as
+torchtitan keeps ``parallelize.py`` next to each ``model.py``); generic code names no Qwen3 parameter.
+
+* :func:`tp_styles`: the Megatron tensor-parallel table for a config (``plans.tp(axis, tp_styles(cfg))``):
+  column-parallel ``wq, wk, wv, w_gate, w_up``, row-parallel ``wo, w_down``, attention split by whole
+  heads (``unit=head_dim``), norms and router replicated; optionally sequence-parallel norms and a
+  vocabulary-parallel embedding and head.
+* :func:`apply` / :func:`loss`: :func:`~hpfunc.models.qwen3.model.apply` / ``loss`` with the hooks of
+  the layout that the step binds (:mod:`hpfunc.layout`); with no tensor-parallel axis bound they *are*
+  the single-device functions.
+* the optimizer routing of Qwen3's parameters (which go to Muon, which to AdamW, which decay).
+
+The hooks add the collectives the layout implies:
+
+* **tensor parallel**: the row-parallel partial outputs are summed with :func:`hpfunc.lax.psum`, two
+  all-reduces of ``b s h`` per layer forward and, by the transpose, two backward;
+* **sequence parallel** (Megatron-SP): the residual stream, the RMSNorms and the residual adds work on
+  this rank's block of the sequence; the normalised input of attention and MLP/MoE is all-gathered
+  along the sequence (:func:`hpfunc.layout.gather_sequence`) and their partial outputs are
+  reduce-scattered along it (:func:`hpfunc.layout.reduce_partial`): two all-gathers and two
+  reduce-scatters of ``b s h`` per layer forward, the same backward, the bytes of TP's all-reduces. The
+  embedding output is this rank's sequence block (a replicated table looks up only those tokens), and
+  the loss is computed on that block: the head and cross-entropy of each token run on one rank only,
+  and the sum of the per-token losses is all-reduced (one scalar) and divided by the global count of
+  targets;
+* **vocabulary parallel**: the embedding and head are split by vocabulary rows; the masked lookup is
+  summed (reduce-scattered along the sequence under sequence parallelism), the head sees the whole
+  sequence (gathered first under sequence parallelism) and the cross-entropy reduces a max, a sum of
+  exponentials and the target logit over the axis.
+
+    >>> import torch
+    >>> from hpfunc import random
+    >>> from hpfunc.models import qwen3
+    >>> cfg = qwen3.preset("qwen3-dense-tiny")
+    >>> p = qwen3.init(random.key(0), cfg)
+    >>> b = {"tokens": torch.randint(0, 256, (2, 8))}
+    >>> bool(torch.equal(loss(p, b, cfg)[0], qwen3.loss(p, b, cfg)[0]))
+    True
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from hpfunc import lax, layout
+from hpfunc.layout import (ColwiseParallel, RowwiseParallel, SequenceParallel, Style, VocabParallel,
+                           gather_sequence, reduce_partial, scatter_sequence)
+from hpfunc.models.config import Qwen3Config
+from hpfunc.models.qwen3 import model as _model
+
+__all__ = ["tp_styles", "apply", "loss"]
+
+
+def tp_styles(cfg: Qwen3Config, *, vocab_parallel: bool = False, sequence_parallel: bool = False) -> dict[str, Style]:
+    """The Megatron tensor-parallel styles of a Qwen3 model with config ``cfg``, one pattern per
+    parameter family that the config has (so that every pattern matches a parameter).
+
+    ``sequence_parallel``: the norms between blocks become :class:`~hpfunc.layout.SequenceParallel`
+    (activations split along the sequence); ``vocab_parallel``: the embedding (and an untied
+    ``lm_head``) are split by vocabulary rows.
+
+    >>> sorted(tp_styles(_model.preset("qwen3-dense-tiny"), sequence_parallel=True))[:3]
+    ['final_norm', 'layers.*.attn.w[qkv]', 'layers.*.attn.wo']
+    """
+    col, row = ColwiseParallel(), RowwiseParallel()
+    heads_col, heads_row = ColwiseParallel(unit=cfg.head_dim), RowwiseParallel(unit=cfg.head_dim)
+    styles: dict[str, Style] = {
+        "layers.*.attn.w[qkv]": heads_col,  # [heads * D, H]: split by whole heads
+        "layers.*.attn.wo": heads_row,      # [H, heads * D]
+    }
+    if cfg.attention_bias:
+        styles["layers.*.attn.b[qkv]"] = heads_col
+    if len(cfg.moe_layers) < cfg.num_hidden_layers:  # dense MLP layers [I, H] / [H, I]
+        styles.update({"layers.*.mlp.w_gate": col, "layers.*.mlp.w_up": col, "layers.*.mlp.w_down": row})
+    if cfg.moe_layers:  # routed experts [E, I, H] / [E, H, I]; the router stays replicated
+        styles.update({"layers.*.moe.experts.w_gate": col, "layers.*.moe.experts.w_up": col,
+                       "layers.*.moe.experts.w_down": row})
+        if cfg.shared_expert_intermediate_size:
+            styles.update({"layers.*.moe.shared.w_gate": col, "layers.*.moe.shared.w_up": col,
+                           "layers.*.moe.shared.w_down": row})
+    if sequence_parallel:
+        sp = SequenceParallel()
+        styles.update({"layers.*.attn_norm": sp, "layers.*.mlp_norm": sp, "final_norm": sp})
+    if vocab_parallel:
+        styles["embed"] = VocabParallel()
+        if not cfg.tie_word_embeddings:
+            styles["lm_head"] = VocabParallel()
+    return styles
+
+
+# ---------------------------------------------------------------------------------------------
+# The hooks of qwen3.apply / qwen3.loss for the bound layout
+
+
+def _embed(tokens: torch.Tensor, table: torch.Tensor, cfg: Qwen3Config) -> torch.Tensor:
+    """Embedding lookup: a replicated table looks up this rank's sequence block (no communication); a
+    table split by vocabulary rows looks up its own ids and sums over the axis (reduce-scatters along the
+    sequence under sequence parallelism)."""
+    rows = table.shape[0]
+    if not layout.vocab_parallel() or rows == cfg.vocab_size:
+        return F.embedding(scatter_sequence(tokens), table)
+    local = tokens - lax.axis_index(layout.tp_axis()) * rows
+    mine = (local >= 0) & (local < rows)
+    h = F.embedding(local.clamp(0, rows - 1), table) * mine.unsqueeze(-1).to(table.dtype)
+    return reduce_partial(h)
+
+
+def _head(h: torch.Tensor, weight: torch.Tensor, cfg: Qwen3Config) -> torch.Tensor:
+    """Logits; a head split by vocabulary rows needs every position, gathered under sequence parallelism
+    (then these are this rank's vocabulary columns of the logits)."""
+    if layout.vocab_parallel() and weight.shape[0] != cfg.vocab_size:
+        h = gather_sequence(h)
+    return F.linear(h, weight)
+
+
+def _cross_entropy(logits: torch.Tensor, labels: torch.Tensor, cfg: Qwen3Config) -> torch.Tensor:
+    """Mean cross-entropy over non-ignored targets, for logits that are this rank's sequence block
+    (one scalar all-reduce of the summed losses) or this rank's vocabulary columns (three small
+    all-reduces of [tokens]: a max, a sum of exponentials and the target logit)."""
+    axis = layout.tp_axis()
+    ignore = _model.IGNORE_INDEX
+    x = logits.float()
+    cols = x.shape[-1]
+    if x.shape[1] != labels.shape[1]:  # this rank's sequence block, full vocabulary
+        count = (labels != ignore).sum()
+        y = scatter_sequence(labels)
+        nll = F.cross_entropy(x.reshape(-1, cols), y.reshape(-1), ignore_index=ignore, reduction="sum")
+        return lax.psum(nll, axis) / count
+    x, y = x.reshape(-1, cols), labels.reshape(-1)
+    if cols == cfg.vocab_size:
+        return F.cross_entropy(x, y, ignore_index=ignore)
+    valid = y != ignore
+    # log-sum-exp is shift invariant: the max needs no gradient
+    m = lax.pmax(x.detach().amax(-1), axis)
+    sumexp = lax.psum(torch.exp(x - m[:, None]).sum(-1), axis)
+    local = y - lax.axis_index(axis) * cols
+    mine = (local >= 0) & (local < cols) & valid
+    target = lax.psum(x.gather(1, local.clamp(0, cols - 1)[:, None]).squeeze(1) * mine, axis)
+    nll = torch.log(sumexp) + m - target
+    return (nll * valid).sum() / valid.sum()
+
+
+def _hooks(cfg: Qwen3Config, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """qwen3's hooks for the bound layout (none without an axis), after checking the sequence length."""
+    axis = layout.tp_axis()
+    if axis is None:
+        return {}
+    if layout.sequence_parallel():
+        n = lax.axis_size(axis)
+        for name, x in batch.items():
+            if isinstance(x, torch.Tensor):
+                layout.check_sequence(x, name, axis, n)
+    return {"embed": functools.partial(_embed, cfg=cfg), "gather_input": gather_sequence,
+            "reduce_partial": reduce_partial, "head": functools.partial(_head, cfg=cfg)}
+
+
+def apply(params: dict, tokens: torch.Tensor, cfg: Qwen3Config, *, return_aux: bool = False,
+          moe_impl: str = "auto") -> Any:
+    """:func:`qwen3.apply <hpfunc.models.qwen3.model.apply>` in the bound tensor-/sequence-parallel layout.
+
+    The logits are the full ``[B, S, V]`` under tensor parallelism; this rank's sequence block
+    ``[B, S / n, V]`` under sequence parallelism; this rank's vocabulary columns ``[B, S, V / n]`` with a
+    vocabulary-parallel head (with or without sequence parallelism). ``aux`` is the same on every rank.
+    """
+    return _model.apply(params, tokens, cfg, return_aux=return_aux, moe_impl=moe_impl,
+                        **_hooks(cfg, {"tokens": tokens}))
+
+
+def loss(params: dict, batch: dict, cfg: Qwen3Config, *, moe_impl: str = "auto") -> tuple[torch.Tensor, dict]:
+    """:func:`qwen3.loss <hpfunc.models.qwen3.model.loss>` in the bound layout (identical without a bound
+    axis); the value is the same on every rank of the axis."""
+    hooks = _hooks(cfg, batch)
+    if hooks:
+        hooks["cross_entropy"] = functools.partial(_cross_entropy, cfg=cfg)
+    return _model.loss(params, batch, cfg, moe_impl=moe_impl, **hooks)
