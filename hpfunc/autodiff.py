@@ -12,7 +12,7 @@ Example:
     >>> params = {"w": torch.ones(3, 2)}
     >>> value, grads = hpfunc.value_and_grad(loss)(params, torch.ones(4, 3))
     >>> float(value), grads["w"].shape
-    (144.0, torch.Size([3, 2]))
+    (72.0, torch.Size([3, 2]))
 """
 
 from __future__ import annotations
