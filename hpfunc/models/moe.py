@@ -7,7 +7,7 @@ and the router, so an expert-parallel transform can pass the local experts (dim 
 
 Grouped compute, no Python loop over experts: the ``T * k`` (token, expert) assignments are sorted by
 expert id; each expert's rows then form one contiguous group, computed either by padding every group to
-the largest group and running batched matmuls (``impl="bmm"``) or with ``torch._grouped_mm`` on the
+the largest group and running batched matmuls (``impl="bmm"``) or with ``torch.nn.functional.grouped_mm`` on the
 unpadded groups (``impl="grouped_mm"``). ``impl="auto"`` (default) picks ``grouped_mm`` where torch has
 it (it wastes no FLOPs on padding; on CPU about 2x faster than ``bmm`` on ``qwen3-moe-small``) and
 ``bmm`` otherwise.
@@ -106,7 +106,7 @@ def grouped_experts(
       indices, weights: ``[T, k]`` expert ids (in ``[0, E)``) and combine weights.
       w_gate, w_up: ``[E, I, H]``; w_down: ``[E, H, I]``.
       impl: ``"bmm"`` (pad each expert group to the largest, batched matmul), ``"grouped_mm"``
-        (``torch._grouped_mm`` over unpadded groups) or ``"auto"``.
+        (``torch.nn.functional.grouped_mm`` over unpadded groups) or ``"auto"``.
 
     >>> T, H, I, E = 6, 8, 4, 3
     >>> y = grouped_experts(torch.randn(T, H), torch.randint(0, E, (T, 2)), torch.rand(T, 2),
@@ -128,7 +128,7 @@ def grouped_experts(
         impl = "grouped_mm" if _grouped_mm_supported(x, fake) else "bmm"
     if impl == "grouped_mm":
         # The grouped_mm outputs' gradients are always fresh contiguous tensors here (they come
-        # through a multiply or the index_add's gather), which torch._grouped_mm's CPU backward needs
+        # through a multiply or the index_add's gather), which grouped_mm's CPU backward needs
         # (an expanded, stride-0 gradient is rejected).
         offs = torch.cumsum(counts, 0).to(torch.int32)
         # torch's shape-only (fake/meta) kernel insists on bf16: dry runs compute in bf16 (values are
@@ -137,8 +137,8 @@ def grouped_experts(
 
         def gmm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
             if cast:
-                return torch._grouped_mm(a.bfloat16(), w.transpose(1, 2).bfloat16(), offs=offs).to(a.dtype)
-            return torch._grouped_mm(a, w.transpose(1, 2), offs=offs)
+                return F.grouped_mm(a.bfloat16(), w.transpose(1, 2).bfloat16(), offs=offs).to(a.dtype)
+            return F.grouped_mm(a, w.transpose(1, 2), offs=offs)
 
         xs = x[token_of]
         # One grouped matmul for gate and up: on CPU each grouped_mm is a loop of E small matmuls,
@@ -170,7 +170,7 @@ def _is_fake(t: torch.Tensor) -> bool:
 
 def _grouped_mm_supported(x: torch.Tensor, fake: bool) -> bool:
     # CPU runs any float dtype; CUDA kernels need bf16 (and sm80+); dry runs take the bf16 detour.
-    if not hasattr(torch, "_grouped_mm"):
+    if not hasattr(F, "grouped_mm"):
         return False
     return fake or x.device.type == "cpu" or x.dtype == torch.bfloat16
 
