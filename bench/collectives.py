@@ -2,8 +2,8 @@
 
 For each collective on 2 and 4 gloo ranks and each message size it reports:
   * bytes each rank sends per call, counted by hpfunc.comm_stats, next to the ring formula of
-    REFERENCE.md, and the bytes the process actually wrote to its sockets (from /proc/self/io, so
-    gloo's real algorithm shows through);
+    docs/reference.md#ring-collectives, and the bytes the process actually wrote to its sockets
+    (from /proc/self/io, so gloo's real algorithm shows through);
   * median latency of hpfunc.lax and of the raw torch.distributed call on the same tensors,
     interleaved in one run, and their ratio (goal: <= 1.05 at 1 MiB); the raw call reuses a
     preallocated output, so a third column times it with a fresh output (what a pure function

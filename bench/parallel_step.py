@@ -23,8 +23,9 @@ the ratio hpfunc / PyTorch (1-rank rows: hpfunc / the plain single-device step, 
 torch loop). Goals (issue 4): ratio <= 1.0 on 2 and 4 ranks, <= 1.05 on one rank.
 
 Bytes: what each rank sends per step by the ring formulas, for hpfunc as counted by
-``hpfunc.comm_stats`` and for PyTorch from the c10d ops it dispatches, next to the REFERENCE.md
-formula: DDP ``2 Psi (n-1)/n``; FSDP with reshard after forward ``3 Psi (n-1)/n`` less the embedding
+``hpfunc.comm_stats`` and for PyTorch from the c10d ops it dispatches, next to the formula of
+docs/reference.md#communication-volumes: DDP ``2 Psi (n-1)/n``; FSDP with reshard after forward
+``3 Psi (n-1)/n`` less the embedding
 table (the backward does not regather a lookup table; FSDP2 also keeps its root unit -- embedding,
 final norm, head -- gathered through the backward, so it sends ``(3 Psi - Psi_root)(n-1)/n``);
 Megatron TP ``2 + 2`` all-reduces of ``b s h`` per layer, plus one all-reduce of the gradients of the
@@ -307,7 +308,8 @@ def _hpfunc_steps(mesh, plan, cfg, full, tokens, lr):
 
 
 def _formula(kind, mesh, plan, cfg, full, batch, seq):
-    """Bytes each rank sends per step by the REFERENCE.md formulas, and the parts they are made of."""
+    """Bytes each rank sends per step by the formulas of docs/reference.md#communication-volumes,
+    and the parts they are made of."""
     import math
 
     from hpfunc.comm import ring_sent_bytes

@@ -1,4 +1,5 @@
-"""Pipeline schedules: simulated bubble ratio and peak in-flight activations vs REFERENCE.md.
+"""Pipeline schedules: simulated bubble ratio and peak in-flight activations vs the formulas of
+docs/reference.md#pipeline-schedules.
 
 Runs every generator of :mod:`hpfunc.schedules` for p in {2, 4, 8} and m in {p, 2p, 4p, 8p}
 (v = 2 for interleaved 1F1B) under unit costs (F = B = W = 1, BW = 2), prints one table and writes
@@ -8,8 +9,8 @@ Columns:
   bubble      idle / useful on rank 0 for one isolated step (the measure of the 1F1B literature)
   steady      the same when steps follow one another with post-validation overlap (what the
               zero-bubble papers drive to 0)
-  formula     the REFERENCE.md bubble, as a ratio (idle-time formulas are divided by the useful
-              time 3m, or 6m for the two-chunk V schedules)
+  formula     the bubble of docs/reference.md#pipeline-schedules, as a ratio (idle-time formulas are
+              divided by the useful time 3m, or 6m for the two-chunk V schedules)
   peak        peak in-flight activations on rank 0 in microbatches of a full rank (stage-chunk
               activations / chunks per rank); formula beside it
 
@@ -49,7 +50,8 @@ V = 2
 
 def formulas(name: str, p: int, m: int) -> tuple[float, str, float, str]:
     """(bubble ratio, measure it is compared with, peak in-flight, unit of the peak) from
-    REFERENCE.md. Peak units: "mb" = microbatches of a full rank, "chunks" = stage activations."""
+    docs/reference.md#bubbles-and-peak-in-flight-activations. Peak units: "mb" = microbatches of a
+    full rank, "chunks" = stage activations."""
     if name == "gpipe":
         return (p - 1) / m, "bubble", m, "mb"
     if name == "1f1b":

@@ -2,8 +2,8 @@
 
 Inside ``with hpfunc.comm_stats() as stats:`` each :mod:`hpfunc.lax` collective (forward and the
 transposes run in backward) appends a :class:`CommRecord`: the operation, the mesh axes, the group
-size ``n``, the payload ``M`` (bytes of the full array, as in REFERENCE.md), the bytes each rank
-sends under the ring algorithm, and the user source line that issued it.
+size ``n``, the payload ``M`` (bytes of the full array, as in docs/reference.md#ring-collectives),
+the bytes each rank sends under the ring algorithm, and the user source line that issued it.
 
 Example::
 

@@ -1,4 +1,4 @@
-"""comm_stats: every collective counted with the ring formula of REFERENCE.md."""
+"""comm_stats: every collective counted with the ring formula of docs/reference.md#ring-collectives."""
 
 from __future__ import annotations
 

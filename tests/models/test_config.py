@@ -36,7 +36,7 @@ def test_param_counts_of_qwen3_30b_a3b() -> None:
     shapes = qwen3.param_shapes(cfg)
     layer = shapes["layers"][0]
     attn = sum(s.numel() for s in layer["attn"].values())
-    assert abs(attn / 1e6 - 18.87) < 0.01  # REFERENCE.md: attention 18.87 M per layer
+    assert abs(attn / 1e6 - 18.87) < 0.01  # docs/reference.md#qwen3-30b-a3b-configuration-and-parameter-counts
     assert abs(3 * 768 * 2048 / 1e6 - 4.72) < 0.01 and layer["moe"]["experts"]["w_gate"] == (128, 768, 2048)
 
 

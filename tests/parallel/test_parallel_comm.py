@@ -1,4 +1,5 @@
-"""Exact communication volume per step, measured by hpfunc.comm_stats, against REFERENCE.md's formulas.
+"""Exact communication volume per step, measured by hpfunc.comm_stats, against the formulas of
+docs/reference.md#communication-volumes.
 
 Psi = parameter count, 4 bytes each (fp32), n = data-parallel degree; bytes are what one rank sends
 under the ring algorithm (all-reduce 2 (n-1)/n M, all-gather / reduce-scatter (n-1)/n M).

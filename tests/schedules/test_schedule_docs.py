@@ -30,7 +30,8 @@ def test_bench_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert bench.main(["--out", str(out), "--p", "2", "4"]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert len(rows) == 2 * (4 * 6 + 3)  # 6 schedules x 4 values of m, DualPipeV for m >= 2p
-    # every mismatch with REFERENCE.md is one of the small-m rows explained in docs/schedules.md
+    # every mismatch with docs/reference.md#pipeline-schedules is one of the small-m rows explained
+    # in docs/schedules.md
     for row in rows:
         if not row["matches"]:
             assert row["m"] == row["p"] and row["schedule"] in ("interleaved_1f1b", "zb_h2", "zbv"), row

@@ -1,4 +1,5 @@
-"""Simulated bubbles and peak in-flight activations against the formulas of REFERENCE.md.
+"""Simulated bubbles and peak in-flight activations against the formulas of
+docs/reference.md#pipeline-schedules.
 
 Unit costs: F = B = W = 1, BW = B + W. p pipeline ranks, m microbatches, v chunks per rank.
 """
@@ -100,8 +101,9 @@ def test_zbv(p: int, m: int) -> None:
 
 @pytest.mark.parametrize("p,m", [(p, m) for p, m in GRID if m >= 2 * p])
 def test_dualpipev(p: int, m: int) -> None:
-    # REFERENCE's DualPipeV row is DualPipe's table: its "p" counts pipeline stages (DualPipe's PP;
-    # DualPipeV puts 2 per rank, so stages = 2 * ranks) and its memory is in stage activations.
+    # The DualPipeV row of docs/reference.md#pipeline-schedules is DualPipe's table: its "p" counts
+    # pipeline stages (DualPipe's PP; DualPipeV puts 2 per rank, so stages = 2 * ranks) and its
+    # memory is in stage activations.
     # Bubble (stages/2 - 1)(F&B + B - 3W) with F&B = F + B + W (no overlap modelled) -> p - 1 idle.
     stages = 2 * p
     F = B = W = 1
