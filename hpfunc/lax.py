@@ -622,6 +622,12 @@ def ppermute(x: torch.Tensor, axis_name: AxisName, perm: Sequence[tuple[int, int
     ``axis_name``); ranks that receive nothing get zeros. Transpose: the inverse permutation.
 
     Example: a ring shift ``perm=[(i, (i + 1) % n) for i in range(n)]``.
+
+    Over a tuple of axes, devices are numbered row-major over the axes *in the order given* (as by
+    :func:`axis_index`), even when that is not the mesh's order: on a mesh ``{"x": 2, "y": 2}``,
+    index 1 along ``("y", "x")`` is the device at ``x=1, y=0``. JAX numbers a tuple's devices in mesh
+    order whatever the order given (there, index 1 along ``("y", "x")`` is ``x=0, y=1``): when porting
+    JAX code that passes such a tuple, pass it in mesh order (``("x", "y")``) to keep its numbering.
     """
     n = axis_size(axis_name)
     return _call(_PPERMUTE_FNS, x, axis_name, _check_perm(perm, n, axis_name))
