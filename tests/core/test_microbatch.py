@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import doctest
-import sys
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -38,7 +35,3 @@ def test_bad_split_names_the_leaf():
         f(torch.ones(()), {"x": torch.ones(6)})
     with pytest.raises(ValueError, match="num must be an integer >= 1"):
         hpfunc.microbatch(f, 0)
-
-
-def test_docstring():
-    assert doctest.testmod(sys.modules["hpfunc.microbatch"]).failed == 0

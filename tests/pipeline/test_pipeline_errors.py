@@ -102,12 +102,3 @@ def test_stage_calls_exact(pool2):
     for calls, stages, finite in pool2.run(counted_run):
         assert calls == sorted(s for s in stages for _ in range(4))
         assert finite
-
-
-def test_module_doctests():
-    import doctest
-
-    import hpfunc.transforms.pipeline as mod
-
-    result = doctest.testmod(mod)
-    assert result.failed == 0 and result.attempted >= 1

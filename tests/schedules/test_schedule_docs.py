@@ -1,4 +1,5 @@
-"""The examples in docs/schedules.md run, and the bench script writes its JSON."""
+"""The examples in docs/schedules.md run, and the bench script writes its JSON (the docstring examples of
+hpfunc.schedules run as doctests: ``--doctest-modules`` in pyproject.toml)."""
 
 from __future__ import annotations
 
@@ -36,13 +37,3 @@ def test_bench_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
         if not row["matches"]:
             assert row["m"] == row["p"] and row["schedule"] in ("interleaved_1f1b", "zb_h2", "zbv"), row
     assert "48/54 rows match" in capsys.readouterr().out
-
-
-@pytest.mark.parametrize("module", ["__init__", "ir", "generators", "passes", "validate", "simulate", "csv_io",
-                                    "balance"])
-def test_docstring_examples(module: str) -> None:
-    import doctest
-
-    mod = importlib.import_module("hpfunc.schedules" + ("" if module == "__init__" else f".{module}"))
-    result = doctest.testmod(mod, optionflags=doctest.NORMALIZE_WHITESPACE)
-    assert result.attempted > 0 and result.failed == 0, result
