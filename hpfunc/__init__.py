@@ -7,6 +7,11 @@ Models and optimizers are pure functions over pytrees of sharded state (DTensors
     >>> from hpfunc import P
     >>> P("dp", None)
     P('dp', None)
+
+``import hpfunc`` loads only the core (meshes, specs, collectives, random numbers, ``grad``,
+communication accounting, micro-batching). The transforms (``hpfunc.shard_map``, ``hpfunc.remat``,
+``hpfunc.parallelize``, ...) and the subpackages (``hpfunc.models``, ``hpfunc.optim``,
+``hpfunc.train``, ...) load on first use.
 """
 
 from __future__ import annotations
@@ -20,10 +25,6 @@ from hpfunc.comm import comm_stats
 from hpfunc.mesh import Mesh, current_mesh, make_mesh
 from hpfunc.microbatch import microbatch
 from hpfunc.sharding import NamedSharding, P, SpecError, logical_to_spec, reshard, shard, typeof
-from hpfunc.transforms.offload import offload
-from hpfunc.transforms.pipeline import PipelineError, pipeline_map
-from hpfunc.transforms.remat import checkpoint_name, checkpoint_policies, remat
-from hpfunc.transforms.shard_map import ReplicationError, shard_map
 
 __version__ = "0.1.0"
 
@@ -58,22 +59,37 @@ __all__ = [
     "tree",
 ]
 
-_LAZY_SUBMODULES = {
-    "optim", "models", "schedules", "transforms", "train", "testing", "launch", "checkpoint", "plan", "memory",
-}
-
-
+# Public name -> the module that defines it; imported on first access.
 _LAZY_ATTRS = {
-    "parallelize": "hpfunc.transforms.state_step",
+    "shard_map": "hpfunc.transforms.shard_map",
+    "ReplicationError": "hpfunc.transforms.shard_map",
+    "remat": "hpfunc.transforms.remat",
+    "checkpoint_name": "hpfunc.transforms.remat",
+    "checkpoint_policies": "hpfunc.transforms.remat",
+    "offload": "hpfunc.transforms.offload",
+    "pipeline_map": "hpfunc.transforms.pipeline",
+    "PipelineError": "hpfunc.transforms.pipeline",
+    "parallelize": "hpfunc.transforms.parallelize",
     "parallel_train_step": "hpfunc.transforms.parallelize",
     "init_sharded": "hpfunc.transforms.parallelize",
 }
 
+_LAZY_SUBMODULES = frozenset({
+    "optim", "models", "schedules", "transforms", "train", "testing", "launch", "memory", "layout", "saved_tensors",
+})
+
 
 def __getattr__(name: str) -> Any:
-    # Subpackages load on first use so `import hpfunc` stays light (no transformers, matplotlib...).
+    # Transforms and subpackages load on first use, so `import hpfunc` stays light (no transforms,
+    # schedules, models, transformers or matplotlib until asked for).
+    if name in _LAZY_ATTRS:
+        value = getattr(importlib.import_module(_LAZY_ATTRS[name]), name)
+        globals()[name] = value  # later lookups skip this hook
+        return value
     if name in _LAZY_SUBMODULES:
         return importlib.import_module(f"hpfunc.{name}")
-    if name in _LAZY_ATTRS:
-        return getattr(importlib.import_module(_LAZY_ATTRS[name]), name)
     raise AttributeError(f"module 'hpfunc' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__) | _LAZY_SUBMODULES)

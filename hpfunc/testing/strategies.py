@@ -18,7 +18,15 @@ import math
 from typing import Sequence
 
 import torch
-from hypothesis import strategies as st
+
+try:
+    from hypothesis import strategies as st
+except ModuleNotFoundError as err:  # a test-only dependency: say which extra brings it
+    if err.name != "hypothesis":
+        raise
+    raise ModuleNotFoundError(
+        "hpfunc.testing.strategies needs hypothesis, which is not installed; install the test extra "
+        "(pip install -e \".[test]\") or hypothesis itself (pip install hypothesis)", name="hypothesis") from err
 
 from hpfunc.sharding import P
 
