@@ -1,6 +1,11 @@
 """Optax-style optimizers: pure ``(init, update)`` transformations over pytrees of tensors.
 
-Build an optimizer from pieces or take a ready one, then run it as pure functions::
+Functions that mirror an optax one take optax's argument names in optax's positional order
+(``adamw(learning_rate, b1, b2, eps, eps_root, ...)``, ``muon_adamw(learning_rate, ns_coeffs,
+ns_steps, beta, eps, ...)``); each docstring, and the table in ``docs/optim.md``, says where the
+semantics differ (torch's AdamW defaults, torch's clipping formula, Muon without bias correction in
+torch's ``[out, in]`` orientation, ...). Build an optimizer from pieces or take a ready one, then run
+it as pure functions::
 
     tx = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(schedule, weight_decay=0.1))
     state = tx.init(params)                           # a pytree of tensors (checkpointable)
@@ -12,14 +17,7 @@ Paths are dotted strings (``layers.3.attn.wq``); errors name them. See ``docs/op
 
 from hpfunc.optim import schedules
 from hpfunc.optim.adam import ScaleByAdamState, scale_by_adam
-from hpfunc.optim.alias import (
-    ADAMW_PATH_COMPONENTS,
-    ADAMW_PATH_KEYWORDS,
-    adamw,
-    muon,
-    muon_adamw,
-    use_adamw,
-)
+from hpfunc.optim.alias import adamw, is_not_matrix, muon, muon_adamw
 from hpfunc.optim.base import (
     EmptyState,
     GradientTransformation,
@@ -72,9 +70,7 @@ __all__ = [
     "adamw",
     "muon",
     "muon_adamw",
-    "use_adamw",
-    "ADAMW_PATH_KEYWORDS",
-    "ADAMW_PATH_COMPONENTS",
+    "is_not_matrix",
     # schedules
     "schedules",
     "constant",

@@ -12,31 +12,39 @@ from typing import Any, Callable, Sequence
 
 import optree
 
-from hpfunc.tree import path_str
+from hpfunc.tree import NAMESPACE, path_str
 
 from hpfunc.optim.errors import TreeMismatchError
 
 # None is an empty subtree (as in JAX and hpfunc.tree), never a leaf. `masked` and `partition`
 # rely on this: a leaf hidden from an inner transform is replaced by None.
 _NONE_IS_LEAF = False
+# Every optree call names hpfunc's registry namespace, so that hpfunc's own node types (registered
+# there by hpfunc.tree.register_node, never globally) flatten here as in the rest of hpfunc.
+# (tree_unflatten takes no namespace: the treespec carries it.)
+_NS = NAMESPACE
 
 
 def flatten(tree: Any) -> tuple[list[Any], Any]:
-    return optree.tree_flatten(tree, none_is_leaf=_NONE_IS_LEAF)
+    return optree.tree_flatten(tree, none_is_leaf=_NONE_IS_LEAF, namespace=_NS)
 
 
 def unflatten(spec: Any, leaves: Sequence[Any]) -> Any:
     return optree.tree_unflatten(spec, list(leaves))
 
 
+def structure(tree: Any) -> Any:
+    return optree.tree_structure(tree, none_is_leaf=_NONE_IS_LEAF, namespace=_NS)
+
+
 def paths(tree: Any) -> list[str]:
     """Dotted paths of the leaves of ``tree`` in flattening order."""
-    raw, _, _ = optree.tree_flatten_with_path(tree, none_is_leaf=_NONE_IS_LEAF)
+    raw, _, _ = optree.tree_flatten_with_path(tree, none_is_leaf=_NONE_IS_LEAF, namespace=_NS)
     return [path_str(p) for p in raw]
 
 
 def paths_and_leaves(tree: Any) -> tuple[list[str], list[Any], Any]:
-    raw, leaves, spec = optree.tree_flatten_with_path(tree, none_is_leaf=_NONE_IS_LEAF)
+    raw, leaves, spec = optree.tree_flatten_with_path(tree, none_is_leaf=_NONE_IS_LEAF, namespace=_NS)
     return [path_str(p) for p in raw], leaves, spec
 
 
@@ -59,8 +67,8 @@ def mismatch_message(expected: Any, found: Any, expected_name: str, found_name: 
         )
     else:
         detail = (
-            f"same leaf paths but different containers: expected {optree.tree_structure(expected)}, "
-            f"found {optree.tree_structure(found)}"
+            f"same leaf paths but different containers: expected {structure(expected)}, "
+            f"found {structure(found)}"
         )
     hint = (
         " The optimizer state must be created by init() on a tree shaped like the updates "
@@ -104,7 +112,7 @@ def resolve_leafwise(
             return resolve_leafwise(spec_or_fn(tree), tree, what=what, where=where, check=check)
     else:
         try:
-            full = optree.tree_broadcast_prefix(spec_or_fn, tree, none_is_leaf=_NONE_IS_LEAF)
+            full = optree.tree_broadcast_prefix(spec_or_fn, tree, none_is_leaf=_NONE_IS_LEAF, namespace=_NS)
         except ValueError as err:
             raise TreeMismatchError(
                 f"{where}: {what} must be a tree shaped like the params (or a prefix of it), "

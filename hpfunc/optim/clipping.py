@@ -18,17 +18,17 @@ def _local(x: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def global_norm(tree: Updates) -> torch.Tensor:
-    """The L2 norm of all leaves of ``tree`` taken together, as an fp32 (or fp64) scalar tensor.
+def global_norm(updates: Updates) -> torch.Tensor:
+    """The L2 norm of all leaves of ``updates`` taken together, as an fp32 (or fp64) scalar tensor.
 
     Each leaf's norm is computed in at least fp32. For a DTensor leaf ``torch.linalg.vector_norm``
     reduces across the mesh, so the result is the norm of the global tensor whatever its sharding;
     the returned value is always a plain tensor (identical on every rank). Inside a step run by
     :func:`hpfunc.parallelize` the leaves are this rank's blocks and the norm is that of the global
-    tensors (``tree`` must be shaped like the parameters).
+    tensors (``updates`` must be shaped like the parameters).
 
     Args:
-      tree: a pytree of tensors (plain or DTensor).
+      updates: a pytree of tensors (plain or DTensor).
 
     Returns:
       A 0-d tensor; ``0.`` for a tree without leaves.
@@ -38,7 +38,7 @@ def global_norm(tree: Updates) -> torch.Tensor:
         >>> global_norm({"a": torch.tensor([3.0]), "b": [torch.tensor([4.0])]})
         tensor(5.)
     """
-    paths, leaves, _ = _tree.paths_and_leaves(tree)
+    paths, leaves, _ = _tree.paths_and_leaves(updates)
     sq = layout.global_sq_norm(paths, leaves, "global_norm")
     if sq is not None:  # inside hpfunc.parallelize: the leaves are blocks of sharded tensors
         return sq.sqrt().to(torch.promote_types(leaves[0].dtype, torch.float32) if leaves else torch.float32)
@@ -59,6 +59,11 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     The formula, including the ``1e-6``, is that of ``torch.nn.utils.clip_grad_norm_``, so the
     two agree to rounding. Updates keep their dtype; the scale is applied even when it is 1 (no
     data-dependent branch, hence no host synchronisation).
+
+    ``optax.clip_by_global_norm`` (same name and argument) differs: it leaves the updates untouched
+    when ``norm < max_norm`` and otherwise multiplies by ``max_norm / norm``, without the ``1e-6``.
+    Above the threshold the two differ by the factor ``norm / (norm + 1e-6)``; at or barely below
+    it (``norm`` in ``(max_norm - 1e-6, max_norm)``) hpfunc scales by slightly less than 1.
 
     Args:
       max_norm: the largest global L2 norm let through.

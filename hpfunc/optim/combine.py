@@ -117,7 +117,7 @@ class PartitionState(NamedTuple):
 
 
 def partition(
-    transforms: Mapping[Hashable, GradientTransformation], labels: Any
+    transforms: Mapping[Hashable, GradientTransformation], param_labels: Any
 ) -> GradientTransformation:
     """Route each leaf to the transformation of its label.
 
@@ -126,7 +126,7 @@ def partition(
 
     Args:
       transforms: ``{label: transformation}``.
-      labels: the label of each leaf, one of
+      param_labels: the label of each leaf (optax's name), one of
 
         * a tree of labels shaped like the params, or a prefix of it;
         * a callable ``(path: str, leaf) -> label`` (two positional parameters), for routing by
@@ -165,11 +165,11 @@ def partition(
         if not ok:
             raise UnknownLabelError(
                 f"partition: the leaf at '{path}' has label {label!r}, which has no transformation; "
-                f"known labels: {', '.join(known)}. Add it to `transforms` or change the labels."
+                f"known labels: {', '.join(known)}. Add it to `transforms` or change `param_labels`."
             )
 
     def route(tree: Any) -> dict[Hashable, list[bool]]:
-        values = _tree.resolve_leafwise(labels, tree, what="labels", where="partition", check=check)
+        values = _tree.resolve_leafwise(param_labels, tree, what="param_labels", where="partition", check=check)
         return {label: [v == label for v in values] for label in transforms}
 
     def init(params: Params) -> PartitionState:

@@ -7,9 +7,11 @@ from typing import Callable, NamedTuple, Union
 import torch
 
 from hpfunc.optim import _ops, _tree
-from hpfunc.optim.base import EmptyState, GradientTransformation, Params, Updates, new_count
+from hpfunc.optim.base import EmptyState, GradientTransformation, Params, Updates, identity, new_count
 
-__all__ = ["scale", "set_to_zero", "ScaleByScheduleState", "scale_by_schedule", "scale_by_learning_rate", "ScalarOrSchedule"]
+__all__ = [
+    "scale", "set_to_zero", "ScaleByScheduleState", "scale_by_schedule", "scale_by_learning_rate", "ScalarOrSchedule"
+]
 
 ScalarOrSchedule = Union[float, Callable[[int], float]]
 
@@ -19,11 +21,11 @@ def _scaled(updates: Updates, factor: float) -> Updates:
     return _tree.unflatten(spec, _ops.mul(leaves, factor))
 
 
-def scale(factor: float) -> GradientTransformation:
-    """Multiply every update by a constant ``factor``.
+def scale(step_size: float) -> GradientTransformation:
+    """Multiply every update by a constant ``step_size`` (optax's name for the factor).
 
     Args:
-      factor: a Python number (for example ``1 / grad_accum_steps``).
+      step_size: a Python number (for example ``1 / grad_accum_steps``).
 
     Example:
         >>> import torch
@@ -31,7 +33,7 @@ def scale(factor: float) -> GradientTransformation:
         >>> tx.update({"w": torch.ones(2)}, tx.init(None))[0]
         {'w': tensor([0.5000, 0.5000])}
     """
-    factor = float(factor)
+    step_size = float(step_size)
 
     def init(params: Params) -> EmptyState:
         del params
@@ -40,7 +42,7 @@ def scale(factor: float) -> GradientTransformation:
     @torch.no_grad()
     def update(updates: Updates, state: EmptyState, params: Params | None = None):
         del params
-        return _scaled(updates, factor), state
+        return _scaled(updates, step_size), state
 
     return GradientTransformation(init, update)
 
@@ -81,11 +83,12 @@ class ScaleByScheduleState(NamedTuple):
     count: torch.Tensor
 
 
-def scale_by_schedule(schedule: Callable[[int], float]) -> GradientTransformation:
-    """Multiply the updates by ``schedule(count)``, ``count`` being the number of earlier updates.
+def scale_by_schedule(step_size_fn: Callable[[int], float]) -> GradientTransformation:
+    """Multiply the updates by ``step_size_fn(count)``, ``count`` being the number of earlier updates.
 
-    The first update uses ``schedule(0)``, matching ``torch.optim.lr_scheduler.LambdaLR`` stepped
-    after each ``optimizer.step()``.
+    The first update uses ``step_size_fn(0)``, matching ``optax.scale_by_schedule`` and
+    ``torch.optim.lr_scheduler.LambdaLR`` stepped after each ``optimizer.step()``. The count is an
+    int64 CPU tensor (optax: int32) and the schedule is called with a Python ``int``.
 
     Example:
         >>> import torch
@@ -96,8 +99,11 @@ def scale_by_schedule(schedule: Callable[[int], float]) -> GradientTransformatio
         >>> u["w"], int(state.count)
         (tensor([0.5000]), 2)
     """
-    if not callable(schedule):
-        raise TypeError(f"scale_by_schedule: expected a callable step -> float, got {type(schedule).__name__}")
+    if not callable(step_size_fn):
+        raise TypeError(
+            f"scale_by_schedule: step_size_fn must be a callable step -> float, got {type(step_size_fn).__name__}; "
+            "for a constant factor use scale(step_size)"
+        )
 
     def init(params: Params) -> ScaleByScheduleState:
         del params
@@ -106,17 +112,20 @@ def scale_by_schedule(schedule: Callable[[int], float]) -> GradientTransformatio
     @torch.no_grad()
     def update(updates: Updates, state: ScaleByScheduleState, params: Params | None = None):
         del params
-        factor = float(schedule(int(state.count)))
+        factor = float(step_size_fn(int(state.count)))
         return _scaled(updates, factor), ScaleByScheduleState(count=state.count + 1)
 
     return GradientTransformation(init, update)
 
 
-def scale_by_learning_rate(lr: ScalarOrSchedule, *, flip_sign: bool = True) -> GradientTransformation:
-    """Multiply the updates by ``-lr`` (a descent step), ``lr`` a float or a schedule ``step -> float``.
+def scale_by_learning_rate(learning_rate: ScalarOrSchedule | None = None, *, flip_sign: bool = True) -> GradientTransformation:
+    """Multiply the updates by ``-learning_rate`` (a descent step); a float or a schedule ``step -> float``.
+
+    As ``optax.scale_by_learning_rate``: ``None`` is no scaling (:func:`identity`), a callable is
+    called with the number of earlier updates.
 
     Args:
-      lr: the learning rate, or a schedule called with the number of earlier updates.
+      learning_rate: the learning rate, a schedule, or ``None``.
       flip_sign: negate the rate (default), so that ``apply_updates`` descends.
 
     Example:
@@ -125,8 +134,10 @@ def scale_by_learning_rate(lr: ScalarOrSchedule, *, flip_sign: bool = True) -> G
         >>> tx.update({"w": torch.ones(1)}, tx.init(None))[0]
         {'w': tensor([-0.1000])}
     """
+    if learning_rate is None:
+        return identity()
     sign = -1.0 if flip_sign else 1.0
-    if callable(lr):
-        schedule = lr
+    if callable(learning_rate):
+        schedule = learning_rate
         return scale_by_schedule(lambda step: sign * float(schedule(step)))
-    return scale(sign * float(lr))
+    return scale(sign * float(learning_rate))

@@ -21,7 +21,7 @@ import torch
 
 from hpfunc.train.config import Config, ConfigError, ModelConfig, OptimizerConfig, ScheduleConfig, _convert
 
-__all__ = ["build_model_config", "build_schedule", "build_optimizer", "model_dtype", "decay_mask", "check_buildable"]
+__all__ = ["build_model_config", "build_schedule", "build_optimizer", "model_dtype", "check_buildable"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 # Nested config objects are not settable from YAML yet (the preset's value is used).
@@ -79,7 +79,7 @@ def build_schedule(sc: ScheduleConfig, steps: int) -> Callable[[int], float]:
     if sc.name == "cosine":
         # The last step (steps - 1) is the one that reaches end_factor.
         total = max(steps - 1, sc.warmup_steps)
-        return schedules.linear_warmup_cosine_decay(1.0, sc.warmup_steps, total, sc.end_factor)
+        return schedules.linear_warmup_cosine_decay(0.0, 1.0, sc.warmup_steps, total, sc.end_factor)
     decay = int(round(sc.decay_fraction * steps))
     stable = steps - sc.warmup_steps - decay
     if stable < 0:
@@ -87,17 +87,8 @@ def build_schedule(sc: ScheduleConfig, steps: int) -> Callable[[int], float]:
             f"schedule.decay_fraction: warmup ({sc.warmup_steps}) plus decay ({decay} = {sc.decay_fraction} * "
             f"{steps} steps) exceed train.steps ({steps})"
         )
-    return schedules.warmup_stable_decay(1.0, sc.warmup_steps, stable, decay, sc.end_factor, decay_shape=sc.decay_shape)
-
-
-def decay_mask(path: str, leaf: torch.Tensor) -> bool:
-    """Weight decay applies to matrices and expert stacks, not to norms, biases or embeddings.
-
-    >>> decay_mask("layers.0.attn.wq", torch.zeros(4, 4)), decay_mask("embed", torch.zeros(9, 4))
-    (True, False)
-    """
-    lowered = path.lower()
-    return leaf.ndim >= 2 and "embed" not in lowered and "norm" not in lowered
+    return schedules.warmup_stable_decay(0.0, 1.0, sc.warmup_steps, stable, decay, sc.end_factor,
+                                         decay_shape=sc.decay_shape)
 
 
 def _scaled(peak: float, factor: Callable[[int], float]) -> Callable[[int], float]:
@@ -111,28 +102,37 @@ def build_optimizer(oc: OptimizerConfig, factor: Callable[[int], float]) -> tupl
     """``(optimizer, lr)``: the gradient transformation and the (AdamW) learning-rate schedule it uses.
 
     The schedule ``factor`` multiplies each peak rate (``lr``, and ``muon_lr`` for ``muon_adamw``);
-    ``clip_norm`` chains a global-norm clip in front.
+    ``clip_norm`` chains a global-norm clip in front. The model's knowledge of its parameters comes
+    from its plan module (:mod:`hpfunc.models.qwen3.parallel_plan`): ``adamw`` decays only the leaves
+    of its ``decay_mask``; ``muon_adamw`` routes by its ``adamw_when`` and decays every leaf.
 
     >>> from hpfunc.train.config import load_config_dict
     >>> tx, lr = build_optimizer(load_config_dict({"optimizer": {"lr": 0.01}}).optimizer, lambda s: 0.5)
     >>> lr(0)
     0.005
+    >>> tx, _ = build_optimizer(load_config_dict({"optimizer": {"name": "muon_adamw"}}).optimizer, lambda s: 1.0)
+    >>> state = tx.init({"embed": torch.zeros(8, 4), "layers": [{"attn": {"wq": torch.zeros(4, 4)}}]})
+    >>> from hpfunc import tree
+    >>> [path for path, _ in tree.leaves_with_paths(state[1].inner_states["muon"][0].momentum)]
+    ['layers.0.attn.wq']
     """
     from hpfunc import optim
+    from hpfunc.models.qwen3 import parallel_plan
 
     lr = _scaled(oc.lr, factor)
     b1, b2 = oc.betas
     if oc.name == "adamw":
-        tx = optim.adamw(lr, b1, b2, oc.eps, oc.weight_decay, mask=decay_mask)
+        tx = optim.adamw(lr, b1, b2, oc.eps, weight_decay=oc.weight_decay, mask=parallel_plan.decay_mask)
     else:
         tx = optim.muon_adamw(
             _scaled(oc.muon_lr, factor),
-            adamw_lr=lr,
-            momentum=oc.muon_momentum,
+            beta=oc.muon_momentum,
             weight_decay=oc.weight_decay,
-            adamw_b1=b1,
-            adamw_b2=b2,
-            adamw_eps=oc.eps,
+            adam_learning_rate=lr,
+            adam_b1=b1,
+            adam_b2=b2,
+            adam_eps=oc.eps,
+            adamw_when=parallel_plan.adamw_when,
         )
     if oc.clip_norm is not None:
         tx = optim.chain(optim.clip_by_global_norm(oc.clip_norm), tx)

@@ -72,12 +72,12 @@ def test_adamw_matches_torch(shapes, lr, b1, b2, eps, wd, use_schedule, seed):
     params0 = {k: randn(s, seed=seed + i) for i, (k, s) in enumerate(sorted(shapes.items()))}
     grads = grad_sequence(shapes, STEPS, seed)
     schedule = (
-        optim.linear_warmup_cosine_decay(lr, warmup_steps=5, total_steps=15, end_value=lr / 10)
+        optim.linear_warmup_cosine_decay(0.0, lr, warmup_steps=5, decay_steps=15, end_value=lr / 10)
         if use_schedule
         else None
     )
     hyper = dict(lr=lr, b1=b1, b2=b2, eps=eps, wd=wd, schedule=schedule)
-    tx = optim.adamw(schedule or lr, b1, b2, eps, wd)
+    tx = optim.adamw(schedule or lr, b1, b2, eps, weight_decay=wd)
 
     p64 = {k: v.double() for k, v in params0.items()}
     g64 = [{k: v.double() for k, v in g.items()} for g in grads]
@@ -170,7 +170,8 @@ def test_adamw_decay_mask():
 @pytest.mark.parametrize(
     "schedule",
     [
-        optim.warmup_stable_decay(0.05, warmup=4, stable=6, decay=8, end_value=1e-3, decay_shape="cosine"),
+        optim.warmup_stable_decay(0.0, 0.05, warmup_steps=4, stable_steps=6, decay_steps=8, end_value=1e-3,
+                                  decay_shape="cosine"),
         optim.linear(0.05, 0.0, 15, transition_begin=3),
     ],
     ids=["wsd", "linear"],
@@ -180,7 +181,7 @@ def test_adamw_schedule_matches_lambdalr(schedule):
     params0 = {k: randn(s, 10 + i, torch.float64) for i, (k, s) in enumerate(sorted(shapes.items()))}
     grads = [{k: v.double() for k, v in g.items()} for g in grad_sequence(shapes, STEPS, 3)]
     expected = run_torch(params0, grads, lr=0.05, b1=0.9, b2=0.99, eps=1e-8, wd=0.1, schedule=schedule)
-    got = run_ours(params0, grads, optim.adamw(schedule, 0.9, 0.99, 1e-8, 0.1))
+    got = run_ours(params0, grads, optim.adamw(schedule, 0.9, 0.99, 1e-8, weight_decay=0.1))
     for k in expected:
         torch.testing.assert_close(got[k], expected[k], atol=1e-12, rtol=1e-12)
 
@@ -192,7 +193,7 @@ def test_state_round_trips_through_a_flat_dict_of_paths():
     from hpfunc.tree import path_str
 
     params = {"layers": [{"wq": randn((4, 4), 0), "norm": randn((4,), 1)}], "embed": randn((6, 4), 2)}
-    tx = optim.chain(optim.clip_by_global_norm(1.0), optim.muon_adamw(0.02, adamw_lr=optim.constant(1e-3)))
+    tx = optim.chain(optim.clip_by_global_norm(1.0), optim.muon_adamw(0.02, adam_learning_rate=optim.constant(1e-3)))
     state = tx.init(params)
     grads = [{"layers": [{"wq": randn((4, 4), 3 + i), "norm": randn((4,), 4 + i)}], "embed": randn((6, 4), 5 + i)} for i in range(3)]
     for g in grads[:2]:

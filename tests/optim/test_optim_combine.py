@@ -164,29 +164,19 @@ def test_masked_rejects_non_bool_mask():
         optim.masked(optim.identity(), {"w": 1}).init({"w": torch.zeros(1)})
 
 
-def test_muon_adamw_default_routing():
+def test_muon_adamw_default_routing_reads_only_the_leaf():
+    """The generic default (optim.is_not_matrix) sends every matrix and stack to Muon, names unread:
+    embeddings, router and head included; only non-matrices go to AdamW."""
     params = model_params()
-    labels = {
-        path: ("adamw" if optim.use_adamw(path, x) else "muon") for path, x in by_path(params).items()
-    }
-    assert labels == {
-        "embed_tokens": "adamw",
-        "lm_head": "adamw",
-        "layers.0.attn.0": "muon",
-        "layers.0.attn.1": "muon",
-        "layers.0.input_norm": "adamw",
-        "layers.0.mlp.experts": "muon",
-        "layers.0.mlp.router": "adamw",
-        "layers.1.attn.0": "muon",
-        "layers.1.attn.1": "muon",
-        "layers.1.input_norm": "adamw",
-        "layers.1.mlp.experts": "muon",
-        "layers.1.mlp.router": "adamw",
-    }
+    labels = {path: ("adamw" if optim.is_not_matrix(path, x) else "muon") for path, x in by_path(params).items()}
+    assert {p for p, label in labels.items() if label == "adamw"} == {"layers.0.input_norm", "layers.1.input_norm"}
+    renamed = {"a": params["embed_tokens"], "b": params["layers"][0]["input_norm"]}  # names do not matter
+    assert [optim.is_not_matrix(p, x) for p, x in renamed.items()] == [False, True]
     torch.manual_seed(1)
     grads = grads_like(params)
-    tx = optim.muon_adamw(0.02, adamw_lr=1e-3, weight_decay=0.1)
+    tx = optim.muon_adamw(0.02, weight_decay=0.1, adam_learning_rate=1e-3)
     got, state = run(tx, params, grads)
+    assert set(by_path(state.inner_states["muon"][0].momentum)) == {p for p, v in labels.items() if v == "muon"}
     muon_alone = optim.muon(0.02, weight_decay=0.1)
     adam_alone = optim.adamw(1e-3, b1=0.9, b2=0.95, weight_decay=0.1)
     for path, value in by_path(got).items():
@@ -194,6 +184,46 @@ def test_muon_adamw_default_routing():
         seq = [{path: by_path(g)[path]} for g in grads]
         expected = run(muon_alone if labels[path] == "muon" else adam_alone, sub, seq)[0][path]
         assert torch.equal(value, expected), path
+
+
+def test_muon_adamw_adam_hyperparameters_reach_adamw():
+    """adam_b1/adam_b2/adam_eps/adam_eps_root/adam_weight_decay/adam_learning_rate configure the AdamW
+    half exactly like adamw(...) with the same values; beta/eps/weight_decay configure Muon."""
+    params = {"w": randn((4, 6), 0), "v": randn((5,), 1)}
+    torch.manual_seed(2)
+    grads = grads_like(params, 4)
+    tx = optim.muon_adamw(0.03, (3.0, -4.0, 2.0), 3, 0.8, 1e-6, 0.05, adam_b1=0.7, adam_b2=0.9, adam_eps=1e-3,
+                          adam_eps_root=1e-4, adam_weight_decay=0.2, adam_learning_rate=1e-2)
+    got = run(tx, params, grads)[0]
+    want_v = run(optim.adamw(1e-2, 0.7, 0.9, 1e-3, 1e-4, weight_decay=0.2), {"v": params["v"]},
+                 [{"v": g["v"]} for g in grads])[0]["v"]
+    want_w = run(optim.muon(0.03, (3.0, -4.0, 2.0), 3, 0.8, 1e-6, 0.05), {"w": params["w"]},
+                 [{"w": g["w"]} for g in grads])[0]["w"]
+    assert torch.equal(got["v"], want_v) and torch.equal(got["w"], want_w)
+
+
+@pytest.mark.parametrize(
+    "mask", [lambda path, x: path != "layers.0.input_norm" and path != "embed_tokens",
+             {"embed_tokens": False, "layers": [{"input_norm": False, "attn": True, "mlp": True}, True],
+              "lm_head": True}],
+    ids=["path_leaf", "tree"],
+)
+def test_muon_adamw_weight_decay_mask_applies_to_both_halves(mask):
+    params = model_params()
+    zeros = optree.tree_map(torch.zeros_like, params)
+    tx = optim.muon_adamw(0.1, weight_decay=0.5, weight_decay_mask=mask, adam_learning_rate=0.1)
+    updates, _ = tx.update(zeros, tx.init(params), params)
+    u = by_path(updates)
+    # A zero gradient: Newton-Schulz of 0 is 0 and Adam's direction is 0, so what is left is the decay.
+    for path, p in by_path(params).items():
+        decayed = path not in ("layers.0.input_norm", "embed_tokens")
+        expected = -0.1 * 0.5 * p if decayed else torch.zeros_like(p)
+        torch.testing.assert_close(u[path], expected, rtol=1e-6, atol=0, msg=lambda m: f"{path}: {m}")
+
+
+def test_muon_adamw_rejects_non_callable_routing():
+    with pytest.raises(TypeError, match="adamw_when must be a callable"):
+        optim.muon_adamw(0.02, adamw_when={"w": True})
 
 
 def test_muon_adamw_custom_predicate():

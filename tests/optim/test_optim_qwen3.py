@@ -1,4 +1,5 @@
-"""muon_adamw trains the tiny Qwen3-MoE end to end, with the expert bias frozen by a nested partition."""
+"""muon_adamw trains the tiny Qwen3-MoE end to end with Qwen3's own routing
+(``qwen3.parallel_plan.adamw_when``), the expert bias frozen by a nested partition."""
 
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ def test_muon_adamw_trains_qwen3_moe_tiny():
     tx = optim.chain(
         optim.clip_by_global_norm(1.0),
         optim.partition(
-            {"train": optim.muon_adamw(0.02, adamw_lr=3e-3, weight_decay=0.01), "frozen": optim.set_to_zero()},
+            {"train": optim.muon_adamw(0.02, weight_decay=0.01, adam_learning_rate=3e-3,
+                                       adamw_when=qwen3.parallel_plan.adamw_when),
+             "frozen": optim.set_to_zero()},
             lambda path, x: "frozen" if path.endswith("expert_bias") else "train",
         ),
     )

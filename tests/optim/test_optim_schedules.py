@@ -23,31 +23,32 @@ def test_linear_boundaries():
 
 
 def test_linear_warmup_cosine_decay_boundaries():
-    f = optim.linear_warmup_cosine_decay(1e-3, warmup_steps=100, total_steps=1100, end_value=1e-5)
+    f = optim.linear_warmup_cosine_decay(0.0, 1e-3, warmup_steps=100, decay_steps=1100, end_value=1e-5)
     assert f(0) == 0.0
     assert math.isclose(f(50), 5e-4)
     assert f(100) == 1e-3
     assert math.isclose(f(600), (1e-3 + 1e-5) / 2)  # half way through the cosine
     assert f(1100) == f(5000) == 1e-5
     assert all(f(s) >= f(s + 1) for s in range(100, 1100))  # monotone decay
-    g = optim.linear_warmup_cosine_decay(1.0, warmup_steps=0, total_steps=10, init_value=0.5)
+    g = optim.linear_warmup_cosine_decay(0.5, 1.0, warmup_steps=0, decay_steps=10)
     assert g(0) == 1.0  # no warmup: starts at the peak
 
 
 def test_warmup_stable_decay_boundaries():
     for shape in ("linear", "cosine", "1-sqrt"):
-        f = optim.warmup_stable_decay(2.0, warmup=10, stable=20, decay=10, end_value=0.2, decay_shape=shape)
+        f = optim.warmup_stable_decay(0.0, 2.0, warmup_steps=10, stable_steps=20, decay_steps=10, end_value=0.2,
+                                      decay_shape=shape)
         assert f(0) == 0.0 and math.isclose(f(5), 1.0)
         assert f(10) == f(20) == f(29) == f(30) == 2.0
         assert 0.2 < f(35) < 2.0
         assert f(40) == f(100) == 0.2
-    assert math.isclose(optim.warmup_stable_decay(1.0, 0, 0, 4, decay_shape="1-sqrt")(1), 0.5)
+    assert math.isclose(optim.warmup_stable_decay(0.0, 1.0, 0, 0, 4, decay_shape="1-sqrt")(1), 0.5)
 
 
 def test_schedule_argument_errors():
-    with pytest.raises(ValueError, match="total_steps"):
-        optim.linear_warmup_cosine_decay(1.0, warmup_steps=10, total_steps=5)
+    with pytest.raises(ValueError, match="decay_steps .* warmup included"):
+        optim.linear_warmup_cosine_decay(0.0, 1.0, warmup_steps=10, decay_steps=5)
     with pytest.raises(ValueError, match="decay_shape"):
-        optim.warmup_stable_decay(1.0, 1, 1, 1, decay_shape="exp")
-    with pytest.raises(ValueError, match="warmup"):
-        optim.warmup_stable_decay(1.0, -1, 1, 1)
+        optim.warmup_stable_decay(0.0, 1.0, 1, 1, 1, decay_shape="exp")
+    with pytest.raises(ValueError, match="warmup_steps"):
+        optim.warmup_stable_decay(0.0, 1.0, -1, 1, 1)

@@ -109,7 +109,7 @@ def test_aux_loss_coef_enters_objective(setup):
 def test_dense_model_and_muon_adamw():
     cfg = qwen3.preset("qwen3-dense-tiny")
     params = qwen3.init(random.key(0), cfg)
-    tx = optim.muon_adamw(0.02, adamw_lr=3e-3)
+    tx = optim.muon_adamw(0.02, adam_learning_rate=3e-3)
     state = init_train_state(params, tx)
     batch = {"tokens": random.randint(random.key(2), (2, 16), 0, 256)}
     state, metrics = make_train_step(cfg, tx, expert_bias_rate=1e-3)(state, batch)

@@ -52,7 +52,7 @@ from hpfunc.layout import (ColwiseParallel, RowwiseParallel, SequenceParallel, S
 from hpfunc.models.config import Qwen3Config
 from hpfunc.models.qwen3 import model as _model
 
-__all__ = ["tp_styles", "apply", "loss"]
+__all__ = ["tp_styles", "apply", "loss", "adamw_when", "decay_mask"]
 
 
 def tp_styles(cfg: Qwen3Config, *, vocab_parallel: bool = False, sequence_parallel: bool = False) -> dict[str, Style]:
@@ -177,3 +177,55 @@ def loss(params: dict, batch: dict, cfg: Qwen3Config, *, moe_impl: str = "auto")
     if hooks:
         hooks["cross_entropy"] = functools.partial(_cross_entropy, cfg=cfg)
     return _model.loss(params, batch, cfg, moe_impl=moe_impl, **hooks)
+
+
+# ---- Optimizer routing ---------------------------------------------------------------------------
+# What Qwen3 knows about its parameters that a generic optimizer cannot: which matrices Muon should
+# leave to AdamW, and which parameters take weight decay. hpfunc.optim reads no parameter names; pass
+# these to it (``optim.muon_adamw(..., adamw_when=adamw_when)``, ``optim.adamw(..., mask=decay_mask)``),
+# as ``hpfunc.train.build.build_optimizer`` does.
+
+_ADAMW_PATH_KEYWORDS = ("embed", "lm_head", "norm", "router")  # anywhere in the lower-cased path
+_ADAMW_PATH_COMPONENTS = ("gate", "head", "output", "bias")  # as a whole dotted component
+
+
+def adamw_when(path: str, leaf: torch.Tensor) -> bool:
+    """True for the Qwen3 parameters that AdamW, not Muon, should update in ``optim.muon_adamw``.
+
+    AdamW takes every leaf that is not a matrix or a stack of matrices (``ndim`` not 2 or 3: norms,
+    the MoE expert bias), and every matrix whose lower-cased dotted path contains ``embed``,
+    ``lm_head``, ``norm`` or ``router``, or has ``gate``, ``head``, ``output`` or ``bias`` as a whole
+    component (``mlp.gate`` is the MoE router in the Hugging Face layout; ``gate_proj`` and
+    ``w_gate`` are not matched). Muon takes the rest: attention and MLP matrices and the stacked
+    experts ``[E, out, in]``.
+
+    >>> import torch
+    >>> adamw_when("layers.0.attn.wq", torch.zeros(4, 4)), adamw_when("embed", torch.zeros(9, 4))
+    (False, True)
+    >>> adamw_when("layers.0.moe.router", torch.zeros(8, 4)), adamw_when("layers.0.moe.experts.w_up", torch.zeros(8, 2, 4))
+    (True, False)
+    >>> adamw_when("layers.0.mlp.gate", torch.zeros(8, 4)), adamw_when("layers.0.mlp.gate_proj", torch.zeros(8, 4))
+    (True, False)
+    >>> adamw_when("layers.0.attn_norm", torch.ones(4)), adamw_when("lm_head", torch.zeros(9, 4))
+    (True, True)
+    """
+    if leaf.ndim not in (2, 3):
+        return True
+    lowered = path.lower()
+    if any(k in lowered for k in _ADAMW_PATH_KEYWORDS):
+        return True
+    return any(c in _ADAMW_PATH_COMPONENTS for c in lowered.split("."))
+
+
+def decay_mask(path: str, leaf: torch.Tensor) -> bool:
+    """True for the Qwen3 parameters that take weight decay: matrices and expert stacks, not norms,
+    biases or embeddings (``optim.adamw(..., mask=decay_mask)``).
+
+    >>> import torch
+    >>> decay_mask("layers.0.attn.wq", torch.zeros(4, 4)), decay_mask("embed", torch.zeros(9, 4))
+    (True, False)
+    >>> decay_mask("layers.0.attn.q_norm", torch.ones(4)), decay_mask("layers.0.moe.experts.w_up", torch.zeros(8, 2, 4))
+    (False, True)
+    """
+    lowered = path.lower()
+    return leaf.ndim >= 2 and "embed" not in lowered and "norm" not in lowered
