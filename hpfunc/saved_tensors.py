@@ -20,7 +20,8 @@ Unpacking runs the same layers back: each layer's :meth:`Layer.unpack` receives 
 outside every ``with`` block.
 
 A layer that only claims tensors (it never changes one it is handed) sets ``needs_hooks = False``:
-it joins the stack without installing torch hooks, so it costs nothing unless a layer inside it does.
+it joins the stack without installing torch hooks, so it costs nothing unless a layer inside or
+outside it needs them (then the hooks installed run the whole stack, its claims included).
 
 Inside a recomputed region (:func:`recompute_region`, entered by ``remat``) torch's checkpoint owns
 every tensor saved: nothing is kept to move, so layers pushed there install no hooks.
@@ -139,7 +140,10 @@ def layer(lay: Layer) -> Iterator[Layer]:
     chain = _STACK.get() + (lay,)
     token = _STACK.set(chain)
     try:
-        if lay.needs_hooks and _RECOMPUTE.get() is None:
+        # Hooks run the chain they were installed with: when a layer outward has hooks installed,
+        # this one must install the longer chain too, or tensors saved here would never be asked
+        # about (a claim-only layer's ``owns`` ignored under an outer recorder or offload).
+        if any(x.needs_hooks for x in chain) and _RECOMPUTE.get() is None:
             with torch.autograd.graph.saved_tensors_hooks(_pack_with(chain), _unpack):
                 yield lay
         else:

@@ -1,17 +1,25 @@
 """Measure what a forward pass keeps alive for backward: bytes per policy, per name, per mechanism.
 
-:func:`saved_activations` runs ``fn`` once (forward only) and reports every storage kept for
-backward, deduplicated by storage, with the mechanism that keeps it:
+:func:`saved_activations` runs ``fn`` once (forward only) on copies of its arguments and measures
+**storage liveness**: every storage created during the forward (and the copied arguments) is logged
+weakly; after the forward, with the outputs dropped and only their autograd graph kept, the storages
+still alive are what the graph keeps for backward. Each is counted once, whatever number of views
+refer to it, and labelled with the mechanism that keeps it where one reported it:
 
-* ``saved``: saved by autograd (seen by a ``saved_tensors_hooks`` pack hook), kept on device;
+* ``saved``: saved by autograd, kept on device (seen by the recorder's saved-tensor layer);
 * ``remat_input``: an input of a ``remat`` region, kept for its recompute;
 * ``cached``: an op output cached by selective checkpointing (these bypass saved-tensor hooks;
-  remat's cache reports them as it stores them);
-* ``offloaded``: moved to host memory by ``offload`` or an ``OFFLOAD`` policy decision.
+  remat's cache labels them as it stores them);
+* ``offloaded``: a host buffer of ``offload`` or of an ``OFFLOAD`` policy decision (per device
+  storage it holds);
+* ``other``: alive, but reported by no mechanism (an autograd Function's ``ctx`` attribute, a leak).
+
+The labels never change the count: a storage a transform claims to have moved but that is still
+alive counts on device (and its host copy on host).
 
 It works on real tensors and on fake ones (``FakeTensorMode``, at real shapes, no memory used).
 Values of arguments listed in ``state_argnums`` (parameters) are model state, not activations, and
-are reported apart (``state_bytes``).
+are reported apart (``state_bytes``: the state storages the graph keeps).
 
 Example:
     >>> import torch
@@ -19,8 +27,10 @@ Example:
     >>> def layer(w, x):
     ...     return torch.tanh(x @ w).sum()
     >>> r = saved_activations(layer, torch.ones(4, 4), torch.ones(2, 4), state_argnums=(0,))
-    >>> r.device_bytes   # x (kept for dw) and tanh's output (kept for its own backward): 2 * 2*4*4 bytes
+    >>> r.device_bytes   # x (kept for dw) and tanh's output (kept for its own backward): 2 x (2*4 fp32)
     64
+    >>> r.by_kind(), r.state_bytes   # w is kept for dx: state
+    ({'saved': 64}, 64)
 """
 
 from __future__ import annotations
@@ -30,7 +40,12 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from hpfunc.memory._record import Entry, Recorder, name_scope, recording, storage_key
+from hpfunc import saved_tensors
+from hpfunc import tree as _tree
+from hpfunc.memory._names import name_scope
+from hpfunc.memory._recorder import Entry, Recorder
+from hpfunc.memory._storage import local, storage_key, tensors_in
+from hpfunc.transforms.policies import as_policy
 
 __all__ = ["saved_activations", "SavedReport", "Entry"]
 
@@ -45,12 +60,12 @@ class SavedReport:
 
     @property
     def device_bytes(self) -> int:
-        """Activation bytes resident in device memory (saved, cached or kept as remat inputs)."""
+        """Activation bytes alive in device memory after the forward (every kind but ``offloaded``)."""
         return sum(e.nbytes for e in self.entries if e.where == "device")
 
     @property
     def host_bytes(self) -> int:
-        """Activation bytes moved to host memory by offload."""
+        """Bytes of the host buffers of offload alive after the forward."""
         return sum(e.nbytes for e in self.entries if e.where == "host")
 
     @property
@@ -67,6 +82,7 @@ class SavedReport:
         return out
 
     def by_kind(self) -> dict[str, int]:
+        """Bytes per mechanism (``saved``, ``remat_input``, ``cached``, ``offloaded``, ``other``)."""
         out: dict[str, int] = {}
         for e in self.entries:
             out[e.kind] = out.get(e.kind, 0) + e.nbytes
@@ -82,15 +98,10 @@ class SavedReport:
         return "\n".join(rows)
 
 
-def _producer_mode(rec: Recorder) -> Any:
-    from hpfunc.transforms.offload import _ProducerMode
-
-    return _ProducerMode(rec.producers, {})
-
 
 def saved_activations(fn: Callable, *args: Any, policy: Any = None, state_argnums: Sequence[int] = (),
                       **kwargs: Any) -> SavedReport:
-    """Run ``fn(*args, **kwargs)`` forward and report the bytes kept for its backward.
+    """Run ``fn(*args, **kwargs)`` forward and report the bytes its autograd graph keeps alive.
 
     Args:
         fn: the function to measure (it may contain ``remat``, ``offload`` and ``checkpoint_name``).
@@ -98,36 +109,55 @@ def saved_activations(fn: Callable, *args: Any, policy: Any = None, state_argnum
         state_argnums: positions of arguments that are model state (parameters): their bytes are
             reported as ``state_bytes`` and left out of the activation totals.
 
-    Floating-point tensor arguments are made to require grad (as in training, where the layer
-    input carries a gradient), so autograd saves what it would save in a training step.
+    Every tensor in ``args`` and ``kwargs`` is copied into a storage of its own (so that what keeps it
+    alive afterwards is the graph, not the caller); floating-point copies require grad (as in
+    training, where the layer input carries a gradient), so autograd saves what it would save in a
+    training step. The copies are leaves: like the caller's data and parameters, ``offload`` keeps
+    them where they are. The same tensor passed twice is copied once (different views of one
+    storage are copied apart).
     """
-    from hpfunc import tree as _tree
-    from hpfunc.transforms.remat import as_policy, remat
+    from hpfunc.transforms.remat import remat  # remat builds on this package: imported when asked for
 
     measured = remat(fn, policy=policy) if policy is not None else fn
     label = str(as_policy(policy)) if policy is not None else "no remat"
+    rec = Recorder()
+    copies: dict[int, torch.Tensor] = {}
 
     def prep(x: Any) -> Any:
-        if isinstance(x, torch.Tensor) and x.is_floating_point():
-            return x.detach().requires_grad_(True)
-        return x
+        if not isinstance(x, torch.Tensor):
+            return x
+        y = copies.get(id(x))
+        if y is None:
+            y = x.detach().clone()
+            if y.is_floating_point() or y.is_complex():
+                y.requires_grad_(True)
+            copies[id(x)] = y
+            rec.track(y)
+        return y
 
     args = tuple(_tree.tree_map(prep, a) for a in args)
-    state_keys = {storage_key(x) for i in state_argnums for x in _tree.leaves(args[i]) if isinstance(x, torch.Tensor)}
-    rec = Recorder()
+    kwargs = {k: _tree.tree_map(prep, v) for k, v in kwargs.items()}
+    state_keys = {storage_key(x) for i in state_argnums for x in tensors_in(args[i])}
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        from hpfunc.memory._record import current_scope
-
-        scope = current_scope()
-        rec.record(t, kind="saved", where="device", name=scope.name_of(t) if scope else None)
-        return t.detach()  # not t itself: a saved output would then keep its own graph alive (a cycle)
-
-    with torch.enable_grad(), recording(rec), name_scope():
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _producer_mode(rec):
-            out = measured(*args, **kwargs)
-        alive = rec.alive()
-    del out
+    with torch.enable_grad(), name_scope() as names, saved_tensors.layer(rec), rec.producing():
+        out = measured(*args, **kwargs)
+    # Keep the graph, not the outputs: an output's storage counts only if the graph keeps it too (a
+    # saved result, tanh's), not because this function holds the output.
+    graph = [t.grad_fn for t in tensors_in(out) if t.grad_fn is not None]
+    del out, args, kwargs
+    # The copies are leaves, and autograd's AccumulateGrad node of a leaf holds that very tensor: it
+    # would keep every copy alive, used or not (in training the layer input is the previous layer's
+    # output, which nothing holds once the graph saved what it needs). Point the copies at empty
+    # storages: an argument's storage then stays alive only through what the graph saved (detached
+    # tensors, views, cache entries: other tensors on the same storage). A DTensor's memory is its
+    # local block's: that is the tensor repointed.
+    for y in copies.values():
+        if y.requires_grad:
+            owner = local(y)
+            owner.data = owner.new_empty(0)
+    copies.clear()
+    alive = rec.measure(names)
+    del graph
     entries = [e for k, e in alive if k not in state_keys]
     state = [e for k, e in alive if k in state_keys]
     return SavedReport(entries, state, label)
