@@ -46,8 +46,9 @@ def newton_schulz(
     ``[0.7, 1.2]``, which is what Muon wants (speed over precision).
 
     Each iteration is two fused multiply-adds (``torch.addmm`` / ``torch.baddbmm``) in the op order of
-    ``torch.optim.Muon``'s iteration, so that in bf16 a matrix gets the same bits as there (its
-    normalisation differs only for norms near ``eps``, see ``docs/optim.md``).
+    ``torch.optim.Muon``'s iteration, so that in bf16 a matrix gets the same bits as there (checked on
+    the CPU; the normalisation differs only for norms within a few hundred ``eps``, see
+    ``docs/optim.md``).
 
     Differences from ``optax.contrib.orthogonalize_via_newton_schulz``: one ``(a, b, c)`` triple for
     every step (no per-step coefficient table), no ``preconditioning`` choice (always Frobenius),
