@@ -1,8 +1,9 @@
 """Collection of the docstring examples under hpfunc/ (``--doctest-modules``, see pyproject.toml).
 
-A module that imports a package of an optional extra (``hpfunc.testing.strategies`` needs
-``hypothesis`` from ``[test]``) is skipped, with the package and the install command as the reason,
-when that package is not installed. Any other import error stays a collection error.
+Only modules under hpfunc/ are searched for examples (not the test files). A module that imports a
+package of an optional extra (``hpfunc.testing.strategies`` needs ``hypothesis`` from ``[test]``) is
+skipped, with the package and the install command as the reason, when that package is not
+installed. Any other import error stays a collection error.
 """
 
 from __future__ import annotations
@@ -13,8 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from _pytest.doctest import DoctestModule
-from _pytest.reports import CollectReport
+from _pytest.doctest import DoctestModule  # not exported by pytest; the class --doctest-modules collects with
 
 ROOT = Path(__file__).resolve().parent
 PACKAGE = ROOT / "hpfunc"
@@ -65,9 +65,13 @@ def _lineno(err: BaseException, path: Path) -> int:
 
 
 @pytest.hookimpl(tryfirst=True)
-def pytest_make_collect_report(collector: pytest.Collector) -> CollectReport | None:
-    if not isinstance(collector, DoctestModule) or not collector.path.is_relative_to(PACKAGE):
+def pytest_make_collect_report(collector: pytest.Collector) -> pytest.CollectReport | None:
+    if not isinstance(collector, DoctestModule):
         return None
+    if not collector.path.is_relative_to(PACKAGE):
+        # Test files hold no doctests: not importing them a second time for it keeps each of their import
+        # errors reported once (by their test module).
+        return pytest.CollectReport(collector.nodeid, "passed", None, [])
     name = _module_name(collector.path)
     try:
         importlib.import_module(name)
@@ -77,8 +81,8 @@ def pytest_make_collect_report(collector: pytest.Collector) -> CollectReport | N
             extra = OPTIONAL[missing]
             reason = (f"Skipped: doctests of {name} not run: it needs {missing!r}, from the optional extra "
                       f"[{extra}], which is not installed (pip install -e \".[{extra}]\")")
-            return CollectReport(collector.nodeid, "skipped", (str(collector.path), _lineno(err, collector.path), reason),
-                                 [])
+            where = (str(collector.path), _lineno(err, collector.path), reason)
+            return pytest.CollectReport(collector.nodeid, "skipped", where, [])
     except Exception:
         pass  # pytest's own import reports it as a collection error
     return None
