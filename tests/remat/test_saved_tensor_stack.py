@@ -335,8 +335,8 @@ def _wrap(kind: str, names: frozenset):
     return lambda f: R.remat(f)
 
 
-wrap_st = st.builds(_wrap, st.sampled_from(["offload_names", "offload_all", "offload_dots", "remat_names",
-                                            "remat_swap", "remat_full"]),
+wrap_st = st.tuples(st.sampled_from(["offload_names", "offload_all", "offload_dots", "remat_names", "remat_swap",
+                                      "remat_full"]),
                     st.frozensets(st.sampled_from(NAMES), min_size=1))
 
 
@@ -345,8 +345,8 @@ wrap_st = st.builds(_wrap, st.sampled_from(["offload_names", "offload_all", "off
 def test_any_nesting_order_keeps_gradients_bit_exact(wraps, owner, seed):
     ps, x = setup(layers=2, seed=seed)
     layer = block
-    for w in wraps:
-        layer = w(layer)
+    for kind, names in wraps:
+        layer = _wrap(kind, names)(layer)
     own = ParameterOwner() if owner else None
 
     def loss(ps, x):
@@ -359,9 +359,39 @@ def test_any_nesting_order_keeps_gradients_bit_exact(wraps, owner, seed):
         assert_equal_trees(reference(ps, x), grads(loss, ps, x))
         r = saved_activations(loss, ps, x, state_argnums=(0,))
         none = saved_activations(lambda ps, x: stack_loss(ps, x, CFG), ps, x, state_argnums=(0,))
-    # whatever the nesting, nothing is kept twice: at most what no transform keeps, plus the
-    # gathered copies of the weights (the owner keeps them; without one the step's "gather" makes
-    # them too; a remat region's inputs are among these and the layer inputs autograd saves anyway)
-    weights = 2 * sum(v.numel() * v.element_size() for v in ps[0].values())
-    padding = 64 * len(r.entries)  # host buffers shared by small storages align each one
-    assert r.device_bytes + r.host_bytes <= none.device_bytes + weights + padding
+    # With at most one selective remat in the stack, nothing is kept twice: at most what no
+    # transform keeps, plus the gathered copies of the weights (the owner keeps them; without one the
+    # step's "gather" makes them too; a remat region's inputs are among these and the layer inputs
+    # autograd saves anyway). Two selective remats keep both caches (torch's nesting, see
+    # test_nested_selective_remat_keeps_both_caches).
+    if sum(kind in ("remat_names", "remat_swap") for kind, _ in wraps) <= 1:
+        weights = 2 * sum(v.numel() * v.element_size() for v in ps[0].values())
+        padding = 64 * len(r.entries)  # host buffers shared by small storages align each one
+        assert r.device_bytes + r.host_bytes <= none.device_bytes + weights + padding
+
+
+def test_nested_selective_remat_keeps_both_caches():
+    # torch's nested checkpoint: the inner region's selective cache is made during the outer
+    # forward and read when backward recomputes the inner region, so it stays alive under an outer
+    # full recompute (JAX would keep the outer region's inputs only). Two offloading policies that
+    # name the same value each keep a host copy of it.
+    ps, x = setup()
+    f = lambda p, x: block(p, x + 1, CFG)  # noqa: E731 -- the region input made inside, 1 KiB
+    swap_k = R.save_and_offload_only_these_names(names_which_can_be_offloaded=["k"])
+
+    def measure(fn):
+        r = saved_activations(fn, ps[0], x, state_argnums=(0,))
+        return r.device_bytes, r.host_bytes
+
+    inp, k = x.numel() * 4, named_bytes_of(["k"])
+    dots = measure(R.remat(f, policy=R.dots_saveable))
+    assert measure(R.remat(R.remat(f))) == (inp, 0)
+    assert measure(R.remat(R.remat(f, policy=R.dots_saveable))) == dots
+    assert measure(R.remat(R.remat(f), policy=R.dots_saveable)) == dots
+    assert measure(R.remat(R.remat(f, policy=swap_k), policy=swap_k)) == (inp, 2 * k)
+
+
+def named_bytes_of(names):
+    ps, x = setup()
+    by = saved_activations(block, ps[0], x, CFG, state_argnums=(0,)).by_name()
+    return sum(by[n] for n in names)
