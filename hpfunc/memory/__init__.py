@@ -45,7 +45,6 @@ from hpfunc import tree as _tree
 from hpfunc.memory._names import name_scope
 from hpfunc.memory._recorder import Entry, Recorder
 from hpfunc.memory._storage import local, storage_key, tensors_in
-from hpfunc.transforms.policies import as_policy
 
 __all__ = ["saved_activations", "SavedReport", "Entry"]
 
@@ -116,7 +115,9 @@ def saved_activations(fn: Callable, *args: Any, policy: Any = None, state_argnum
     them where they are. The same tensor passed twice is copied once (different views of one
     storage are copied apart).
     """
-    from hpfunc.transforms.remat import remat  # remat builds on this package: imported when asked for
+    # The transforms build on this package: they are imported when a policy asks for one.
+    from hpfunc.transforms.policies import as_policy
+    from hpfunc.transforms.remat import remat
 
     measured = remat(fn, policy=policy) if policy is not None else fn
     label = str(as_policy(policy)) if policy is not None else "no remat"
@@ -145,19 +146,24 @@ def saved_activations(fn: Callable, *args: Any, policy: Any = None, state_argnum
     # saved result, tanh's), not because this function holds the output.
     graph = [t.grad_fn for t in tensors_in(out) if t.grad_fn is not None]
     del out, args, kwargs
-    # The copies are leaves, and autograd's AccumulateGrad node of a leaf holds that very tensor: it
-    # would keep every copy alive, used or not (in training the layer input is the previous layer's
-    # output, which nothing holds once the graph saved what it needs). Point the copies at empty
-    # storages: an argument's storage then stays alive only through what the graph saved (detached
-    # tensors, views, cache entries: other tensors on the same storage). A DTensor's memory is its
-    # local block's: that is the tensor repointed.
-    for y in copies.values():
-        if y.requires_grad:
-            owner = local(y)
-            owner.data = owner.new_empty(0)
-    copies.clear()
+    _release(copies)
     alive = rec.measure(names)
     del graph
     entries = [e for k, e in alive if k not in state_keys]
     state = [e for k, e in alive if k in state_keys]
     return SavedReport(entries, state, label)
+
+
+def _release(copies: dict[int, torch.Tensor]) -> None:
+    """Drop this function's hold on the argument copies (a function: no loop variable outlives it)."""
+    # The copies that require grad are leaves, and autograd's AccumulateGrad node of a leaf holds that
+    # very tensor: it would keep every such copy alive, used or not (in training the layer input is the
+    # previous layer's output, which nothing holds once the graph saved what it needs). Point them at
+    # empty storages: an argument's storage then stays alive only through what the graph saved
+    # (detached tensors, views, cache entries: other tensors on the same storage). A DTensor's memory
+    # is its local block's: that is the tensor repointed.
+    for y in copies.values():
+        if y.requires_grad:
+            owner = local(y)
+            owner.data = owner.new_empty(0)
+    copies.clear()

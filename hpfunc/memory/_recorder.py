@@ -13,6 +13,15 @@ Kinds: ``saved`` (seen by this layer's pack: autograd saved it and the layers in
 ``remat_input`` (an input a remat region keeps for its recompute), ``cached`` (a selective-checkpoint
 cache entry; these bypass saved-tensor hooks), ``offloaded`` (a host buffer of ``offload`` or of an
 ``OFFLOAD`` decision) and ``other`` (alive, but no mechanism reported it).
+
+What the log does not see, checked on torch 2.13 by listing every Python-reachable tensor alive
+after a forward against the log: only storages created outside the dispatcher. The one kept for
+backward is ``torch.utils.checkpoint``'s RNG snapshot (``torch.get_rng_state()``: 5056 bytes per remat
+region with ``preserve_rng_state``, a real CPU tensor even under ``FakeTensorMode``; with CUDA also each
+device's generator state, as CPU tensors), which is bookkeeping of the recompute, not an activation,
+and is not counted. The checkpoint's other internals are empty tensors (``_NoopSaveInputs``' dummy:
+0 bytes, left out). Constants made by ``torch.tensor(...)`` are seen (``lift_fresh``), and SDPA's
+logsumexp is an op output saved by its backward, counted as ``saved``.
 """
 
 from __future__ import annotations

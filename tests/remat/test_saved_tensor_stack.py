@@ -290,6 +290,17 @@ def test_storages_kept_outside_hooks_still_count():
     assert r.by_kind() == {"other": 3 * 5 * 4}
 
 
+def test_arguments_count_only_if_the_graph_keeps_them():
+    # The argument copies are dropped before measuring: an index tensor counts when embedding saves
+    # it, not when it is unused; a float argument used without being saved does not count either.
+    w, idx = torch.randn(10, 4), torch.tensor([1, 2, 3])
+    kept = saved_activations(lambda w, x, i: torch.nn.functional.embedding(i, w).sum() + x.sum(), w,
+                             torch.ones(5), idx, state_argnums=(0,))
+    assert kept.by_kind() == {"saved": 3 * 8} and kept.state_bytes == 0  # the gradient of w needs no w
+    unused = saved_activations(lambda w, x, i: (w * 2).sum() + x.sum(), w, torch.ones(5), idx, state_argnums=(0,))
+    assert unused.entries == [] and unused.state_bytes == 0
+
+
 class _ClaimsToMove(saved_tensors.Layer):
     """A layer that says (to the recorder) it moved every tensor, and keeps them all on device."""
 
