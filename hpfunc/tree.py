@@ -74,14 +74,16 @@ def map_with_path(
     )
 
 
-def tree_map(fn: Callable[..., Any], tree: Any, *rest: Any, is_leaf: Callable[[Any], bool] | None = None) -> Any:
-    """``optree.tree_map`` with hpfunc's conventions (``None`` is an empty subtree)."""
-    return optree.tree_map(fn, tree, *rest, is_leaf=is_leaf, none_is_leaf=NONE_IS_LEAF, namespace=NAMESPACE)
+def tree_map(fn: Callable[..., Any], tree: Any, *rest: Any, is_leaf: Callable[[Any], bool] | None = None,
+             none_is_leaf: bool = NONE_IS_LEAF) -> Any:
+    """``optree.tree_map`` with hpfunc's conventions (``None`` is an empty subtree unless ``none_is_leaf``)."""
+    return optree.tree_map(fn, tree, *rest, is_leaf=is_leaf, none_is_leaf=none_is_leaf, namespace=NAMESPACE)
 
 
-def flatten(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> tuple[list[Any], Any]:
+def flatten(tree: Any, is_leaf: Callable[[Any], bool] | None = None,
+            none_is_leaf: bool = NONE_IS_LEAF) -> tuple[list[Any], Any]:
     """Return ``(leaves, treespec)``."""
-    return optree.tree_flatten(tree, is_leaf=is_leaf, none_is_leaf=NONE_IS_LEAF, namespace=NAMESPACE)
+    return optree.tree_flatten(tree, is_leaf=is_leaf, none_is_leaf=none_is_leaf, namespace=NAMESPACE)
 
 
 def unflatten(treespec: Any, leaves: Iterable[Any]) -> Any:
@@ -89,14 +91,14 @@ def unflatten(treespec: Any, leaves: Iterable[Any]) -> Any:
     return optree.tree_unflatten(treespec, list(leaves))
 
 
-def structure(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> Any:
+def structure(tree: Any, is_leaf: Callable[[Any], bool] | None = None, none_is_leaf: bool = NONE_IS_LEAF) -> Any:
     """The treespec of ``tree``."""
-    return optree.tree_structure(tree, is_leaf=is_leaf, none_is_leaf=NONE_IS_LEAF, namespace=NAMESPACE)
+    return optree.tree_structure(tree, is_leaf=is_leaf, none_is_leaf=none_is_leaf, namespace=NAMESPACE)
 
 
-def leaves(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> list[Any]:
+def leaves(tree: Any, is_leaf: Callable[[Any], bool] | None = None, none_is_leaf: bool = NONE_IS_LEAF) -> list[Any]:
     """The leaves of ``tree`` in flattening order."""
-    return optree.tree_leaves(tree, is_leaf=is_leaf, none_is_leaf=NONE_IS_LEAF, namespace=NAMESPACE)
+    return optree.tree_leaves(tree, is_leaf=is_leaf, none_is_leaf=none_is_leaf, namespace=NAMESPACE)
 
 
 def check_same_structure(expected: Any, found: Any, *, what: str = "tree") -> None:

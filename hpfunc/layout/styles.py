@@ -18,8 +18,9 @@ the collectives that the layout implies through :mod:`hpfunc.layout` (``gather_s
 
 Weights are ``[out, in]`` as in ``nn.Linear``; a stacked-experts weight ``[E, out, in]`` keeps its
 expert dimension whole (splitting experts is expert parallelism, another plan). ``unit``: the split
-dimension is cut in whole units of that many elements, e.g. ``ColwiseParallel(unit=head_dim)`` splits
-attention projections by whole heads (a degree that does not divide the heads is a ``PlanError``).
+dimension is cut in whole units of that many elements, e.g. ``ColwiseParallel(unit=head_dim,
+unit_name="heads")`` splits attention projections by whole heads (a degree that does not divide the
+heads is a ``PlanError`` that counts them).
 
 =====================  ===============================  =========================================
 style                  parameter split                  activations (done by the model)
@@ -56,12 +57,14 @@ def _positive(instance: object, attribute: attrs.Attribute, value: int) -> None:
 class Style:
     """How one parameter is split over the tensor-parallel axis.
 
-    ``unit``: the split dimension is cut in whole units of this many elements (1: any even split).
+    ``unit``: the split dimension is cut in whole units of this many elements (1: any even split);
+    ``unit_name``: what a unit is called in error messages (``"heads"``).
     """
 
     #: what the style accepts, for error messages
     accepts = "any tensor"
     unit: int = attrs.field(default=1, kw_only=True, validator=_positive)
+    unit_name: str = attrs.field(default="units", kw_only=True)
 
     def shard_dim(self, ndim: int) -> int | None:
         """The dimension split over the axis for a parameter of rank ``ndim`` (``None``: replicated);

@@ -9,7 +9,7 @@ token data, a pure ``train_step`` and the loop.
 
 Modules: ``config`` (schema, YAML, ``--set`` overrides), ``build`` (model config, schedule,
 optimizer), ``data`` (corpora, tokenising, seeded batches), ``step`` (``make_train_step``),
-``output`` (metrics JSONL, progress, plot), ``loop`` (``run``), ``parallel`` (``parallel:`` -> a plan,
+``output`` (metrics JSONL, progress, plot), ``loop`` (``run``), ``distributed`` (``parallel:`` -> a plan,
 checked against the model; the sharded step inside the ranks), ``launch`` (starting the ranks through
 ``torch.distributed.run``), ``cli`` (``hpfunc train``).
 See ``docs/train.md``.

@@ -145,7 +145,7 @@ def check_buildable(cfg: Config) -> Any:
 
     Returns the model config.
     """
-    from hpfunc.train.parallel import check_parallel
+    from hpfunc.train.distributed import check_parallel
 
     model_cfg = build_model_config(cfg.model)
     build_schedule(cfg.schedule, cfg.train.steps)

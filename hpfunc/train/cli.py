@@ -89,7 +89,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         if args.check:
             print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), end="")
             if cfg.parallel.plan:
-                from hpfunc.train.parallel import describe_plan
+                from hpfunc.train.distributed import describe_plan
 
                 # YAML comments: the output still loads as the resolved config
                 print("\n".join("# " + line for line in describe_plan(cfg, model_cfg).splitlines()))

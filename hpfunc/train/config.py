@@ -449,7 +449,7 @@ def _check_ranges(cfg: Config) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# The parallel section: a mesh and a plan (syntax only; hpfunc.train.parallel checks it against the
+# The parallel section: a mesh and a plan (syntax only; hpfunc.train.distributed checks it against the
 # model and builds the hpfunc.transforms.plans.Plan).
 
 

@@ -8,7 +8,7 @@ and step), call the pure ``train_step`` and log. It writes into ``output.dir``: 
 With a ``parallel.mesh`` of more than one process, ``run`` is called in every rank of a launch
 (``hpfunc train`` starts them): each rank builds the same global batch, the step is
 ``hpfunc.parallelize(train_step, mesh, plan)`` on parameters created sharded
-(:mod:`hpfunc.train.parallel`), and only rank 0 prints and writes. Evaluation and sampling gather
+(:mod:`hpfunc.train.distributed`), and only rank 0 prints and writes. Evaluation and sampling gather
 the parameters to full tensors (every rank takes part in the gather) and run the single-device
 code on rank 0.
 
@@ -39,7 +39,7 @@ from hpfunc.train.build import build_model_config, build_optimizer, build_schedu
 from hpfunc.train.config import Config, ConfigError, config_to_dict
 from hpfunc.train.data import TokenData, eval_batches, load_data, sample_batch
 from hpfunc.train.output import MetricsWriter, Progress, format_summary, plot_losses
-from hpfunc.train.parallel import is_distributed
+from hpfunc.train.distributed import is_distributed
 from hpfunc.train.step import TrainState, init_train_state, make_eval_step, make_train_step
 
 __all__ = ["RunResult", "TrainingDiverged", "run", "data_keys"]
@@ -133,7 +133,7 @@ def run(
     try:
         if not is_distributed(cfg.parallel):
             return _run(cfg, out_dir=out_dir, stream=stream, echo=echo)
-        from hpfunc.train.parallel import start_mesh
+        from hpfunc.train.distributed import start_mesh
 
         with start_mesh(cfg.parallel) as mesh:
             return _run(cfg, out_dir=out_dir, stream=stream, echo=echo, mesh=mesh)
@@ -188,10 +188,11 @@ def _run(cfg: Config, *, out_dir: str | pathlib.Path | None, stream: TextIO | No
                                      num_microbatches=tc.microbatches)
         full_params: Callable[[Any], Any] = lambda p: p  # noqa: E731
     else:
-        from hpfunc.train.parallel import build_parallel_step, gather_params, parallel_summary
+        from hpfunc.train.distributed import build_parallel_step, gather_params, parallel_summary
 
         say(parallel_summary(cfg))
-        state, train_step = build_parallel_step(cfg, model_cfg, optimizer, lr, init_key, mesh)
+        state, train_step = build_parallel_step(cfg, model_cfg, optimizer, lr, init_key, mesh,
+                                                model_dtype(cfg.model))
         full_params = gather_params
     eval_step = make_eval_step(model_cfg)
     val_batches = (

@@ -25,7 +25,6 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping, NamedTuple
 
 import attrs
-import optree
 import torch
 
 from hpfunc import tree as _tree
@@ -73,7 +72,7 @@ def split_params(params: Any, is_frozen: Callable[[str], bool]) -> tuple[Any, An
 
 def merge_params(trained: Any, frozen: Any) -> Any:
     """Inverse of :func:`split_params`: take each leaf from whichever tree holds it."""
-    return optree.tree_map(lambda a, b: a if b is None else b, trained, frozen, none_is_leaf=True)
+    return _tree.tree_map(lambda a, b: a if b is None else b, trained, frozen, none_is_leaf=True)
 
 
 def init_train_state(

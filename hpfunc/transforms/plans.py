@@ -1,7 +1,8 @@
 """Parallelism plans: per parameter, where it is stored, how it is used, and where its optimizer state lives.
 
-A :class:`Plan` resolves, for every parameter path of a model, a :class:`LeafSpec` of three partition
-specs (the haliax/levanter "parameter mapping vs compute mapping", plus ZeRO's optimizer mapping):
+A :class:`Plan` resolves, for every parameter path of a model, a :class:`~hpfunc.layout.LeafLayout`: a
+:class:`~hpfunc.layout.LeafSpec` of three partition specs (the haliax/levanter "parameter mapping vs
+compute mapping", plus ZeRO's optimizer mapping) checked against the parameter's shape:
 
 ``storage``  the parameter at rest (the DTensor the step takes and returns);
 ``compute``  the block the model sees inside the step; on every dimension it is a *prefix* of
@@ -11,7 +12,7 @@ specs (the haliax/levanter "parameter mapping vs compute mapping", plus ZeRO's o
 
 Plans are built from layers that compose left to right on N-D meshes::
 
-    plan = hpfunc.transforms.plans.fsdp("fsdp") + tp("tp")      # FSDP x Megatron TP
+    plan = fsdp("fsdp") + tp("tp", qwen3.parallel_plan.tp_styles(cfg))  # FSDP x Megatron TP
     plan = hsdp("dp", "fsdp")                                   # = ddp("dp") + fsdp("fsdp")
     plan = zero2("dp")                                          # params replicated, grads/opt sharded
 
@@ -32,32 +33,13 @@ import attrs
 import torch
 
 from hpfunc import tree as _tree
+from hpfunc.layout import (ColwiseParallel, LeafLayout, LeafSpec, PlanError, Replicate, RowwiseParallel,
+                           SequenceParallel, Style, VocabParallel, check_sequence)
 from hpfunc.mesh import Mesh
-from hpfunc.sharding import P, _rule_matches, as_spec
-from hpfunc.transforms.styles import (ColwiseParallel, Replicate, RowwiseParallel, SequenceParallel, Style,
-                                      VocabParallel, qwen3_styles)
+from hpfunc.sharding import P, _rule_matches
 
-__all__ = ["PlanError", "LeafSpec", "Plan", "ddp", "fsdp", "zero1", "zero2", "zero3", "hsdp", "tp", "tp_styles",
+__all__ = ["PlanError", "LeafSpec", "LeafLayout", "Plan", "ddp", "fsdp", "zero1", "zero2", "zero3", "hsdp", "tp",
            "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "VocabParallel", "Replicate", "Style"]
-
-
-class PlanError(ValueError):
-    """A plan does not fit the model, the mesh or the batch."""
-
-
-@attrs.frozen
-class LeafSpec:
-    """Storage (at rest), compute (in use) and optimizer-state specs of one parameter."""
-
-    storage: P = attrs.field(converter=as_spec, factory=P)
-    compute: P = attrs.field(converter=as_spec, default=attrs.Factory(lambda self: self.storage, takes_self=True))
-    opt: P = attrs.field(converter=as_spec, default=attrs.Factory(lambda self: self.storage, takes_self=True))
-
-    @classmethod
-    def of(cls, storage: Any, compute: Any = None, opt: Any = None) -> "LeafSpec":
-        """``LeafSpec.of(P("fsdp"), P())``: compute / opt default to the storage spec."""
-        s = as_spec(storage)
-        return cls(s, s if compute is None else compute, s if opt is None else opt)
 
 
 def _dims(spec: P, ndim: int) -> list[tuple[str, ...]]:
@@ -71,18 +53,6 @@ def _to_spec(dims: Sequence[tuple[str, ...]]) -> P:
     return P(*[d if d else None for d in dims])
 
 
-@attrs.frozen
-class ResolvedLeaf:
-    """A :class:`LeafSpec` checked against one parameter's shape and the mesh."""
-
-    path: str
-    shape: tuple[int, ...]
-    spec: LeafSpec
-    gather: tuple[tuple[int, tuple[str, ...]], ...]  # (dim, axes) all-gathered before use
-    opt_extra: tuple[tuple[int, tuple[str, ...]], ...]  # (dim, axes) the optimizer shards on top of storage
-    replicated: tuple[str, ...]  # mesh axes (size > 1) the stored block is replicated on
-
-
 # ---------------------------------------------------------------------------------------------
 # Layers
 
@@ -93,7 +63,6 @@ class _Layer:
     axis: str
     stage: int = 3  # zero stage for kind == "zero" (1 or 2) / fsdp (3)
     styles: tuple[tuple[str, Style], ...] = ()  # tp: (path pattern, style), first match wins
-    strict: bool = False  # tp: every pattern must match a parameter path (user-written styles)
 
     @property
     def is_data(self) -> bool:
@@ -110,9 +79,7 @@ class _Layer:
         return any(isinstance(st, SequenceParallel) for _, st in self.styles)
 
     def describe(self) -> str:
-        if self.kind != "tp":
-            return f"{self.kind}({self.axis!r})"
-        return f"tp({self.axis!r})" if not self.strict else f"tp_styles({self.axis!r})"
+        return f"{self.kind}({self.axis!r})"
 
     def style_for(self, path: str) -> tuple[str, Style] | None:
         for pat, st in self.styles:
@@ -137,16 +104,7 @@ def _free_dim(shape: tuple[int, ...], dims: list[tuple[str, ...]], axis: str, me
     return None
 
 
-def _head_dim(path: str, shapes: Mapping[str, tuple[int, ...]]) -> int | None:
-    if ".attn." not in path and not path.startswith("attn."):
-        return None
-    base = path.rsplit(".", 1)[0]
-    qn = shapes.get(base + ".q_norm")
-    return qn[0] if qn else None
-
-
-def _apply_layer(layer: _Layer, path: str, shape: tuple[int, ...], spec: LeafSpec, mesh: Mesh,
-                 shapes: Mapping[str, tuple[int, ...]]) -> LeafSpec:
+def _apply_layer(layer: _Layer, path: str, shape: tuple[int, ...], spec: LeafSpec, mesh: Mesh) -> LeafSpec:
     n = mesh.axis_size(layer.axis)
     nd = len(shape)
     st, cp, op = _dims(spec.storage, nd), _dims(spec.compute, nd), _dims(spec.opt, nd)
@@ -164,10 +122,11 @@ def _apply_layer(layer: _Layer, path: str, shape: tuple[int, ...], spec: LeafSpe
                             f"{shape}: {e}") from None
         if d is None:
             return spec
-        # attention projections are split by whole heads (the model derives head counts from shapes)
-        unit = _head_dim(path, shapes) or 1
+        # a style may split in whole units (attention projections by heads: the model derives head
+        # counts from the shapes)
+        unit = style.unit
         if shape[d] % (n * unit):
-            what = f"{shape[d] // unit} heads of {unit}" if unit > 1 else f"size {shape[d]}"
+            what = f"{shape[d] // unit} {style.unit_name} of {unit}" if unit > 1 else f"size {shape[d]}"
             raise PlanError(f"{layer.describe()} of size {n} must divide dimension {d} of {path!r} "
                             f"({what}); choose a tp degree that divides it")
         for dims in (st, cp, op):
@@ -320,8 +279,8 @@ class Plan:
                         raise PlanError(f"plan rule {pat!r} names mesh axis {a!r}, which the mesh does not "
                                         f"have; mesh axes are {mesh.axis_names}")
 
-    def resolve(self, params: Any, mesh: Mesh) -> dict[str, ResolvedLeaf]:
-        """``{path: ResolvedLeaf}`` for every tensor leaf of ``params`` (tensors or shapes)."""
+    def resolve(self, params: Any, mesh: Mesh) -> dict[str, LeafLayout]:
+        """``{path: LeafLayout}`` for every tensor leaf of ``params`` (tensors or shapes)."""
         self.check_mesh(mesh)
         shapes = {p: tuple(x.shape if isinstance(x, torch.Tensor) else x)
                   for p, x in _tree.leaves_with_paths(params, is_leaf=lambda x: isinstance(x, torch.Size))}
@@ -338,14 +297,13 @@ class Plan:
                 spec = LeafSpec()
                 # tensor parallelism fixes the compute layout first; data layers shard what is left
                 for layer in sorted(self.layers, key=lambda l: l.kind != "tp"):
-                    spec = _apply_layer(layer, path, shape, spec, mesh, shapes)
+                    spec = _apply_layer(layer, path, shape, spec, mesh)
             else:
                 spec = explicit
             out[path] = _check_leaf(path, shape, spec, mesh)
-        for layer in self.layers:
-            if layer.strict:  # user-written styles: a pattern that matches nothing is a typo
-                for pat, _ in layer.styles:
-                    used.setdefault(pat, any(_rule_matches(pat, p) for p in shapes))
+        for layer in self.layers:  # a style pattern that matches nothing is a typo (or the wrong model's table)
+            for pat, _ in layer.styles:
+                used.setdefault(pat, any(_rule_matches(pat, p) for p in shapes))
         unused = [pat for pat, u in used.items() if not u]
         if unused:
             import difflib
@@ -365,7 +323,7 @@ class Plan:
         return "\n".join(rows)
 
 
-def _check_leaf(path: str, shape: tuple[int, ...], spec: LeafSpec, mesh: Mesh) -> ResolvedLeaf:
+def _check_leaf(path: str, shape: tuple[int, ...], spec: LeafSpec, mesh: Mesh) -> LeafLayout:
     nd = len(shape)
     for name in ("storage", "compute", "opt"):
         sp = getattr(spec, name)
@@ -394,7 +352,7 @@ def _check_leaf(path: str, shape: tuple[int, ...], spec: LeafSpec, mesh: Mesh) -
     if set(spec.storage.axes) - set(spec.opt.axes):
         raise PlanError(f"opt spec of {path!r} drops axes of its storage spec")
     replicated = tuple(a for a in mesh.axis_names if a not in spec.storage.axes and mesh.axis_size(a) > 1)
-    return ResolvedLeaf(path, shape, spec, tuple(gather), tuple(extra), replicated)
+    return LeafLayout(path, shape, spec, tuple(gather), tuple(extra), replicated)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -432,68 +390,48 @@ def hsdp(replicate_axis: str = "dp", shard_axis: str = "fsdp", *, reshard_after_
     return ddp(replicate_axis) + fsdp(shard_axis, reshard_after_forward=reshard_after_forward)
 
 
-def tp(axis: str = "tp", *, vocab_parallel: bool = False, sequence_parallel: bool = False) -> Plan:
-    """Megatron tensor parallel for Qwen3 parameter names (the styles of
-    :func:`hpfunc.transforms.styles.qwen3_styles`): column-parallel ``wq, wk, wv, w_gate, w_up`` (dim 0;
-    expert stacks dim 1), row-parallel ``wo, w_down`` (dim 1; expert ``w_down`` dim 2).
-
-    Norms and router stay replicated on ``axis``; the embedding and ``lm_head`` too unless
-    ``vocab_parallel``, which shards both by vocabulary rows (the lookup and the cross-entropy then
-    reduce over ``axis``). ``sequence_parallel`` (Megatron-SP) changes no parameter layout: the model
-    keeps the residual stream split along the sequence over ``axis``, all-gathers it before attention and
-    MLP and reduce-scatters their outputs (the plan's ``tp_sequence_parallel``; the sequence length
-    must divide by the axis size). The model must add these collectives: use
-    :mod:`hpfunc.models.parallel`.
-
-    >>> tp("tp", sequence_parallel=True).tp_sequence_parallel
-    True
-    """
-    styles = qwen3_styles(vocab_parallel=vocab_parallel, sequence_parallel=sequence_parallel)
-    return Plan((_Layer("tp", axis, styles=tuple(styles.items())),))
-
-
-def tp_styles(axis: str, styles: Mapping[str, Style] | Sequence[tuple[str, Style]]) -> Plan:
-    """Tensor parallelism over ``axis`` declared per parameter path, like torch's ``parallelize_module``.
+def tp(axis: str, styles: Mapping[str, Style] | Sequence[tuple[str, Style]]) -> Plan:
+    """Tensor parallelism over ``axis``, declared per parameter path like torch's ``parallelize_module``.
 
     Args:
         axis: the mesh axis.
         styles: ``{pattern: style}`` (or ``(pattern, style)`` pairs): dotted-path globs
             (``layers.*.attn.wq``) or ``re:<regex>``; the first match wins; paths that match nothing are
-            replicated over ``axis``. Styles are in :mod:`hpfunc.transforms.styles`
-            (:class:`ColwiseParallel`, :class:`RowwiseParallel`, :class:`SequenceParallel`,
-            :class:`VocabParallel`, :class:`Replicate`). Every pattern must match some parameter.
+            replicated over ``axis``; a pattern that matches no parameter is a :class:`PlanError`. The
+            styles are core vocabulary (:mod:`hpfunc.layout.styles`, re-exported here:
+            :class:`ColwiseParallel`, :class:`RowwiseParallel`, :class:`SequenceParallel`,
+            :class:`VocabParallel`, :class:`Replicate`). A model ships its own table beside it, e.g.
+            ``hpfunc.models.qwen3.parallel_plan.tp_styles(cfg)``.
 
-    ``tp(axis)`` is ``tp_styles(axis, qwen3_styles())`` without the every-pattern-matches check (a dense
-    model has no experts). The layout composes with data layers as ``tp`` does
-    (``fsdp("fsdp") + tp_styles("tp", ...)``); the model adds the collectives the layout implies
-    (:func:`hpfunc.models.parallel.reduce_partial` on row-parallel outputs, and with sequence parallelism
-    :func:`~hpfunc.models.parallel.scatter_sequence` / :func:`~hpfunc.models.parallel.gather_sequence`).
+    The layout composes with data layers (``fsdp("fsdp") + tp("tp", styles)``); the model adds the
+    collectives the layout implies (:func:`hpfunc.layout.reduce_partial` on row-parallel outputs, and with
+    sequence parallelism :func:`~hpfunc.layout.scatter_sequence` / :func:`~hpfunc.layout.gather_sequence`).
+    A :class:`VocabParallel` style turns on the plan's ``tp_vocab_parallel``, a :class:`SequenceParallel`
+    one its ``tp_sequence_parallel`` (the model keeps the residual stream split along the sequence; the
+    sequence length must divide by the axis size).
 
     Example, a two-layer MLP whose hidden features are split over ``tp``::
 
-        plan = tp_styles("tp", {"w_in": ColwiseParallel(), "b_in": ColwiseParallel(),
-                                "w_out": RowwiseParallel()})
+        plan = tp("tp", {"w_in": ColwiseParallel(), "b_in": ColwiseParallel(), "w_out": RowwiseParallel()})
         # on a {"tp": 2} mesh: w_in [F, D] -> P("tp"), b_in [F] -> P("tp"), w_out [D, F] -> P(None, "tp"),
-        # b_out (no pattern) replicated; the loss adds parallel.reduce_partial(F.linear(h, w_out)) + b_out
+        # b_out (no pattern) replicated; the loss adds layout.reduce_partial(F.linear(h, w_out)) + b_out
+
+    >>> tp("tp", {"w": ColwiseParallel(), "norm": SequenceParallel()}).tp_sequence_parallel
+    True
     """
     pairs = list(styles.items()) if isinstance(styles, Mapping) else list(styles)
     for item in pairs:
         if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
-            raise TypeError(f"tp_styles({axis!r}): expected (pattern, style) pairs or a dict; found {item!r}")
+            raise TypeError(f"tp({axis!r}): expected (pattern, style) pairs or a dict; found {item!r}")
         if not isinstance(item[1], Style):
-            raise TypeError(f"tp_styles({axis!r}): the style for {item[0]!r} must be a ColwiseParallel(), "
+            raise TypeError(f"tp({axis!r}): the style for {item[0]!r} must be a ColwiseParallel(), "
                             f"RowwiseParallel(), SequenceParallel(), VocabParallel() or Replicate(); "
                             f"found {item[1]!r}" + (" (call it: add ())" if isinstance(item[1], type) else ""))
-    return Plan((_Layer("tp", axis, styles=tuple(pairs), strict=True),))
+    if not pairs:
+        raise PlanError(f"tp({axis!r}): no styles; pass the model's table, e.g. "
+                        f"hpfunc.models.qwen3.parallel_plan.tp_styles(cfg)")
+    return Plan((_Layer("tp", axis, styles=tuple(pairs)),))
 
 
-def check_sequence(x: torch.Tensor, path: str, axis: str, n: int) -> None:
-    """:class:`PlanError` unless dimension 1 (the sequence) of batch leaf ``path`` divides over ``axis``."""
-    if x.ndim >= 2 and x.shape[1] % n:
-        raise PlanError(f"batch leaf {path!r} of shape {tuple(x.shape)}: dimension 1 (the sequence) must divide "
-                        f"evenly over the sequence-parallel axis {axis!r} ({n} ranks); pad the sequence to a "
-                        f"multiple of {n}")
-
-
-def total_numel(resolved: Mapping[str, ResolvedLeaf]) -> int:
+def total_numel(resolved: Mapping[str, LeafLayout]) -> int:
     return sum(math.prod(r.shape) for r in resolved.values())

@@ -234,7 +234,8 @@ def shard_map(
         mesh: the mesh; defaults to the current mesh (``with mesh:``) at call time.
         in_specs: a spec, or a tuple with one spec tree (a prefix of the argument's pytree) per
             positional argument.
-        out_specs: a spec or a spec tree that is a prefix of ``f``'s output.
+        out_specs: a spec or a spec tree that is a prefix of ``f``'s output (or a function of this rank's
+            output returning one, for outputs whose structure is known only after ``f`` ran).
         check_rep: verify replication promised by out_specs (default: ``HPFUNC_CHECK_REP``).
         check_rtol: tolerance of that check (0 = bitwise equal).
     """
@@ -262,7 +263,8 @@ def shard_map(
         with m:
             out = f(*local_args)
         check = _checked_default() if check_rep is None else check_rep
-        leaves, leaf_specs, treedef, path = _pair_specs(out_specs, out, "out_specs")
+        specs_out = out_specs(out) if callable(out_specs) else out_specs
+        leaves, leaf_specs, treedef, path = _pair_specs(specs_out, out, "out_specs")
         new = [_exit(functools.partial(path, j), y, s, m, check, check_rtol)
                for j, (y, s) in enumerate(zip(leaves, leaf_specs))]
         return optree.tree_unflatten(treedef, new)

@@ -6,7 +6,7 @@ import torch
 
 from hpfunc import tree
 from hpfunc.models import Qwen3Config
-from hpfunc.models.hf import hf_name
+from hpfunc.models.qwen3.hf import hf_name
 
 
 def hf_model(cfg: Qwen3Config, *, seed: int = 0, std: float = 0.1):

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 import hpfunc
 from hpfunc.models import ConfigError, preset, qwen3
-from hpfunc.models.hf import CheckpointError
+from hpfunc.models.qwen3.hf import CheckpointError
 
 
 def _params(name: str = "qwen3-moe-tiny", **overrides):

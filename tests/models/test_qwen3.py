@@ -101,7 +101,7 @@ def test_reduce_partial_sees_row_parallel_outputs() -> None:
 
 
 def test_layout_hooks_see_embedding_block_inputs_and_head() -> None:
-    # The parallel-layout hooks (hpfunc.models.parallel supplies them): as the single-device operations
+    # The parallel-layout hooks (hpfunc.models.qwen3.parallel_plan supplies them): as the single-device operations
     # they leave the model unchanged; gather_input sees each attention and MLP/MoE input
     cfg = preset("qwen3-moe-tiny", num_hidden_layers=2, decoder_sparse_step=2, tie_word_embeddings=False)
     params = qwen3.init(hpfunc.random.key(4), cfg)

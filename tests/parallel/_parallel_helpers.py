@@ -8,33 +8,33 @@ import torch
 
 # name -> (world, mesh axes, plan factory); every plan the tests exercise
 PLANS = {
-    "ddp": (2, {"dp": 2}, lambda pl: pl.ddp("dp")),
-    "fsdp": (2, {"fsdp": 2}, lambda pl: pl.fsdp("fsdp")),
-    "fsdp_keep": (2, {"fsdp": 2}, lambda pl: pl.fsdp("fsdp", reshard_after_forward=False)),
-    "zero1": (2, {"dp": 2}, lambda pl: pl.zero1("dp")),
-    "zero2": (2, {"dp": 2}, lambda pl: pl.zero2("dp")),
-    "tp": (2, {"tp": 2}, lambda pl: pl.tp("tp")),
-    "fsdp4": (4, {"fsdp": 4}, lambda pl: pl.fsdp("fsdp")),
-    "ddp4": (4, {"dp": 4}, lambda pl: pl.ddp("dp")),
-    "hsdp": (4, {"dp": 2, "fsdp": 2}, lambda pl: pl.hsdp("dp", "fsdp")),
-    "fsdp_tp": (4, {"fsdp": 2, "tp": 2}, lambda pl: pl.fsdp("fsdp") + pl.tp("tp")),
-    "ddp_tp": (4, {"dp": 2, "tp": 2}, lambda pl: pl.ddp("dp") + pl.tp("tp")),
-    "zero2_tp": (4, {"dp": 2, "tp": 2}, lambda pl: pl.zero2("dp") + pl.tp("tp")),
+    "ddp": (2, {"dp": 2}, lambda pl, tp: pl.ddp("dp")),
+    "fsdp": (2, {"fsdp": 2}, lambda pl, tp: pl.fsdp("fsdp")),
+    "fsdp_keep": (2, {"fsdp": 2}, lambda pl, tp: pl.fsdp("fsdp", reshard_after_forward=False)),
+    "zero1": (2, {"dp": 2}, lambda pl, tp: pl.zero1("dp")),
+    "zero2": (2, {"dp": 2}, lambda pl, tp: pl.zero2("dp")),
+    "tp": (2, {"tp": 2}, lambda pl, tp: tp("tp")),
+    "fsdp4": (4, {"fsdp": 4}, lambda pl, tp: pl.fsdp("fsdp")),
+    "ddp4": (4, {"dp": 4}, lambda pl, tp: pl.ddp("dp")),
+    "hsdp": (4, {"dp": 2, "fsdp": 2}, lambda pl, tp: pl.hsdp("dp", "fsdp")),
+    "fsdp_tp": (4, {"fsdp": 2, "tp": 2}, lambda pl, tp: pl.fsdp("fsdp") + tp("tp")),
+    "ddp_tp": (4, {"dp": 2, "tp": 2}, lambda pl, tp: pl.ddp("dp") + tp("tp")),
+    "zero2_tp": (4, {"dp": 2, "tp": 2}, lambda pl, tp: pl.zero2("dp") + tp("tp")),
     "hsdp_tp8": (8, {"dp": 2, "fsdp": 2, "tp": 2},
-                 lambda pl: pl.hsdp("dp", "fsdp") + pl.tp("tp", vocab_parallel=True)),
-    "tp_vocab": (2, {"tp": 2}, lambda pl: pl.tp("tp", vocab_parallel=True)),
-    "fsdp_tp_vocab": (4, {"fsdp": 2, "tp": 2}, lambda pl: pl.fsdp("fsdp") + pl.tp("tp", vocab_parallel=True)),
+                 lambda pl, tp: pl.hsdp("dp", "fsdp") + tp("tp", vocab_parallel=True)),
+    "tp_vocab": (2, {"tp": 2}, lambda pl, tp: tp("tp", vocab_parallel=True)),
+    "fsdp_tp_vocab": (4, {"fsdp": 2, "tp": 2}, lambda pl, tp: pl.fsdp("fsdp") + tp("tp", vocab_parallel=True)),
 }
 
 # Megatron sequence parallelism on the tp axis (tests/parallel/test_parallel_sp.py); kept out of PLANS so
 # that the tests iterating PLANS keep their size
 SP_PLANS = {
-    "tp_sp": (2, {"tp": 2}, lambda pl: pl.tp("tp", sequence_parallel=True)),
-    "tp_sp_vocab": (2, {"tp": 2}, lambda pl: pl.tp("tp", vocab_parallel=True, sequence_parallel=True)),
-    "fsdp_tp_sp": (4, {"fsdp": 2, "tp": 2}, lambda pl: pl.fsdp("fsdp") + pl.tp("tp", sequence_parallel=True)),
+    "tp_sp": (2, {"tp": 2}, lambda pl, tp: tp("tp", sequence_parallel=True)),
+    "tp_sp_vocab": (2, {"tp": 2}, lambda pl, tp: tp("tp", vocab_parallel=True, sequence_parallel=True)),
+    "fsdp_tp_sp": (4, {"fsdp": 2, "tp": 2}, lambda pl, tp: pl.fsdp("fsdp") + tp("tp", sequence_parallel=True)),
     "fsdp_tp_sp_vocab": (4, {"fsdp": 2, "tp": 2},
-                         lambda pl: pl.fsdp("fsdp") + pl.tp("tp", vocab_parallel=True, sequence_parallel=True)),
-    "zero2_tp_sp": (4, {"dp": 2, "tp": 2}, lambda pl: pl.zero2("dp") + pl.tp("tp", sequence_parallel=True)),
+                         lambda pl, tp: pl.fsdp("fsdp") + tp("tp", vocab_parallel=True, sequence_parallel=True)),
+    "zero2_tp_sp": (4, {"dp": 2, "tp": 2}, lambda pl, tp: pl.zero2("dp") + tp("tp", sequence_parallel=True)),
 }
 ALL_PLANS = {**PLANS, **SP_PLANS}
 
@@ -42,11 +42,20 @@ LR = 1e-3
 ADAM_EPS = 1e-5
 
 
-def make(name):
-    """``name`` of :data:`PLANS`, or ``(mesh_shape, roles)`` with one role per mesh axis."""
+def tp_of(cfg):
+    """``tp(axis, **modes)``: the tensor-parallel plan layer with the model's own styles."""
+    from hpfunc.models.qwen3 import parallel_plan
+    from hpfunc.transforms import plans
+
+    return lambda axis, **kw: plans.tp(axis, parallel_plan.tp_styles(cfg, **kw))
+
+
+def make(name, cfg):
+    """``name`` of :data:`PLANS`, or ``(mesh_shape, roles)`` with one role per mesh axis, for the model of ``cfg``."""
     import hpfunc
     from hpfunc.transforms import plans
 
+    tp = tp_of(cfg)
     if isinstance(name, tuple):
         mesh_shape, roles = name
         plan = plans.Plan()
@@ -55,18 +64,18 @@ def make(name):
                 "ddp": lambda a: plans.ddp(a), "fsdp": lambda a: plans.fsdp(a),
                 "fsdp_keep": lambda a: plans.fsdp(a, reshard_after_forward=False),
                 "zero1": lambda a: plans.zero1(a), "zero2": lambda a: plans.zero2(a),
-                "tp": lambda a: plans.tp(a), "tp_vocab": lambda a: plans.tp(a, vocab_parallel=True),
+                "tp": lambda a: tp(a), "tp_vocab": lambda a: tp(a, vocab_parallel=True),
             }[role](axis)
         return hpfunc.Mesh(mesh_shape), plan
     world, axes, factory = ALL_PLANS[name]
-    return hpfunc.Mesh(axes), factory(plans)
+    return hpfunc.Mesh(axes), factory(plans, tp)
 
 
 def model_loss(cfg, plan):
-    """``parallel.loss(p, b, cfg)[0]``: the step binds the plan's tp axis and its vocabulary / sequence modes."""
-    from hpfunc.models import parallel
+    """``parallel_plan.loss(p, b, cfg)[0]``: the step binds the plan's tp axis and its vocabulary / sequence modes."""
+    from hpfunc.models.qwen3 import parallel_plan
 
-    return lambda p, b: parallel.loss(p, b, cfg)[0]
+    return lambda p, b: parallel_plan.loss(p, b, cfg)[0]
 
 
 def config(model: str, **overrides):
@@ -86,14 +95,14 @@ def run_parity(name: str, model: str, seed: int, steps: int = 2, clip_norm: floa
     return the largest errors (scaled) seen for loss, grads, grad norm and params."""
     import hpfunc
     from hpfunc import optim
-    from hpfunc.models import parallel, qwen3
+    from hpfunc.models import qwen3
     from hpfunc.testing import assert_trees_close, to_full
     from hpfunc.transforms.parallelize import init_sharded, parallel_train_step
 
     torch.manual_seed(0)
-    mesh, plan = make(name)
     overrides = dict(overrides or {}) if tie is None else {**(overrides or {}), "tie_word_embeddings": tie}
     cfg = config(model, **overrides)
+    mesh, plan = make(name, cfg)
     key = hpfunc.random.key(seed)
     n_data = mesh.axis_size(tuple(a for a in mesh.axis_names if a in plan.data_axes)) if plan.data_axes else 1
 
@@ -109,7 +118,7 @@ def run_parity(name: str, model: str, seed: int, steps: int = 2, clip_norm: floa
     opt = optim.adamw(LR, eps=ADAM_EPS)
     ref_opt = opt if clip_norm is None else optim.chain(optim.clip_by_global_norm(clip_norm), opt)
     step = parallel_train_step(loss_fn, opt, mesh, plan, clip_norm=clip_norm, return_grads=True)
-    params = init_sharded(functools.partial(parallel.init, cfg=cfg), mesh, plan, key, shapes=qwen3.param_shapes(cfg))
+    params = init_sharded(functools.partial(qwen3.init, cfg=cfg), mesh, plan, key, shapes=qwen3.param_shapes(cfg))
     ref_params = qwen3.init(key, cfg)
     assert_trees_close(params, ref_params, rtol=0, atol=0, what="init_sharded")
     state = step.init_opt_state(params)
@@ -149,7 +158,7 @@ def run_parity(name: str, model: str, seed: int, steps: int = 2, clip_norm: floa
     # same specs in and out
     assert all(hpfunc.typeof(a) == hpfunc.typeof(b) for a, b in zip(
         hpfunc.tree.leaves(params), hpfunc.tree.leaves(init_sharded(
-            functools.partial(parallel.init, cfg=cfg), mesh, plan, key, shapes=qwen3.param_shapes(cfg)))))
+            functools.partial(qwen3.init, cfg=cfg), mesh, plan, key, shapes=qwen3.param_shapes(cfg)))))
     return {"loss": float(metrics["loss"].full_tensor())}
 
 
@@ -157,13 +166,13 @@ def run_dense_loss_is_full_batch_loss(seed: int) -> float:
     """For a dense model the mean of shard means equals the full-batch mean (equal targets per shard)."""
     import hpfunc
     from hpfunc import optim
-    from hpfunc.models import parallel, qwen3
+    from hpfunc.models import qwen3
     from hpfunc.transforms.parallelize import parallel_train_step
 
-    mesh, plan = make("fsdp")
     cfg = config("qwen3-dense-tiny")
+    mesh, plan = make("fsdp", cfg)
     p = qwen3.init(hpfunc.random.key(seed), cfg)
-    step = parallel_train_step(lambda q, b: parallel.loss(q, b, cfg)[0], optim.adamw(LR), mesh, plan)
+    step = parallel_train_step(lambda q, b: qwen3.parallel_plan.loss(q, b, cfg)[0], optim.adamw(LR), mesh, plan)
     params = step.shard_params(p)
     b = batches(cfg, 1, 4, 8, seed)[0]
     _, _, m = step(params, step.init_opt_state(params), b)
@@ -175,13 +184,13 @@ def run_dense_loss_is_full_batch_loss(seed: int) -> float:
 def _setup(name: str, model: str = "qwen3-dense-tiny", **overrides):
     import hpfunc
     from hpfunc import optim
-    from hpfunc.models import parallel, qwen3
+    from hpfunc.models import qwen3
     from hpfunc.transforms.parallelize import init_sharded, parallel_train_step
 
-    mesh, plan = make(name)
     cfg = config(model, **overrides)
+    mesh, plan = make(name, cfg)
     step = parallel_train_step(model_loss(cfg, plan), optim.adamw(LR), mesh, plan, return_grads=True)
-    params = init_sharded(functools.partial(parallel.init, cfg=cfg), mesh, plan, hpfunc.random.key(0),
+    params = init_sharded(functools.partial(qwen3.init, cfg=cfg), mesh, plan, hpfunc.random.key(0),
                           shapes=qwen3.param_shapes(cfg))
     return mesh, plan, cfg, step, params
 
@@ -255,12 +264,13 @@ def run_state_bytes(name: str) -> dict:
 def run_bad_input(case: str) -> str:
     """Trigger one bad input; return the error message (and check nothing was communicated)."""
     import hpfunc
-    from hpfunc import P, optim
-    from hpfunc.models import parallel, qwen3
+    from hpfunc import P, layout, optim
+    from hpfunc.models import qwen3
     from hpfunc.transforms import plans
     from hpfunc.transforms.parallelize import parallel_train_step
 
     cfg = config("qwen3-dense-tiny")
+    tp = tp_of(cfg)
     mesh = hpfunc.Mesh({"fsdp": 2})
     plan = plans.fsdp("fsdp")
     shapes = qwen3.param_shapes(cfg)
@@ -278,32 +288,32 @@ def run_bad_input(case: str) -> str:
     elif case == "tp_heads":
         cfg = config("qwen3-dense-tiny", num_key_value_heads=1)
         tree = qwen3.param_shapes(cfg)
-        mesh, plan = hpfunc.Mesh({"tp": 2}), plans.tp("tp")
+        mesh, plan = hpfunc.Mesh({"tp": 2}), tp_of(cfg)("tp")
     elif case == "batch":
         batch = {"tokens": torch.zeros(3, 8, dtype=torch.long)}
     elif case == "compute_not_prefix":
         plan = plan.with_rules([("embed", plans.LeafSpec(P("fsdp"), P(None, "fsdp")))])
     elif case in ("sp_sequence", "sp_sequence_plan", "sp_sequence_model"):  # 7 tokens do not split over tp = 2
-        mesh, plan = hpfunc.Mesh({"tp": 2}), plans.tp("tp", sequence_parallel=True)
+        mesh, plan = hpfunc.Mesh({"tp": 2}), tp("tp", sequence_parallel=True)
         batch = {"tokens": torch.zeros(4, 7, dtype=torch.long)}
     elif case == "two_tp_layers":
-        mesh, plan = hpfunc.Mesh({"tp": 2}), plans.tp("tp") + plans.tp("tp", sequence_parallel=True)
+        mesh, plan = hpfunc.Mesh({"tp": 2}), tp("tp") + tp("tp", sequence_parallel=True)
     elif case == "style_pattern":
         mesh = hpfunc.Mesh({"tp": 2})
-        plan = plans.tp_styles("tp", {"layers.*.attn.wq": plans.ColwiseParallel(),
-                                      "layers.*.atn.wo": plans.RowwiseParallel()})
+        plan = plans.tp("tp", {"layers.*.attn.wq": plans.ColwiseParallel(),
+                               "layers.*.atn.wo": plans.RowwiseParallel()})
     elif case == "style_rank":
         mesh = hpfunc.Mesh({"tp": 2})
-        plan = plans.tp_styles("tp", {"layers.*.attn.wq": plans.ColwiseParallel(), "embed": plans.VocabParallel(),
-                                      "final_norm": plans.VocabParallel()})
+        plan = plans.tp("tp", {"layers.*.attn.wq": plans.ColwiseParallel(), "embed": plans.VocabParallel(),
+                               "final_norm": plans.VocabParallel()})
     with hpfunc.comm_stats() as stats:
-        step = parallel_train_step(model_loss(cfg, plan), optim.adamw(LR), mesh, plan)
         try:
+            step = parallel_train_step(model_loss(cfg, plan), optim.adamw(LR), mesh, plan)  # checks the mesh
             if case == "sp_sequence_plan":
                 plan.check_batch(batch, mesh)
             elif case == "sp_sequence_model":  # the model checks too, when called without a step
-                with mesh, parallel.tensor_parallel("tp", sequence_parallel=True):
-                    parallel.loss(qwen3.init(hpfunc.random.key(0), cfg), batch, cfg)
+                with mesh, layout.tensor_parallel("tp", sequence_parallel=True):
+                    qwen3.parallel_plan.loss(qwen3.init(hpfunc.random.key(0), cfg), batch, cfg)
             elif case in ("batch", "sp_sequence"):
                 params = step.shard_params(qwen3.init(hpfunc.random.key(0), cfg))
                 state = step.init_opt_state(params)
@@ -361,16 +371,16 @@ def run_alive_after_forward(name: str) -> dict:
 
     import hpfunc
     from hpfunc import optim
-    from hpfunc.models import parallel, qwen3
+    from hpfunc.models import qwen3
     from hpfunc.transforms.parallelize import parallel_train_step
 
-    mesh, plan = make(name)
     cfg = config("qwen3-dense-tiny", tie_word_embeddings=False)
+    mesh, plan = make(name, cfg)
     seen = {}
 
     def loss_fn(p, b):
         refs = []
-        out = parallel.loss(_Spy(p, refs), b, cfg)[0]
+        out = qwen3.parallel_plan.loss(_Spy(p, refs), b, cfg)[0]
         gc.collect()
         seen["read"] = sum(n for _, n in refs)
         seen["alive"] = sum(n for r, n in refs if r() is not None)

@@ -15,15 +15,15 @@ BF16 = torch.bfloat16
 def _step(name: str, model: str, plan_fn, **cfg_overrides):
     import hpfunc
     from hpfunc import optim
-    from hpfunc.models import parallel, qwen3
+    from hpfunc.models import qwen3
     from hpfunc.transforms.parallelize import init_sharded, parallel_train_step
 
-    mesh, plan = H.make(name)
-    plan = plan_fn(plan)
     cfg = H.config(model, **cfg_overrides)
-    step = parallel_train_step(lambda p, b: parallel.loss(p, b, cfg)[0], optim.adamw(H.LR), mesh, plan,
+    mesh, plan = H.make(name, cfg)
+    plan = plan_fn(plan)
+    step = parallel_train_step(lambda p, b: qwen3.parallel_plan.loss(p, b, cfg)[0], optim.adamw(H.LR), mesh, plan,
                                return_grads=True)
-    params = init_sharded(functools.partial(parallel.init, cfg=cfg), mesh, plan, hpfunc.random.key(0),
+    params = init_sharded(functools.partial(qwen3.init, cfg=cfg), mesh, plan, hpfunc.random.key(0),
                           shapes=qwen3.param_shapes(cfg))
     return mesh, plan, cfg, step, params
 

@@ -14,9 +14,11 @@ LR = 1e-3
 
 def optimizer(name: str, clip: float | None):
     from hpfunc import optim
+    from hpfunc.models.qwen3 import parallel_plan
 
     tx = {"adamw": lambda: optim.adamw(LR, eps=H.ADAM_EPS, weight_decay=0.1),
-          "muon_adamw": lambda: optim.muon_adamw(0.02, adamw_lr=LR, adamw_eps=H.ADAM_EPS, weight_decay=0.1)}[name]()
+          "muon_adamw": lambda: optim.muon_adamw(0.02, adam_learning_rate=LR, adam_eps=H.ADAM_EPS, weight_decay=0.1,
+                                                 adamw_when=parallel_plan.adamw_when)}[name]()
     return tx if clip is None else optim.chain(optim.clip_by_global_norm(clip), tx)
 
 
@@ -42,22 +44,23 @@ def run_state_parity(name, model: str, seed: int, opt: str = "adamw", clip: floa
     """``parallelize(make_train_step(...))`` vs ``make_train_step(...)`` on one device, ``steps`` steps:
     metrics (loss, ce, aux, grad norm, expert load) and the parameters after every step."""
     import hpfunc
-    from hpfunc.models import parallel, qwen3
+    from hpfunc.models import qwen3
     from hpfunc.testing import assert_trees_close, to_full
     from hpfunc.train.step import init_train_state, make_train_step
     from hpfunc.transforms.parallelize import init_sharded
 
-    mesh, plan = H.make(name)
     cfg = H.config(model)
+    mesh, plan = H.make(name, cfg)
     n_data = mesh.axis_size(tuple(a for a in mesh.axis_names if a in plan.data_axes)) if plan.data_axes else 1
     tx = optimizer(opt, clip)
     # with micro-batches (dense models: every micro-batch mean is over equally many targets, so the mean
     # of micro-batch means is the batch mean) the reference is still the plain one-device step
-    step = make_train_step(cfg, tx, loss_fn=parallel.loss, expert_bias_rate=bias_rate, num_microbatches=micro)
+    step = make_train_step(cfg, tx, loss_fn=qwen3.parallel_plan.loss, expert_bias_rate=bias_rate,
+                           num_microbatches=micro)
     ref_step = make_train_step(cfg, tx, loss_fn=_sharded_loss(n_data), expert_bias_rate=bias_rate)
     train_step = hpfunc.parallelize(step, mesh, plan)
     key = hpfunc.random.key(seed)
-    params = init_sharded(functools.partial(parallel.init, cfg=cfg), mesh, plan, key, shapes=qwen3.param_shapes(cfg))
+    params = init_sharded(functools.partial(qwen3.init, cfg=cfg), mesh, plan, key, shapes=qwen3.param_shapes(cfg))
     state = train_step.init_state(lambda p: init_train_state(p, tx), params)
     ref = init_train_state(qwen3.init(key, cfg), tx)
     assert_trees_close(to_full(state), ref, rtol=0, atol=0, what="init_state")
@@ -87,14 +90,14 @@ def run_comm_equal(name: str, micro: int = 1) -> int:
 
     import hpfunc
     from hpfunc import optim
-    from hpfunc.models import parallel, qwen3
+    from hpfunc.models import qwen3
     from hpfunc.train.step import init_train_state, make_train_step
     from hpfunc.transforms.parallelize import init_sharded, parallel_train_step
 
-    mesh, plan = H.make(name)
     cfg = H.config("qwen3-dense-tiny", tie_word_embeddings=False)
+    mesh, plan = H.make(name, cfg)
     tx = optim.adamw(LR)
-    params = init_sharded(functools.partial(parallel.init, cfg=cfg), mesh, plan, hpfunc.random.key(0),
+    params = init_sharded(functools.partial(qwen3.init, cfg=cfg), mesh, plan, hpfunc.random.key(0),
                           shapes=qwen3.param_shapes(cfg))
     b = H.batches(cfg, 1, 4, 6, 0)[0]
 
@@ -113,11 +116,12 @@ def run_comm_equal(name: str, micro: int = 1) -> int:
     def data_records(stats):  # gradient reductions over the data axes: once per step either way
         return Counter((r.op, r.axes, r.sent_bytes) for r in stats.records if r.payload_bytes > 8 and data & set(r.axes))
 
-    old = parallel_train_step(lambda p, bb: parallel.loss(p, bb, cfg)[0], tx, mesh, plan)
+    old = parallel_train_step(lambda p, bb: qwen3.parallel_plan.loss(p, bb, cfg)[0], tx, mesh, plan)
     opt_state = old.init_opt_state(params)
     with hpfunc.comm_stats() as s_old:
         old(params, opt_state, b)
-    new = hpfunc.parallelize(make_train_step(cfg, tx, loss_fn=parallel.loss, num_microbatches=micro), mesh, plan)
+    new = hpfunc.parallelize(make_train_step(cfg, tx, loss_fn=qwen3.parallel_plan.loss, num_microbatches=micro),
+                             mesh, plan)
     state = new.init_state(lambda p: init_train_state(p, tx), params)
     with hpfunc.comm_stats() as s_new:
         new(state, b)

@@ -1,5 +1,5 @@
-"""Rank-side helpers for tests/parallel/test_parallel_styles.py: style plans against the ready-made
-Qwen3 plan, and a user's own model (a residual MLP) trained with a style plan."""
+"""Rank-side helpers for tests/parallel/test_parallel_styles.py: Qwen3's table against the same plan
+written out by a user, and a user's own model (a residual MLP) trained with a style plan."""
 
 from __future__ import annotations
 
@@ -11,14 +11,16 @@ LR = 1e-3
 
 
 def qwen3_written_out(sequence_parallel: bool = False, vocab_parallel: bool = False) -> dict:
-    """Megatron TP for Qwen3 as a user would write it, one pattern per weight family."""
-    from hpfunc.transforms.styles import (ColwiseParallel, RowwiseParallel, SequenceParallel, VocabParallel)
+    """Megatron TP for Qwen3 as a user would write it, one pattern per weight family (attention by whole
+    heads of 16, the tiny models' head_dim)."""
+    from hpfunc.layout import ColwiseParallel, RowwiseParallel, SequenceParallel, VocabParallel
 
     col, row = ColwiseParallel(), RowwiseParallel()
+    hcol, hrow = ColwiseParallel(unit=16), RowwiseParallel(unit=16)
     styles = {
-        "layers.*.attn.wq": col, "layers.*.attn.wk": col, "layers.*.attn.wv": col,
-        "layers.*.attn.bq": col, "layers.*.attn.bk": col, "layers.*.attn.bv": col,
-        "layers.*.attn.wo": row,
+        "layers.*.attn.wq": hcol, "layers.*.attn.wk": hcol, "layers.*.attn.wv": hcol,
+        "layers.*.attn.bq": hcol, "layers.*.attn.bk": hcol, "layers.*.attn.bv": hcol,
+        "layers.*.attn.wo": hrow,
         "layers.*.mlp.w_gate": col, "layers.*.mlp.w_up": col, "layers.*.mlp.w_down": row,
         "layers.*.moe.experts.w_gate": col, "layers.*.moe.experts.w_up": col, "layers.*.moe.experts.w_down": row,
         "layers.*.moe.shared.w_gate": col, "layers.*.moe.shared.w_up": col, "layers.*.moe.shared.w_down": row,
@@ -41,11 +43,12 @@ def every_family_config():
 
 
 def run_tp_equals_styles() -> list[str]:
-    """``plans.tp`` and the written-out styles resolve identically, alone and under FSDP, with and without
-    sequence / vocabulary parallelism; returns the compared variants."""
+    """Qwen3's own table (``parallel_plan.tp_styles``) and the written-out styles resolve identically, alone
+    and under FSDP, with and without sequence / vocabulary parallelism; returns the compared variants."""
     import hpfunc
     from hpfunc import P
     from hpfunc.models import qwen3
+    from hpfunc.models.qwen3.parallel_plan import tp_styles
     from hpfunc.transforms import plans
 
     mesh = hpfunc.Mesh({"fsdp": 2, "tp": 2})
@@ -57,18 +60,19 @@ def run_tp_equals_styles() -> list[str]:
         for sp in (False, True):
             for vocab in (False, True):
                 styles = qwen3_written_out(sp, vocab)
-                # a user writes only the families the model has (tp_styles rejects patterns that match nothing)
+                # a user writes only the families the model has (tp rejects patterns that match nothing)
                 styles = {k: v for k, v in styles.items() if fnmatch.filter(paths, k)}
                 for data in (plans.Plan(), plans.fsdp("fsdp")):
-                    ready = data + plans.tp("tp", sequence_parallel=sp, vocab_parallel=vocab)
-                    mine = data + plans.tp_styles("tp", styles)
+                    ready = data + plans.tp("tp", tp_styles(cfg, sequence_parallel=sp, vocab_parallel=vocab))
+                    mine = data + plans.tp("tp", styles)
                     a, b = ready.resolve(shapes, mesh), mine.resolve(shapes, mesh)
                     assert a == b, [(p, a[p].spec, b[p].spec) for p in a if a[p] != b[p]]
                     assert (ready.tp_sequence_parallel, ready.tp_vocab_parallel) == (sp, vocab)
                     assert (mine.tp_sequence_parallel, mine.tp_vocab_parallel) == (sp, vocab)
                     checked.append(f"{model} sp={sp} vocab={vocab} fsdp={bool(data.layers)}")
     # and the layouts are the documented ones (on the every-family model, tp alone)
-    res = plans.tp("tp", vocab_parallel=True).resolve(qwen3.param_shapes(every_family_config()), mesh)
+    cfg = every_family_config()
+    res = plans.tp("tp", tp_styles(cfg, vocab_parallel=True)).resolve(qwen3.param_shapes(cfg), mesh)
     expect = {"layers.0.attn.wq": P("tp"), "layers.0.attn.bq": P("tp"), "layers.0.attn.wo": P(None, "tp"),
               "layers.0.attn.bo": P(), "layers.0.attn.q_norm": P(), "layers.0.mlp.w_gate": P("tp"),
               "layers.0.mlp.w_down": P(None, "tp"), "layers.1.moe.experts.w_up": P(None, "tp"),
@@ -82,7 +86,7 @@ def run_tp_equals_styles() -> list[str]:
 
 # ---------------------------------------------------------------------------------------------
 # A user's own model: a residual MLP block over [batch, seq, dim], single-device code plus the three
-# layout hooks of hpfunc.models.parallel (identities without a bound axis)
+# layout hooks of hpfunc.layout (identities without a bound axis)
 
 
 def mlp_init(key, dim: int, hidden: int) -> dict:
@@ -98,18 +102,18 @@ def mlp_init(key, dim: int, hidden: int) -> dict:
 def mlp_loss(p, batch):
     import torch.nn.functional as F
 
-    from hpfunc.models import parallel
+    from hpfunc import layout
     from hpfunc.models.layers import rms_norm
 
-    x = parallel.scatter_sequence(batch["x"])  # this rank's sequence block under sequence parallelism
-    u = F.gelu(F.linear(parallel.gather_sequence(rms_norm(x, p["norm"], 1e-6)), p["w_in"], p["b_in"]))
-    x = x + parallel.reduce_partial(F.linear(u, p["w_out"])) + p["b_out"]  # bias once, after the sum
-    y = parallel.gather_sequence(x)  # the loss on the whole sequence, the same on every rank
+    x = layout.scatter_sequence(batch["x"])  # this rank's sequence block under sequence parallelism
+    u = F.gelu(F.linear(layout.gather_sequence(rms_norm(x, p["norm"], 1e-6)), p["w_in"], p["b_in"]))
+    x = x + layout.reduce_partial(F.linear(u, p["w_out"])) + p["b_out"]  # bias once, after the sum
+    y = layout.gather_sequence(x)  # the loss on the whole sequence, the same on every rank
     return ((y - batch["y"]) ** 2).mean()
 
 
 def mlp_styles(sequence_parallel: bool) -> dict:
-    from hpfunc.transforms.styles import ColwiseParallel, Replicate, RowwiseParallel, SequenceParallel
+    from hpfunc.layout import ColwiseParallel, Replicate, RowwiseParallel, SequenceParallel
 
     return {"w_in": ColwiseParallel(), "b_in": ColwiseParallel(), "w_out": RowwiseParallel(),
             "norm": SequenceParallel() if sequence_parallel else Replicate()}
@@ -117,7 +121,7 @@ def mlp_styles(sequence_parallel: bool) -> dict:
 
 def run_user_mlp(mesh_axes: dict, sequence_parallel: bool, seed: int, dim: int = 8, hidden: int = 16,
                  seq: int = 4, steps: int = 2) -> float:
-    """Train the MLP with ``[fsdp +] tp_styles`` and on one device: loss, reduced gradients and the
+    """Train the MLP with ``[fsdp +] tp(styles)`` and on one device: loss, reduced gradients and the
     AdamW update agree at every step (rtol 1e-5)."""
     import hpfunc
     from hpfunc import optim
@@ -126,7 +130,7 @@ def run_user_mlp(mesh_axes: dict, sequence_parallel: bool, seed: int, dim: int =
     from hpfunc.transforms.parallelize import parallel_train_step
 
     mesh = hpfunc.Mesh(mesh_axes)
-    plan = plans.tp_styles("tp", mlp_styles(sequence_parallel))
+    plan = plans.tp("tp", mlp_styles(sequence_parallel))
     if "fsdp" in mesh_axes:
         plan = plans.fsdp("fsdp") + plan
     assert plan.tp_sequence_parallel == sequence_parallel

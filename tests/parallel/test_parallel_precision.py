@@ -50,12 +50,15 @@ def test_gradient_scaling_factor(pools, name, factor):
     pools(H.PLANS[name][0]).run(M.run_scaling_factor, name, factor)
 
 
+TP = plans.tp("tp", {"w": plans.ColwiseParallel()})
+
+
 def test_policy_errors():
     with pytest.raises(plans.PlanError, match="param_dtype must be a floating"):
         plans.fsdp("fsdp").with_mixed_precision(torch.int8)
     with pytest.raises(plans.PlanError, match="factor must be a finite number > 0"):
         plans.fsdp("fsdp").with_gradient_scaling_factor(0.0)
     with pytest.raises(plans.PlanError, match="param_dtype"):
-        plans.fsdp("fsdp").with_mixed_precision(torch.bfloat16) + plans.tp("tp").with_mixed_precision(torch.float16)
-    both = plans.fsdp("fsdp").with_mixed_precision() + plans.tp("tp")
+        plans.fsdp("fsdp").with_mixed_precision(torch.bfloat16) + TP.with_mixed_precision(torch.float16)
+    both = plans.fsdp("fsdp").with_mixed_precision() + TP
     assert (both.param_dtype, both.reduce_dtype) == (torch.bfloat16, torch.float32)

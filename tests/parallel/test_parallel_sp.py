@@ -1,4 +1,4 @@
-"""Megatron sequence parallelism (``plans.tp(axis, sequence_parallel=True)``): single-device parity and
+"""Megatron sequence parallelism (``plans.tp(axis, tp_styles(cfg, sequence_parallel=True))``): single-device parity and
 exact communication.
 
 Parity as in test_parallel_parity.py (loss, every reduced gradient, grad norm and update against

@@ -1,5 +1,5 @@
-"""Declarative tensor-parallel styles (``plans.tp_styles``): the ready-made Qwen3 plan is exactly its
-styles, and a user's own model trains with a style plan as on one device."""
+"""Declarative tensor-parallel styles (``plans.tp(axis, styles)``): Qwen3's own table is exactly the
+styles a user would write, and a user's own model trains with a style plan as on one device."""
 
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ from hypothesis import strategies as st
 
 import _parallel_helpers as H
 import _styles_helpers as S
+from hpfunc.layout import ColwiseParallel, RowwiseParallel, SequenceParallel
+from hpfunc.models import qwen3
+from hpfunc.models.qwen3.parallel_plan import tp_styles
 from hpfunc.transforms import plans
-from hpfunc.transforms.styles import ColwiseParallel, RowwiseParallel, SequenceParallel, qwen3_styles
 
 
 def test_ready_made_tp_equals_written_out_styles(pool4):
@@ -38,34 +40,31 @@ def test_random_user_mlps(pool2, sp, seed, dim, hidden, seq):
 
 
 def test_styles_turn_on_the_model_modes():
-    assert plans.tp_styles("tp", {"w": ColwiseParallel()}).tp_sequence_parallel is False
-    plan = plans.tp_styles("tp", [("w", ColwiseParallel()), ("norm", SequenceParallel())])
+    assert plans.tp("tp", {"w": ColwiseParallel()}).tp_sequence_parallel is False
+    plan = plans.tp("tp", [("w", ColwiseParallel()), ("norm", SequenceParallel())])
     assert plan.tp_sequence_parallel and not plan.tp_vocab_parallel and plan.tp_axis == "tp"
-    assert plans.tp("tp", vocab_parallel=True).tp_vocab_parallel
-    assert "final_norm" in qwen3_styles(sequence_parallel=True) and "embed" not in qwen3_styles()
+    cfg = qwen3.preset("qwen3-dense-tiny")
+    assert plans.tp("tp", tp_styles(cfg, vocab_parallel=True)).tp_vocab_parallel
+    assert "final_norm" in tp_styles(cfg, sequence_parallel=True) and "embed" not in tp_styles(cfg)
+    # the table names only the families the config has: no expert pattern for a dense model
+    assert not any("experts" in k for k in tp_styles(cfg)) and "layers.*.moe.experts.w_up" in tp_styles(
+        qwen3.preset("qwen3-moe-tiny"))
 
 
 def test_style_must_be_an_instance():
     with pytest.raises(TypeError, match=r"'w'.*ColwiseParallel.*add \(\)"):
-        plans.tp_styles("tp", {"w": ColwiseParallel})
+        plans.tp("tp", {"w": ColwiseParallel})
     with pytest.raises(TypeError, match="pairs"):
-        plans.tp_styles("tp", [("w", RowwiseParallel(), 1)])
+        plans.tp("tp", [("w", RowwiseParallel(), 1)])
+    with pytest.raises(plans.PlanError, match="no styles"):
+        plans.tp("tp", {})
 
 
 @pytest.mark.parametrize("case,needles", [
     ("style_pattern", ["'layers.*.atn.wo'", "matches no parameter path", "did you mean"]),
-    ("style_rank", ["tp_styles('tp')", "'final_norm'", "VocabParallel expects", "rank 1"]),
+    ("style_rank", ["tp('tp')", "'final_norm'", "VocabParallel expects", "rank 1"]),
 ])
 def test_bad_styles_are_plan_errors(pool2, case, needles):
     msg = pool2.run(H.run_bad_input, case)[0]
     for n in needles:
         assert n in msg, msg
-
-
-@pytest.mark.parametrize("module", ["hpfunc.transforms.styles", "hpfunc.transforms.plans", "hpfunc.models.parallel"])
-def test_docstring_examples(module):
-    import doctest
-    import importlib
-
-    result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
-    assert result.failed == 0 and result.attempted > 0

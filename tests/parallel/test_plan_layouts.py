@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from hpfunc.train.parallel import AbstractMesh
+from hpfunc.train.distributed import AbstractMesh
 from hpfunc.transforms import plans
 
 

@@ -124,17 +124,18 @@ def test_parallel_plan_binds_mesh_axes_in_order():
 
 
 def test_parallel_plan_builds_the_plans_factories():
-    from hpfunc.train.parallel import build_plan
+    from hpfunc.train.distributed import build_plan
 
     pc = load_config_dict({"parallel": {"mesh": {"dp": 2, "fsdp": 2, "tp": 2},
                                         "plan": ["ddp", {"fsdp": {"reshard_after_forward": False}}, "tp"]}}).parallel
-    plan = build_plan(pc)
+    model = build_model_config(load_config_dict({}).model)
+    plan = build_plan(pc, model)
     assert plan.data_axes == ("dp", "fsdp") and plan.tp_axis == "tp" and not plan.reshard_after_forward
     assert [layer.kind for layer in plan.layers] == ["ddp", "fsdp", "tp"]
     # entries compose in mesh-axis order, whatever order they are written in
     pc = load_config_dict({"parallel": {"mesh": {"fsdp": 2, "tp": 2},
                                         "plan": [{"tp": {"axis": "tp"}}, {"zero3": {"axis": "fsdp"}}]}}).parallel
-    assert [layer.axis for layer in build_plan(pc).layers] == ["fsdp", "tp"]
+    assert [layer.axis for layer in build_plan(pc, model).layers] == ["fsdp", "tp"]
 
 
 MESH = {"fsdp": 2, "tp": 2}

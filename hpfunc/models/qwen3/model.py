@@ -200,7 +200,7 @@ def apply(params: dict, tokens: torch.Tensor, cfg: Qwen3Config, *, positions: to
     ``[n_moe_layers, E]`` int64 (top-k assignments per expert) and ``aux["router_logits"]`` (one
     ``[B*S, E]`` per MoE layer).
 
-    Hooks for parallel layouts (:mod:`hpfunc.models.parallel` supplies them; each defaults to the
+    Hooks for parallel layouts (:mod:`hpfunc.models.qwen3.parallel_plan` supplies them; each defaults to the
     single-device operation, and the model reads the same top to bottom either way):
 
     ``embed(tokens, table) -> h``   the token embedding (default ``F.embedding``);
@@ -296,7 +296,7 @@ def loss(params: dict, batch: dict, cfg: Qwen3Config, *, moe_impl: str = "auto",
 
     ``embed, gather_input, reduce_partial, head`` are :func:`apply`'s hooks; ``cross_entropy(logits,
     labels)`` (default ``F.cross_entropy`` in float32, mean over non-ignored targets) receives what
-    ``head`` returned, e.g. a vocabulary or sequence block (see :mod:`hpfunc.models.parallel`).
+    ``head`` returned, e.g. a vocabulary or sequence block (see :mod:`hpfunc.models.qwen3.parallel_plan`).
 
     Returns ``(loss, aux)`` with detached ``aux``: ``ce_loss``, ``aux_loss``, ``expert_load``
     ``[n_moe_layers, E]`` and ``tokens`` (number of counted targets).

@@ -67,7 +67,8 @@ def tp_styles(cfg: Qwen3Config, *, vocab_parallel: bool = False, sequence_parall
     ['final_norm', 'layers.*.attn.w[qkv]', 'layers.*.attn.wo']
     """
     col, row = ColwiseParallel(), RowwiseParallel()
-    heads_col, heads_row = ColwiseParallel(unit=cfg.head_dim), RowwiseParallel(unit=cfg.head_dim)
+    heads = {"unit": cfg.head_dim, "unit_name": "heads"}
+    heads_col, heads_row = ColwiseParallel(**heads), RowwiseParallel(**heads)
     styles: dict[str, Style] = {
         "layers.*.attn.w[qkv]": heads_col,  # [heads * D, H]: split by whole heads
         "layers.*.attn.wo": heads_row,      # [H, heads * D]

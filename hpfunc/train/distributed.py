@@ -7,11 +7,13 @@ directly sharded (``init_sharded``, the same values as ``qwen3.init``) and wraps
 evaluation and sampling.
 
 The config's ``parallel.plan`` entries map one to one onto the factories of
-:mod:`hpfunc.transforms.plans`, composed in mesh-axis order::
+:mod:`hpfunc.transforms.plans`, composed in mesh-axis order; a ``tp`` entry takes the model's own
+tensor-parallel table (:func:`hpfunc.models.qwen3.parallel_plan.tp_styles`)::
 
     parallel:
       mesh: {fsdp: 2, tp: 2}
-      plan: [fsdp, {tp: {vocab_parallel: true}}]     # plans.fsdp("fsdp") + plans.tp("tp", vocab_parallel=True)
+      plan: [fsdp, {tp: {vocab_parallel: true}}]
+      # plans.fsdp("fsdp") + plans.tp("tp", parallel_plan.tp_styles(model_cfg, vocab_parallel=True))
 
 Everything that can be checked without processes is checked here, in the launching process, so a
 mistake costs no rank start-up: the plan against the model's parameter shapes (tensor parallelism
@@ -22,7 +24,8 @@ Example:
     >>> from hpfunc.train.config import load_config_dict
     >>> from hpfunc.train.build import build_model_config
     >>> cfg = load_config_dict({"parallel": {"mesh": {"fsdp": 2, "tp": 2}, "plan": ["fsdp", "tp"]}})
-    >>> build_plan(cfg.parallel).data_axes, build_plan(cfg.parallel).tp_axis
+    >>> plan = build_plan(cfg.parallel, build_model_config(cfg.model))
+    >>> plan.data_axes, plan.tp_axis
     (('fsdp',), 'tp')
     >>> check_parallel(cfg, build_model_config(cfg.model))  # fits: no error
 """
@@ -83,7 +86,8 @@ def is_distributed(pc: ParallelConfig) -> bool:
     return pc.size > 1
 
 
-def _entry_plan(e: PlanEntry) -> Any:
+def _entry_plan(e: PlanEntry, model_cfg: Any) -> Any:
+    from hpfunc.models.qwen3 import parallel_plan
     from hpfunc.transforms import plans
 
     o = e.options
@@ -92,20 +96,21 @@ def _entry_plan(e: PlanEntry) -> Any:
     if e.kind == "hsdp":
         return plans.hsdp(e.axes[0], e.axes[1], reshard_after_forward=o["reshard_after_forward"])
     if e.kind == "tp":
-        return plans.tp(e.axes[0], vocab_parallel=o["vocab_parallel"], sequence_parallel=o["sequence_parallel"])
+        return plans.tp(e.axes[0], parallel_plan.tp_styles(model_cfg, vocab_parallel=o["vocab_parallel"],
+                                                           sequence_parallel=o["sequence_parallel"]))
     return getattr(plans, e.kind)(e.axes[0])  # ddp, zero1, zero2
 
 
-def build_plan(pc: ParallelConfig) -> Any:
-    """The :class:`~hpfunc.transforms.plans.Plan` of ``parallel.plan``: its entries in mesh-axis order,
-    composed with ``+``."""
+def build_plan(pc: ParallelConfig, model_cfg: Any) -> Any:
+    """The :class:`~hpfunc.transforms.plans.Plan` of ``parallel.plan`` for the model of ``model_cfg``: its
+    entries in mesh-axis order, composed with ``+``."""
     if not pc.plan:
         from hpfunc.transforms import plans
 
         return plans.Plan()
     order = {a: i for i, a in enumerate(pc.mesh)}
     entries = sorted(pc.plan, key=lambda e: order[e.axes[0]])
-    return functools.reduce(operator.add, (_entry_plan(e) for e in entries))
+    return functools.reduce(operator.add, (_entry_plan(e, model_cfg) for e in entries))
 
 
 def _tp_entry(pc: ParallelConfig) -> tuple[int, PlanEntry] | None:
@@ -153,7 +158,7 @@ def check_parallel(cfg: Config, model_cfg: Any) -> None:
         if e.options.get("sequence_parallel") and cfg.train.seq_len % n:
             raise ConfigError(f"train.seq_len: sequence parallelism (parallel.plan[{i}]) splits the sequence of "
                               f"{cfg.train.seq_len} over {n} ranks; use a multiple of {n}")
-    plan = build_plan(pc)
+    plan = build_plan(pc, model_cfg)
     try:
         plan.resolve(qwen3.param_shapes(model_cfg), AbstractMesh(pc.mesh))
     except PlanError as err:
@@ -168,7 +173,7 @@ def describe_plan(cfg: Config, model_cfg: Any) -> str:
     from hpfunc.models import qwen3
 
     pc = cfg.parallel
-    plan = build_plan(pc)
+    plan = build_plan(pc, model_cfg)
     mesh = AbstractMesh(pc.mesh)
     per = cfg.train.batch_size // max(pc.data_size, 1)
     head = [
@@ -232,22 +237,19 @@ def start_mesh(pc: ParallelConfig) -> Iterator[Any]:
 
 
 def build_parallel_step(cfg: Config, model_cfg: Any, optimizer: Any, lr: Callable[[int], float],
-                        init_key: Any, mesh: Any) -> tuple[Any, Callable]:
+                        init_key: Any, mesh: Any, dtype: Any) -> tuple[Any, Callable]:
     """``(state, train_step)`` on ``mesh``: the trainer's single-device step (``make_train_step`` with
-    the tensor-parallel-aware :func:`hpfunc.models.parallel.loss`) under ``hpfunc.parallelize``, and
-    its first state, the parameters created sharded with the plan's storage specs."""
-    import hpfunc
-    from hpfunc.models import parallel as model_parallel
+    the parallel-aware :func:`hpfunc.models.qwen3.parallel_plan.loss`) under ``hpfunc.parallelize``, and
+    its first state, the parameters (of ``dtype``) created sharded with the plan's storage specs."""
     from hpfunc.models import qwen3
-    from hpfunc.train.build import model_dtype
     from hpfunc.train.step import init_train_state, make_train_step
-    from hpfunc.transforms.parallelize import init_sharded
+    from hpfunc.transforms.parallelize import init_sharded, parallelize
 
-    plan = build_plan(cfg.parallel)
+    plan = build_plan(cfg.parallel, model_cfg)
     step = make_train_step(model_cfg, optimizer, expert_bias_rate=cfg.train.expert_bias_rate, lr_schedule=lr,
-                           loss_fn=model_parallel.loss, num_microbatches=cfg.train.microbatches)
-    train_step = hpfunc.parallelize(step, mesh, plan, params="params")
-    init = functools.partial(model_parallel.init, cfg=model_cfg, dtype=model_dtype(cfg.model))
+                           loss_fn=qwen3.parallel_plan.loss, num_microbatches=cfg.train.microbatches)
+    train_step = parallelize(step, mesh, plan, params="params")
+    init = functools.partial(qwen3.init, cfg=model_cfg, dtype=dtype)
     params = init_sharded(init, mesh, plan, init_key, shapes=qwen3.param_shapes(model_cfg))
     state = train_step.init_state(lambda p: init_train_state(p, optimizer), params)
     return state, train_step
@@ -255,10 +257,11 @@ def build_parallel_step(cfg: Config, model_cfg: Any, optimizer: Any, lr: Callabl
 
 def gather_params(params: Any) -> Any:
     """Full tensors of (sharded) parameters, on every rank: a collective, so every rank must call it."""
-    import optree
     from torch.distributed.tensor import DTensor
 
-    return optree.tree_map(lambda x: x.full_tensor() if isinstance(x, DTensor) else x, params)
+    from hpfunc import tree as _tree
+
+    return _tree.tree_map(lambda x: x.full_tensor() if isinstance(x, DTensor) else x, params)
 
 
 def parallel_summary(cfg: Config) -> str:

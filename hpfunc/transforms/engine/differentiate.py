@@ -1,0 +1,147 @@
+"""One differentiation under a plan: gather the parameters on use, run the backward, reduce the gradients.
+
+:class:`EngineConfig` is what a step's plan decides once per step (which parameters are gathered
+together, mixed precision, reshard after forward, the gradient seed). :func:`value_and_grad` runs
+``call(ws, read)`` -- ``ws`` are fresh parameter leaves (this rank's storage blocks, requiring grad, each
+a :class:`~hpfunc.transforms.engine.view.ParamBlock` that knows its index) and ``read(w)`` is the leaf
+*as used* -- with the tensor-parallel binding of the plan and the step's saved-tensor layer on the
+stack, then differentiates the loss with respect to the wanted leaves.
+
+The gradient seed is ``factor * (data ranks) / (all ranks)``: with the default factor ``1 / data
+ranks`` that is ``1 / mesh.size``, the mean over data shards, and on replicated (TP) axes the per-rank
+split of :mod:`hpfunc.lax`'s semantics. The loss must be a mean over the batch with the same number of
+counted targets on each data shard, so that the mean of shard means is the global mean.
+
+    >>> EngineConfig.seed(mesh_size=4, data_ranks=2, factor=None), EngineConfig.seed(4, 2, 1.0)
+    (0.25, 0.5)
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Any, Callable
+
+import torch
+
+from hpfunc import layout, saved_tensors
+from hpfunc.layout import LeafLayout
+from hpfunc.transforms.engine.gather import ParamLayer, gather_group, group_key
+from hpfunc.transforms.engine.mixed import cast_for_use
+from hpfunc.transforms.engine.reduce import reduce_gradients
+from hpfunc.transforms.engine.view import index_of, tag
+
+__all__ = ["EngineConfig", "value_and_grad"]
+
+
+class EngineConfig:
+    """What the plan decides for one step's parameters (no communication)."""
+
+    def __init__(self, mesh: Any, plan: Any, leaves: list[LeafLayout], dtypes: list[torch.dtype]):
+        self.mesh, self.plan, self.leaves = mesh, plan, leaves
+        groups: dict[tuple, list[int]] = {}
+        for i, (lay, dt) in enumerate(zip(leaves, dtypes)):
+            if lay.gather:
+                groups.setdefault(group_key(lay.path, lay.gather, dt), []).append(i)
+        self.group_of = {i: members for members in groups.values() for i in members}
+        self.any_gather = any(lay.gather for lay in leaves)
+        pd = plan.param_dtype
+        self.mixed = None if pd is None else (pd, plan.reduce_dtype or pd)
+        self.needs_view = self.any_gather or self.mixed is not None  # parameters are read through `read`
+        self.reshard = plan.reshard_after_forward
+        n_data = math.prod(mesh.axis_size(a) for a in mesh.axis_names if a in plan.data_axes)
+        self.seed_scale = self.seed(mesh.size, n_data, plan.gradient_scaling_factor)
+        self.data_axes = tuple(a for a in mesh.axis_names if a in plan.data_axes and mesh.axis_size(a) > 1)
+
+    @staticmethod
+    def seed(mesh_size: int, data_ranks: int, factor: float | None) -> float:
+        """The loss's gradient seed on each rank (see the module docstring)."""
+        return 1.0 / mesh_size if factor is None else factor * data_ranks / mesh_size
+
+    def reduce(self, grads: list[torch.Tensor], wanted: list[int]) -> list[torch.Tensor]:
+        """Per-rank gradients of the leaves ``wanted`` (storage layout) -> reduced, optimizer layout."""
+        with torch.no_grad():
+            return reduce_gradients(grads, [self.leaves[i] for i in wanted], self.plan.reduce_dtype)
+
+
+class _Reads:
+    """The parameters of one differentiation as used: gathered with their group on first read."""
+
+    def __init__(self, cfg: EngineConfig, ws: list[torch.Tensor], layer: ParamLayer):
+        self.cfg, self.ws, self.layer = cfg, ws, layer
+        self.ready: dict[int, torch.Tensor] = {}  # gathered with their group, not yet read
+        self.kept: dict[int, torch.Tensor] = {}  # without reshard: every gathered leaf until the backward ends
+        self.gids = itertools.count()
+
+    def gather(self, members: list[int]) -> list[torch.Tensor]:
+        cfg = self.cfg
+        blocks = [self.ws[j] for j in members]
+        specs = [cfg.leaves[j].gather for j in members]
+        fulls = gather_group(blocks, specs, cfg.mixed)
+        detached = [b.detach() for b in blocks]
+        self.layer.own_gathered(fulls, next(self.gids), lambda: gather_group(detached, specs, cfg.mixed))
+        return fulls
+
+    def __call__(self, w: torch.Tensor) -> torch.Tensor:
+        i = index_of(w, self)
+        if i is None:
+            return w
+        cfg = self.cfg
+        if not cfg.leaves[i].gather:  # used as stored (cast for use under mixed precision)
+            out = cast_for_use(w, cfg.mixed)
+            if out is not w:
+                self.layer.own(out)
+            return out
+        if i in self.ready:
+            return self.ready.pop(i)
+        if i in self.kept:
+            return self.kept[i]
+        # the whole group, also when read again (a recompute in the backward repeats the forward's
+        # collectives exactly, which selective checkpointing requires)
+        members = cfg.group_of[i]
+        fulls = self.gather(members)
+        for j, f in zip(members, fulls):
+            if not cfg.reshard:
+                self.kept[j] = f
+            elif j != i:
+                self.ready[j] = f
+        return fulls[members.index(i)]
+
+
+def value_and_grad(cfg: EngineConfig, blocks: list[torch.Tensor], call: Callable[[list[torch.Tensor], Callable], Any],
+                   has_aux: bool, wanted: list[int] | None = None, *, where: str, reduce: bool = True):
+    """``(loss, aux, grads)``: the per-rank loss of ``call(ws, read)`` and the gradients of the leaves
+    ``wanted`` (all by default): reduced and laid out like the optimizer blocks, or with
+    ``reduce=False`` per rank (the caller reduces an accumulated sum once, :meth:`EngineConfig.reduce`)."""
+    plan = cfg.plan
+    layer = ParamLayer(cfg.mesh, reshard=cfg.reshard, any_gather=cfg.any_gather)
+    reads = _Reads(cfg, [], layer)
+    ws = [tag(x, reads, i, requires_grad=x.is_floating_point()) for i, x in enumerate(blocks)]
+    reads.ws = ws
+    for w in ws:
+        layer.own(w)
+    with torch.enable_grad(), saved_tensors.layer(layer), layout.tensor_parallel(
+            plan.tp_axis, vocab_parallel=plan.tp_vocab_parallel, sequence_parallel=plan.tp_sequence_parallel):
+        out = call(ws, reads)
+    reads.ready.clear()  # gathered with a layer but never read: free now
+    if has_aux:
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise TypeError(f"{where}: with has_aux=True the function must return (loss, aux)")
+        loss, aux = out
+    else:
+        loss, aux = out, None
+    if not (isinstance(loss, torch.Tensor) and loss.ndim == 0 and loss.is_floating_point()):
+        raise TypeError(f"{where}: the loss must be a floating 0-d tensor"
+                        f"{' (as the first element, has_aux=True)' if has_aux else ''}; found {loss!r}")
+    wanted = list(range(len(ws))) if wanted is None else wanted
+    diff = [i for i in wanted if ws[i].requires_grad]
+    seed = torch.full_like(loss, cfg.seed_scale)
+    gs = (torch.autograd.grad(loss, [ws[i] for i in diff], grad_outputs=seed, allow_unused=True)
+          if diff and loss.requires_grad else [None] * len(diff))
+    reads.ready.clear()  # gathered again by a recompute in the backward and not read
+    reads.kept.clear()
+    by_leaf = dict(zip(diff, gs))
+    grads = [by_leaf.get(i) if by_leaf.get(i) is not None else torch.zeros_like(blocks[i]) for i in wanted]
+    if not reduce:
+        return loss, aux, grads
+    return loss, aux, cfg.reduce(grads, wanted)

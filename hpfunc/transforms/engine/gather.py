@@ -1,0 +1,121 @@
+"""Gather on use, and re-gather in the backward instead of keeping the full parameter (FSDP).
+
+A parameter stored sharded over some mesh axes is all-gathered to its compute block when the model
+reads it. The first read of a layer's parameter gathers every parameter of that layer (those under
+the same list element ``layers.3``, with the same gather axes and dtype) in one packed collective and
+hands the others out on their first read; top-level parameters are gathered alone (the embedding is
+used first, the head last). The all-gather's transpose is a reduce-scatter, so the gradient comes back
+summed over the FSDP axes and sharded like the storage.
+
+:class:`ParamLayer` is the step's say over saved tensors (:mod:`hpfunc.saved_tensors`): it owns every
+parameter storage of the step -- the storage blocks, the gathered parameters and the mixed-precision
+copies -- whatever transform is nested inside (an ``offload`` of a layer never copies a parameter).
+With reshard after forward it keeps a marker instead of each gathered parameter autograd saves, and
+the backward gathers that group again when it first needs one of them (dropping it after the last);
+everything else it owns is kept as it is.
+
+    >>> group_key("layers.3.attn.wq", ((0, ("fsdp",)),), "f32"), group_key("embed", ((0, ("fsdp",)),), "f32")
+    (('group', 'layers.3', ('fsdp',), 'f32'), ('leaf', 'embed'))
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from hpfunc import saved_tensors
+from hpfunc.transforms.engine.mixed import all_gather
+from hpfunc.transforms.engine.packing import packed_all_gather
+
+__all__ = ["group_key", "gather_group", "ParamLayer"]
+
+
+def group_key(path: str, gather: tuple, dtype: Any) -> tuple:
+    """Parameters gathered together: those under the same list element (``layers.3``) with the same gather
+    axes and dtype; top-level parameters (and those gathered on several dimensions) each alone."""
+    parts = path.split(".")
+    prefix = next((".".join(parts[: i + 1]) for i, p in enumerate(parts) if p.isdigit()), None)
+    if prefix is None or len(gather) != 1:
+        return ("leaf", path)
+    return ("group", prefix, gather[0][1], dtype)
+
+
+def gather_group(blocks: list[torch.Tensor], gathers: list[tuple], mp: tuple | None) -> list[torch.Tensor]:
+    """The compute blocks of several storage blocks, gathered by one collective when they share one
+    gather (the grouping guarantees it for groups of more than one). ``gathers[k] = ((dim, axes), ...)``;
+    ``mp``: mixed precision (:mod:`~hpfunc.transforms.engine.mixed`)."""
+    if len(blocks) == 1:
+        return [all_gather(blocks[0], tuple((d, axes, True) for d, axes in gathers[0]), mp)]
+    return packed_all_gather(blocks, [g[0][0] for g in gathers], gathers[0][0][1], mp)
+
+
+def _key(t: torch.Tensor) -> int:
+    return StorageWeakRef(t.untyped_storage()).cdata
+
+
+class _Marker:
+    """What autograd keeps instead of a gathered parameter: how to find it again."""
+
+    __slots__ = ("gid", "k", "size", "stride", "offset")
+
+    def __init__(self, gid: int, k: int, t: torch.Tensor):
+        self.gid, self.k = gid, k
+        self.size, self.stride, self.offset = t.size(), t.stride(), t.storage_offset()
+
+
+class ParamLayer(saved_tensors.Layer):
+    """The saved tensors a parallelized step owns (see the module docstring)."""
+
+    name = "hpfunc.parallelize"
+
+    def __init__(self, mesh: Any, *, reshard: bool, any_gather: bool):
+        self.mesh, self.reshard = mesh, reshard
+        self.needs_hooks = reshard and any_gather  # otherwise it only claims tensors, never changes one
+        self._owned: dict[int, tuple[StorageWeakRef, Any]] = {}  # storage -> (ref, (gid, k) or None)
+        self._groups: dict[int, Callable[[], list[torch.Tensor]]] = {}  # gid -> gather it again
+        self._pending: dict[int, list] = {}  # gid -> [markers not yet unpacked, regathered tensors]
+
+    def own(self, t: torch.Tensor) -> None:
+        """Claim ``t``'s storage (a storage block or a cast copy): kept as it is, never moved."""
+        self._owned[_key(t)] = (StorageWeakRef(t.untyped_storage()), None)
+
+    def own_gathered(self, fulls: list[torch.Tensor], gid: int, regather: Callable[[], list[torch.Tensor]]) -> None:
+        """Claim a gathered group; with reshard after forward, ``regather()`` makes it again in the backward."""
+        self._groups[gid] = regather
+        for k, f in enumerate(fulls):
+            self._owned.setdefault(_key(f), (StorageWeakRef(f.untyped_storage()), (gid, k)))
+
+    def _info(self, t: torch.Tensor) -> tuple | None:
+        hit = self._owned.get(_key(t))
+        if hit is None or hit[0].expired():  # expired: a freed storage whose address was reused
+            return None
+        return hit
+
+    def owns(self, t: torch.Tensor) -> bool:
+        return self._info(t) is not None
+
+    def pack(self, t: torch.Tensor, outer: saved_tensors.Outer) -> Any:
+        hit = self._info(t)
+        if hit is None:  # not a parameter: an activation, for the layers outward (autograd keeps it)
+            return outer.pack(t)
+        if hit[1] is None or not self.reshard:
+            return t.detach()
+        gid, k = hit[1]
+        entry = self._pending.setdefault(gid, [0, None])
+        entry[0] += 1
+        return _Marker(gid, k, t)
+
+    def unpack(self, packed: Any, outer: saved_tensors.Outer) -> torch.Tensor:
+        if not isinstance(packed, _Marker):
+            return packed if isinstance(packed, torch.Tensor) else outer.unpack(packed)
+        entry = self._pending[packed.gid]
+        if entry[1] is None:
+            with torch.no_grad(), self.mesh:
+                entry[1] = self._groups[packed.gid]()
+        root = entry[1][packed.k]
+        entry[0] -= 1
+        if entry[0] == 0:
+            del self._pending[packed.gid]
+        return torch.as_strided(root, packed.size, packed.stride, packed.offset)

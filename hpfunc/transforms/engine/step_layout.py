@@ -1,0 +1,201 @@
+"""The layout bound while the user's step runs on one rank: :class:`RankStep` implements
+:class:`hpfunc.layout.StepLayout` for :func:`hpfunc.parallelize`.
+
+The step receives its parameters as this rank's *optimizer blocks* (the storage block, narrowed
+further on ZeRO-1/2 axes), each a :class:`~hpfunc.transforms.engine.view.ParamBlock` of this step.
+:meth:`RankStep.value_and_grad` recognises them in the arguments of a differentiated function by that
+tag, runs the plan's differentiation (:mod:`~hpfunc.transforms.engine.differentiate`) with the
+function seeing them as used, and returns the gradients reduced and laid out like the blocks; the
+value is the mean over data shards and ``aux`` tensors are averaged (floats) or summed (integers)
+over data shards. :meth:`RankStep.to_storage` puts the parameters the step returns back to storage.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from typing import Any, Callable, Iterator
+
+import torch
+
+from hpfunc import lax, layout, saved_tensors
+from hpfunc import tree as _tree
+from hpfunc.layout import LeafLayout, PlanError
+from hpfunc.transforms.engine import differentiate
+from hpfunc.transforms.engine.differentiate import EngineConfig
+from hpfunc.transforms.engine.reduce import gather_updated, narrow_to_opt
+from hpfunc.transforms.engine.view import index_of, lazy, tag
+
+__all__ = ["RankStep", "reduce_batch_stats"]
+
+
+def reduce_batch_stats(tree: Any, data_axes: tuple[str, ...]) -> Any:
+    """Batch statistics over the data shards: floating tensors averaged, integer ones summed."""
+
+    def red(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        x = x.detach()
+        if not data_axes:
+            return x
+        return lax.pmean(x, data_axes) if (x.is_floating_point() or x.is_complex()) else lax.psum(x, data_axes)
+
+    return _tree.tree_map(red, tree)
+
+
+class _Accumulation:
+    """Micro-batches: the parameters every micro-batch differentiated, in order (the same each time)."""
+
+    def __init__(self, step: "RankStep"):
+        self.step = step
+        self.order: list[int | None] | None = None
+
+    def record(self, order: list[int | None]) -> None:
+        if self.order is not None and self.order != order:
+            raise PlanError("hpfunc.microbatch inside hpfunc.parallelize: every micro-batch must differentiate "
+                            "the same parameters")
+        self.order = order
+
+    def reduce(self, grads: Any) -> Any:
+        if self.order is None:  # no value_and_grad ran under the plan
+            return grads
+        leaves, treedef = _tree.flatten(grads)
+        if len(leaves) != len(self.order):
+            raise PlanError(f"hpfunc.microbatch: the accumulated gradient has {len(leaves)} leaves, each "
+                            f"micro-batch's had {len(self.order)}")
+        at = [k for k, i in enumerate(self.order) if i is not None]
+        red = self.step.cfg.reduce([leaves[k] for k in at], [self.order[k] for k in at])
+        for k, r in zip(at, red):
+            leaves[k] = r
+        return _tree.unflatten(treedef, leaves)
+
+
+class RankStep:
+    """One rank's view of a parallelized step (see the module docstring)."""
+
+    def __init__(self, cfg: EngineConfig, paths: list[str], storage: list[torch.Tensor]):
+        self.cfg, self.mesh = cfg, cfg.mesh
+        self.paths, self.leaves = paths, cfg.leaves
+        self.by_path = dict(zip(paths, cfg.leaves))
+        self.storage = storage
+        self.opt_blocks = [tag(narrow_to_opt(x, lay.opt_extra), self, i)
+                           for i, (x, lay) in enumerate(zip(storage, cfg.leaves))]
+        self.block_shapes = {p: lay.block_shape(cfg.mesh) for p, lay in self.by_path.items()}
+        self._acc: _Accumulation | None = None
+
+    # -- the StepLayout protocol ------------------------------------------------------------------
+    def leaf(self, path: str, x: torch.Tensor | None, where: str) -> LeafLayout:
+        lay = self.by_path.get(path)
+        if lay is None:
+            raise PlanError(f"{where} inside hpfunc.parallelize: {path!r} is not a parameter path of the plan; "
+                            f"this works on trees shaped like the parameters (paths relative to their root, e.g. "
+                            f"{self.paths[0]!r})" if self.paths else f"{where}: the plan has no parameters")
+        if x is not None and tuple(x.shape) != self.block_shapes[path]:
+            raise PlanError(f"{where} inside hpfunc.parallelize: the leaf at {path!r} has shape {tuple(x.shape)}, "
+                            f"but this rank's block of that parameter is {self.block_shapes[path]} (global "
+                            f"{tuple(lay.shape)}, optimizer spec {lay.spec.opt!r})")
+        return lay
+
+    def data_axes(self) -> tuple[str, ...]:
+        return self.cfg.data_axes
+
+    @contextlib.contextmanager
+    def accumulate(self) -> Iterator[_Accumulation]:
+        if self._acc is not None:
+            raise PlanError("hpfunc.microbatch: micro-batching inside micro-batching is not supported")
+        self._acc = _Accumulation(self)
+        try:
+            yield self._acc
+        finally:
+            self._acc = None
+
+    def value_and_grad(self, fn: Callable, argnums: tuple[int, ...], multi: bool, has_aux: bool, args: tuple,
+                       kwargs: dict) -> Any:
+        region = saved_tensors.in_recompute_region()
+        if region is not None:
+            raise PlanError(f"hpfunc.value_and_grad inside {region} in a step run by hpfunc.parallelize: the step "
+                            f"gathers parameters and reduces gradients around the differentiation, which a "
+                            f"recomputed region cannot hold; apply {region} to layers inside the differentiated "
+                            f"function instead")
+        args = list(args)
+        for a in argnums:
+            if a >= len(args) or a < -len(args):
+                raise ValueError(f"value_and_grad: argnums {a} but the function got {len(args)} positional arguments")
+        argnums = tuple(a % len(args) for a in argnums)
+        with_params, wanted = self._find_params(args, argnums)
+        cfg = self.cfg
+
+        def call(ws: list[torch.Tensor], read: Callable) -> Any:
+            new_args = list(args)
+            for a in with_params:
+                swapped = _tree.tree_map(lambda x: ws[i] if (i := index_of(x, self)) is not None else x, args[a])
+                new_args[a] = lazy(swapped, read) if cfg.needs_view else swapped
+            with layout.bind(None):
+                return fn(*new_args, **kwargs)
+
+        acc = self._acc
+        loss, aux, red = differentiate.value_and_grad(cfg, self.storage, call, has_aux, wanted,
+                                                      where="value_and_grad", reduce=acc is None)
+        grad_of = dict(zip(wanted, red))
+        with torch.no_grad():
+            value = lax.pmean(loss.detach(), cfg.data_axes) if cfg.data_axes else loss.detach()
+            if has_aux:
+                aux = reduce_batch_stats(aux, cfg.data_axes)
+        results = [_tree.tree_map(lambda x: grad_of[index_of(x, self)] if isinstance(x, torch.Tensor) else x, args[a])
+                   for a in argnums]
+        if acc is not None:  # inside hpfunc.microbatch: per-rank gradients, reduced once by acc.reduce
+            acc.record([index_of(x, self) if isinstance(x, torch.Tensor) else None
+                        for a in argnums for x in _tree.leaves(args[a])])
+        g_out = tuple(results) if multi else results[0]
+        return ((value, aux) if has_aux else value), g_out
+
+    def _find_params(self, args: list, argnums: tuple[int, ...]) -> tuple[list[int], list[int]]:
+        """The arguments that hold parameters of this step, and the parameters to differentiate."""
+        with_params: list[int] = []
+        wanted: list[int] = []
+        for a, arg in enumerate(args):
+            found = False
+            for path, x in _tree.leaves_with_paths(arg):
+                i = index_of(x, self)
+                if i is not None:
+                    found = True
+                    if a in argnums:
+                        wanted.append(i)
+                elif a in argnums and isinstance(x, torch.Tensor):
+                    raise PlanError(
+                        f"value_and_grad inside hpfunc.parallelize: argument {a} leaf {path or '<root>'!r} is not one "
+                        f"of the state's parameters; differentiate the parameters parallelize passed to the step "
+                        f"(or a subtree of them) and compute other values inside the function")
+            if found:
+                with_params.append(a)
+        if not wanted:
+            raise PlanError("value_and_grad inside hpfunc.parallelize: the differentiated arguments hold none of the "
+                            "state's parameters (the tensors parallelize passed to the step); a gradient of anything "
+                            "else would be per-rank, not the single-device one")
+        # an argument shaped like a parameter-holding one (e.g. the `frozen` half of a split with no
+        # leaves) is viewed too, so that structural tree operations between them still line up
+        shapes = {_tree.structure(args[a], none_is_leaf=True) for a in with_params}
+        with_params += [a for a, arg in enumerate(args) if a not in with_params and isinstance(arg, (Mapping, list))
+                        and _tree.structure(arg, none_is_leaf=True) in shapes]
+        return with_params, sorted(set(wanted))
+
+    # -- back to storage ------------------------------------------------------------------------
+    def to_storage(self, new: list[Any]) -> list[torch.Tensor]:
+        """The parameters the step returned (optimizer blocks) -> storage blocks (ZeRO all-gathers)."""
+        out: list[Any] = list(self.storage)
+        changed = []
+        for i, x in enumerate(new):
+            if x is self.opt_blocks[i]:
+                continue
+            path = self.paths[i]
+            if not isinstance(x, torch.Tensor) or tuple(x.shape) != self.block_shapes[path]:
+                found = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+                raise PlanError(f"parallelize: the step returned parameter {path!r} as {found}; it must keep the "
+                                f"shape of the block it was given, {self.block_shapes[path]}")
+            changed.append(i)
+        if changed:
+            with torch.no_grad():
+                back = gather_updated([new[i].detach() for i in changed], [self.leaves[i] for i in changed])
+            for i, x in zip(changed, back):
+                out[i] = x
+        return out

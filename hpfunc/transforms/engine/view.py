@@ -1,0 +1,123 @@
+"""The parameter view of a parallelized step: parameter blocks that know which parameter they are, and
+the lazy tree a differentiated function reads them through.
+
+Inside a step every parameter is this rank's block, a :class:`ParamBlock`: a plain tensor (ops on it
+return plain tensors, as with ``nn.Parameter``) that carries the step it belongs to and its index in
+the step's parameter list. That is how the step recognises the parameters a function differentiates,
+whatever tree operations (``split_params``, ``merge_params``) built the argument.
+
+The function being differentiated receives the parameters as a :func:`lazy` view: indexing it returns
+the leaf *as used* (``read(block)``: gathered over FSDP axes, cast under mixed precision), at the
+moment it is read, i.e. per layer and in the order the model uses them. The view is a pytree node in
+hpfunc's namespace (:data:`hpfunc.tree.NAMESPACE`) whose children are the blocks, so structural tree
+operations through :mod:`hpfunc.tree` keep it lazy.
+
+    >>> import torch
+    >>> owner = object()
+    >>> w = tag(torch.ones(2, 2), owner, 3)
+    >>> index_of(w, owner), index_of(w + 1, owner), index_of(w, object())
+    (3, None, None)
+    >>> v = lazy({"layer": {"w": w}}, lambda b: b * 10)
+    >>> float(v["layer"]["w"][0, 0]), "w" in v["layer"]
+    (10.0, True)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Callable
+
+import torch
+
+from hpfunc import tree as _tree
+
+__all__ = ["ParamBlock", "tag", "index_of", "lazy"]
+
+
+class ParamBlock(torch.Tensor):
+    """This rank's block of one parameter of a parallelized step (see the module docstring)."""
+
+    # ops on a block return plain tensors: it is a parameter, not a new kind of value
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+
+def tag(x: torch.Tensor, owner: Any, index: int, *, requires_grad: bool = False) -> ParamBlock:
+    """``x`` (no copy: the same storage) as the block of parameter ``index`` of ``owner``."""
+    t = torch.Tensor._make_subclass(ParamBlock, x.detach(), requires_grad)
+    t._hpfunc_owner = owner
+    t._hpfunc_index = index
+    return t
+
+
+def index_of(x: Any, owner: Any) -> int | None:
+    """The parameter index of ``x`` if it is a block of ``owner``'s parameters, else ``None``."""
+    if type(x) is ParamBlock and x._hpfunc_owner is owner:
+        return x._hpfunc_index
+    return None
+
+
+class _LazyDict(Mapping):
+    """A read-only mapping of parameters that hands out each leaf as used when it is read."""
+
+    __slots__ = ("_d", "_read")
+
+    def __init__(self, d: Mapping, read: Callable):
+        self._d, self._read = d, read
+
+    def __getitem__(self, k: Any) -> Any:
+        return _view(self._d[k], self._read)
+
+    def __iter__(self):
+        return iter(self._d)
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+    def __contains__(self, k: Any) -> bool:  # without reading
+        return k in self._d
+
+    def __repr__(self) -> str:
+        return f"LazyParams({list(self._d)})"
+
+
+class _LazyList(Sequence):
+    __slots__ = ("_l", "_read")
+
+    def __init__(self, seq: Sequence, read: Callable):
+        self._l, self._read = seq, read
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [_view(v, self._read) for v in self._l[i]]
+        return _view(self._l[i], self._read)
+
+    def __len__(self) -> int:
+        return len(self._l)
+
+    def __repr__(self) -> str:
+        return f"LazyParams[{len(self._l)}]"
+
+
+def _view(v: Any, read: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(v, torch.Tensor):
+        return read(v)
+    if isinstance(v, (_LazyDict, _LazyList)):
+        return v
+    if isinstance(v, Mapping):
+        return _LazyDict(v, read)
+    if isinstance(v, (list, tuple)) and not hasattr(v, "_fields"):
+        return _LazyList(v, read)
+    return v
+
+
+def lazy(tree: Any, read: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``tree`` (dicts and lists of tensors) as a view whose leaves are ``read(leaf)`` when indexed."""
+    return _view(tree, read)
+
+
+_tree.register_node(
+    _LazyDict, lambda x: (list(x._d.values()), (tuple(x._d), x._read), tuple(x._d)),
+    lambda meta, children: _LazyDict(dict(zip(meta[0], children)), meta[1]))
+_tree.register_node(
+    _LazyList, lambda x: (list(x._l), x._read, None),
+    lambda read, children: _LazyList(list(children), read))

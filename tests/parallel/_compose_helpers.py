@@ -1,0 +1,279 @@
+"""Rank-side helpers for test_parallel_compose.py: remat and offload of a layer, nested either way, inside
+``hpfunc.parallelize``: gradients and updates against one device, and what stays alive after the forward
+measured on storages (weak references), never on hpfunc's own records.
+
+The model is a residual MLP stack (``layers.N.{norm, w_in, w_out}`` and a ``head``) whose layer is written
+once for one device, with the tensor-parallel hooks of :mod:`hpfunc.layout` (identities without an axis).
+
+Liveness probe: a ``TorchDispatchMode`` notes every storage an op creates during the forward (weakly);
+an identity autograd function on the loss runs first in the backward and counts, at that moment, the
+storages still alive: kept for the backward. Each is classed as a *parameter* (the storage of a tensor the
+model read from the step's parameter view: a gathered or cast parameter), a *host copy* (uint8: the
+buffers ``offload`` copies into; the model itself makes no uint8 tensor) or an *activation*.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+
+import torch
+import torch.nn.functional as F
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+
+LR = 1e-3
+
+# mesh axes -> plan, per name; the world size is the product of the axis sizes
+PLANS = {
+    "ddp2": ({"dp": 2}, lambda pl, tp: pl.ddp("dp")),
+    "fsdp2": ({"fsdp": 2}, lambda pl, tp: pl.fsdp("fsdp")),
+    "fsdp2_keep": ({"fsdp": 2}, lambda pl, tp: pl.fsdp("fsdp", reshard_after_forward=False)),
+    "ddp4": ({"dp": 4}, lambda pl, tp: pl.ddp("dp")),
+    "fsdp4": ({"fsdp": 4}, lambda pl, tp: pl.fsdp("fsdp")),
+    "fsdp4_keep": ({"fsdp": 4}, lambda pl, tp: pl.fsdp("fsdp", reshard_after_forward=False)),
+    "fsdp_tp": ({"fsdp": 2, "tp": 2}, lambda pl, tp: pl.fsdp("fsdp") + tp),
+    "fsdp_keep_tp": ({"fsdp": 2, "tp": 2}, lambda pl, tp: pl.fsdp("fsdp", reshard_after_forward=False) + tp),
+}
+
+# what wraps each layer: (outer, inner) transforms with their policies
+WRAPS = ["none", "remat_nothing", "remat_dots", "remat_names", "offload_everything", "offload_names",
+         "offload_dots", "remat_of_offload", "offload_of_remat", "remat_swap"]
+
+
+def world(name: str) -> int:
+    n = 1
+    for s in PLANS[name][0].values():
+        n *= s
+    return n
+
+
+def wrap(kind: str):
+    """The layer transform of ``kind`` (a function of the layer function)."""
+    from hpfunc.transforms import offload as O
+    from hpfunc.transforms import remat as R
+
+    return {
+        "none": lambda f: f,
+        "remat_nothing": lambda f: R.remat(f, policy=R.nothing_saveable),
+        "remat_dots": lambda f: R.remat(f, policy=R.dots_saveable),
+        "remat_names": lambda f: R.remat(f, policy=R.save_only_these_names("hidden")),
+        "offload_everything": lambda f: O.offload(f),
+        "offload_names": lambda f: O.offload(f, policy=O.offload_only_these_names("hidden")),
+        "offload_dots": lambda f: O.offload(f, policy=O.offload_dots()),
+        "remat_of_offload": lambda f: R.remat(O.offload(f), policy=R.dots_saveable),
+        "offload_of_remat": lambda f: O.offload(R.remat(f, policy=R.nothing_saveable)),
+        "remat_swap": lambda f: R.remat(f, policy=R.save_and_offload_only_these_names(
+            names_which_can_be_offloaded=["hidden"])),
+    }[kind]
+
+
+def layer(p, h):
+    """One residual MLP block for one device; ``w_in`` column- and ``w_out`` row-parallel under TP."""
+    from hpfunc import layout
+    from hpfunc.models.layers import rms_norm
+    from hpfunc.transforms.remat import checkpoint_name
+
+    u = rms_norm(h, p["norm"], 1e-6)
+    a = checkpoint_name(F.gelu(F.linear(u, p["w_in"])), "hidden")
+    return h + layout.reduce_partial(F.linear(a, p["w_out"]))
+
+
+def loss(params, batch, kind: str = "none", probe=None):
+    layer_fn = wrap(kind)(layer)
+    h = batch["x"]
+    for lp in params["layers"]:
+        h = layer_fn(lp, h)
+    out = ((F.linear(h, params["head"]) - batch["y"]) ** 2).mean()
+    return out if probe is None else _Probe.apply(out, probe)
+
+
+def init(seed: int, dim: int, hidden: int, layers: int = 2) -> dict:
+    from hpfunc import random
+
+    key = random.key(seed)
+    normal = lambda i, shape: random.normal(random.fold_in(key, i), shape, torch.float32, std=0.3)  # noqa: E731
+    ls = [{"norm": 1.0 + normal(3 * i, (dim,)), "w_in": normal(3 * i + 1, (hidden, dim)),
+           "w_out": normal(3 * i + 2, (dim, hidden))} for i in range(layers)]
+    return {"layers": ls, "head": normal(99, (dim, dim))}
+
+
+def tp_styles():
+    from hpfunc.layout import ColwiseParallel, RowwiseParallel
+
+    return {"layers.*.w_in": ColwiseParallel(), "layers.*.w_out": RowwiseParallel()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Storage liveness
+
+
+def _key(t: torch.Tensor) -> int:
+    return StorageWeakRef(t.untyped_storage()).cdata
+
+
+class _Births(TorchDispatchMode):
+    """Notes (weakly) every storage an op creates while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.born: dict[int, tuple[StorageWeakRef, int, torch.dtype]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {_key(t) for t in _tensors((args, kwargs))}
+        for t in _tensors(out):
+            k = _key(t)
+            if k not in inputs and k not in self.born:
+                s = t.untyped_storage()
+                self.born[k] = (StorageWeakRef(s), s.nbytes(), t.dtype)
+        return out
+
+
+def _tensors(x) -> list:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for v in x for t in _tensors(v)]
+    if isinstance(x, dict):
+        return [t for v in x.values() for t in _tensors(v)]
+    return []
+
+
+class _Probe(torch.autograd.Function):
+    """Identity; its backward (the first to run) calls ``probe()``, while every saved tensor is still held."""
+
+    @staticmethod
+    def forward(x, probe):
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.probe = inputs[1]
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.probe()
+        return g, None
+
+
+class _Spy:
+    """Wraps the step's parameter view and notes the storage of every parameter the model reads."""
+
+    def __init__(self, inner, seen: set):
+        self._inner, self._seen = inner, seen
+
+    def _wrap(self, v):
+        if isinstance(v, torch.Tensor):
+            self._seen.add(_key(v))
+            return v
+        from collections.abc import Mapping, Sequence
+
+        if isinstance(v, (Mapping, Sequence)):
+            return _Spy(v, self._seen)
+        return v
+
+    def __getitem__(self, k):
+        return self._wrap(self._inner[k])
+
+    def __iter__(self):
+        if hasattr(self._inner, "keys"):
+            return iter(self._inner)
+        return (self[i] for i in range(len(self._inner)))
+
+    def __len__(self):
+        return len(self._inner)
+
+
+def measured_loss(kind: str, record: dict, spy: bool):
+    """``loss`` with the liveness probe; the probe writes alive bytes by class into ``record``."""
+
+    def fn(params, batch):
+        births, seen = _Births(), set()
+        p = _Spy(params, seen) if spy else params
+
+        def probe():
+            gc.collect()
+            out = {"param": 0, "host": 0, "activation": 0}
+            for k, (ref, nbytes, dtype) in births.born.items():
+                if ref.expired():
+                    continue
+                what = "param" if k in seen else "host" if dtype == torch.uint8 else "activation"
+                out[what] += nbytes
+            record.update(out)
+
+        with births:
+            return loss(p, batch, kind, probe)
+
+    return fn
+
+
+# ---------------------------------------------------------------------------------------------
+# One case on the ranks
+
+
+def run_case(name: str, kind: str, seed: int = 0, dim: int = 8, hidden: int = 16, batch: int = 4, seq: int = 3):
+    """Return the mismatches (empty: the case passes): gradients and the AdamW update vs one device; the
+    bytes alive after the forward vs the same layers on one device with this rank's shapes."""
+    import hpfunc
+    from hpfunc import optim
+    from hpfunc.testing import assert_trees_close, to_full
+    from hpfunc.transforms import plans
+    from hpfunc.transforms.parallelize import parallel_train_step
+
+    axes, factory = PLANS[name]
+    mesh = hpfunc.Mesh(axes)
+    plan = factory(plans, plans.tp("tp", tp_styles()))
+    record: dict = {}
+    opt = optim.adamw(LR, eps=1e-5)
+    step = parallel_train_step(measured_loss(kind, record, spy=True), opt, mesh, plan, return_grads=True)
+    full = init(seed, dim, hidden)
+    params = step.shard_params(full)
+    g = torch.Generator().manual_seed(seed + 1)
+    b = {"x": torch.randn(batch, seq, dim, generator=g), "y": torch.randn(batch, seq, dim, generator=g)}
+    opt_state = step.init_opt_state(params)
+    new_params, _, metrics, grads = step(params, opt_state, b)
+
+    # 1. the gradient and the update are the single-device ones (the plain loss: no transform at all)
+    n_data = mesh.axis_size(tuple(a for a in mesh.axis_names if a in plan.data_axes))
+    def ref_loss(p):  # the mean over data shards of the shard means
+        return torch.stack([loss(p, {"x": x, "y": y}) for x, y in zip(b["x"].chunk(n_data), b["y"].chunk(n_data))]).mean()
+    value, ref_grads = hpfunc.value_and_grad(ref_loss)(full)
+    assert_trees_close(metrics["loss"], value, rtol=1e-5, atol=1e-6, what=f"{name}/{kind} loss")
+    assert_trees_close(to_full(grads), ref_grads, rtol=1e-5, atol=1e-6, what=f"{name}/{kind} grads")
+    u, _ = opt.update(ref_grads, opt.init(full), full)
+    assert_trees_close(new_params, optim.apply_updates(full, u), rtol=1e-5, atol=1e-6, what=f"{name}/{kind} update")
+
+    # 2. alive after the forward: this rank's activations and host copies are those of the same layers on
+    # one device with this rank's shapes (its batch shard, its tensor-parallel blocks); no parameter is
+    # copied to the host, and gathered parameters stay alive only without reshard after forward
+    res = step.resolve(params)
+    tp = mesh.axis_size("tp") if "tp" in axes else 1
+    local = hpfunc.tree.map_with_path(
+        lambda path, x: x[tuple(slice(0, x.shape[d] // tp) if "tp" in res[path].spec.compute.dim_axes(d) else slice(None)
+                                for d in range(x.ndim))].clone().requires_grad_(True), full)
+    mine = {k: v.chunk(n_data)[0] for k, v in b.items()}
+    expect: dict = {}
+    hpfunc.value_and_grad(measured_loss(kind, expect, spy=False))(local, mine)
+    def compute_numel(r):  # the block a gathered parameter is used as (its compute spec)
+        n = 1
+        for d, size in enumerate(r.shape):
+            axes = r.spec.compute.dim_axes(d)
+            n *= size // (mesh.axis_size(axes) if axes else 1)
+        return n
+
+    gathered = sum(4 * compute_numel(r) for r in res.values() if r.gather)
+    want_param = 0 if plan.reshard_after_forward else gathered
+    got = dict(record)
+    problems = []
+    if (got["activation"], got["host"]) != (expect["activation"], expect["host"]):
+        problems.append(f"{name}/{kind}: alive activation/host bytes {got['activation']}/{got['host']}, one device "
+                        f"{expect['activation']}/{expect['host']}")
+    if got["param"] != want_param:
+        problems.append(f"{name}/{kind}: gathered parameter bytes alive after forward {got['param']}, expected "
+                        f"{want_param} (reshard_after_forward={plan.reshard_after_forward})")
+    return {"problems": problems, "alive": got, "one_device": expect}
+
+
+def run_matrix(names: list[str], kinds: list[str] = WRAPS, **kw) -> list[dict]:
+    return [{"name": n, "kind": k, **run_case(n, k, **kw)} for n in names for k in kinds]

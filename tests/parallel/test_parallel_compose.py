@@ -1,0 +1,33 @@
+"""remat and offload compose with hpfunc.parallelize: every policy of each, of a layer, nested either way,
+inside fsdp (reshard after forward on and off), fsdp x tp and ddp steps on 2 and 4 ranks. Gradients and
+the AdamW update equal one device, and what stays alive after the forward (storage liveness) is exactly
+what the policy keeps on one device with this rank's shapes: no gathered parameter is copied to the host,
+and gathered parameters are kept only without reshard after forward."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import _compose_helpers as C
+
+pytestmark = pytest.mark.multirank
+
+
+def _check(results):
+    problems = [p for r in results for p in r["problems"]]
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("names", [["ddp2", "fsdp2", "fsdp2_keep"], ["ddp4", "fsdp4", "fsdp4_keep"],
+                                   ["fsdp_tp", "fsdp_keep_tp"]])
+def test_every_policy_and_nesting_inside_every_plan(pools, names):
+    _check(pools(C.world(names[0])).run(C.run_matrix, names)[0])
+
+
+@settings(max_examples=8)
+@given(name=st.sampled_from(sorted(C.PLANS)), kind=st.sampled_from(C.WRAPS), seed=st.integers(0, 2**16),
+       dim=st.sampled_from([4, 8]), hidden=st.sampled_from([8, 16]), seq=st.sampled_from([1, 3]))
+def test_random_shapes_and_seeds(pools, name, kind, seed, dim, hidden, seq):
+    _check(pools(C.world(name)).run(C.run_matrix, [name], [kind], seed=seed, dim=dim, hidden=hidden, seq=seq)[0])
