@@ -17,7 +17,7 @@ ranks   plan         PyTorch twin
 ======  ===========  ====================================================================================
 
 Each hpfunc plan runs two ways: ``parallel_train_step(loss, optim.adamw(lr), mesh, plan)`` and the
-front door ``hpfunc.parallelize(make_train_step(cfg, optim.adamw(lr), loss_fn=parallel.loss), mesh,
+front door ``hpfunc.parallelize(make_train_step(cfg, optim.adamw(lr), loss_fn=qwen3.parallel_plan.loss), mesh,
 plan)``. A step's time is the slowest rank's; the table shows the median over ``--iters`` steps and
 the ratio hpfunc / PyTorch (1-rank rows: hpfunc / the plain single-device step, and that step / the
 torch loop). Goals (issue 4): ratio <= 1.0 on 2 and 4 ranks, <= 1.05 on one rank.
@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -256,31 +257,42 @@ def _torch_comm(step):
 # hpfunc
 
 
-def _mesh_plan(kind, n):
+def _mesh_plan(kind, n, cfg):
     import hpfunc
     from hpfunc.transforms import plans
+
+    def tp(axis):  # Megatron TP with the model's own table
+        from hpfunc.models.qwen3 import parallel_plan
+
+        return plans.tp(axis, parallel_plan.tp_styles(cfg))
 
     if kind == "ddp":
         return hpfunc.Mesh({"dp": n}), plans.ddp("dp")
     if kind in ("fsdp", "single"):
         return hpfunc.Mesh({"fsdp": n}), plans.fsdp("fsdp")
     if kind == "tp":
-        return hpfunc.Mesh({"tp": n}), plans.tp("tp")
+        return hpfunc.Mesh({"tp": n}), tp("tp")
     if kind == "fsdp_tp":
-        return hpfunc.Mesh({"fsdp": n // 2, "tp": 2}), plans.fsdp("fsdp") + plans.tp("tp")
+        return hpfunc.Mesh({"fsdp": n // 2, "tp": 2}), plans.fsdp("fsdp") + tp("tp")
     raise ValueError(kind)
+
+
+def _parallel_loss():
+    from hpfunc.models.qwen3.parallel_plan import loss
+
+    return loss
 
 
 def _hpfunc_steps(mesh, plan, cfg, full, tokens, lr):
     """``({name: step}, {name: () -> bytes sent in one step}, state bytes per rank)``."""
     import hpfunc
     from hpfunc import optim
-    from hpfunc.models import parallel
     from hpfunc.train.step import init_train_state, make_train_step
     from hpfunc.transforms.parallelize import parallel_train_step
 
     batch = {"tokens": tokens}
-    pts = parallel_train_step(lambda p, b: parallel.loss(p, b, cfg)[0], optim.adamw(lr), mesh, plan)
+    loss = _parallel_loss()
+    pts = parallel_train_step(lambda p, b: loss(p, b, cfg)[0], optim.adamw(lr), mesh, plan)
     s1 = {"p": pts.shard_params(full)}
     s1["o"] = pts.init_opt_state(s1["p"])
 
@@ -288,7 +300,7 @@ def _hpfunc_steps(mesh, plan, cfg, full, tokens, lr):
         s1["p"], s1["o"], _ = pts(s1["p"], s1["o"], batch)
 
     tx = optim.adamw(lr)
-    front = hpfunc.parallelize(make_train_step(cfg, tx, loss_fn=parallel.loss), mesh, plan)
+    front = hpfunc.parallelize(make_train_step(cfg, tx, loss_fn=loss), mesh, plan)
     s2 = {"s": front.init_state(lambda p: init_train_state(p, tx), front.shard_params(full))}
 
     def hp_front():
@@ -365,7 +377,7 @@ def _bench_on_rank(batch, seq, iters, kinds=None):
 
     import hpfunc
     from hpfunc import optim
-    from hpfunc.models import parallel, qwen3
+    from hpfunc.models import qwen3
     from hpfunc.train.step import init_train_state, make_train_step
 
     torch.set_num_threads(1)
@@ -377,11 +389,11 @@ def _bench_on_rank(batch, seq, iters, kinds=None):
     lr = 1e-3
     out = {"ranks": n, "psi": psi, "batch": batch, "seq": seq, "kinds": {}}
     for kind in kinds or _KINDS[n]:
-        mesh, plan = _mesh_plan(kind, n)
+        mesh, plan = _mesh_plan(kind, n, cfg)
         steps, counters, state_bytes = _hpfunc_steps(mesh, plan, cfg, full, tokens, lr)
         if kind == "single":
             tx = optim.adamw(lr)
-            plain = make_train_step(cfg, tx, loss_fn=parallel.loss)
+            plain = make_train_step(cfg, tx, loss_fn=_parallel_loss())
             st = {"s": init_train_state(hpfunc.tree.tree_map(lambda x: x.clone(), full), tx)}
 
             def plain_step():
@@ -455,6 +467,7 @@ def main(argv=None) -> int:
     from hpfunc.testing import RankPool
 
     rows = []
+    load = [os.getloadavg()[0]]
     for n in [int(x) for x in args.ranks.split(",")]:
         kinds = [k for k in args.kinds.split(",") if k in _KINDS[n]] if args.kinds else None
         if kinds == []:
@@ -462,10 +475,12 @@ def main(argv=None) -> int:
         with RankPool(n, timeout=900) as pool:
             per_rank = pool.run(_bench_on_rank, args.batch, args.seq, args.iters, kinds)
         rows += _summarise(per_rank)
+        load.append(os.getloadavg()[0])
     _print_table(rows)
+    print(f"load average (1 min) during the run: {min(load):.1f}-{max(load):.1f} on {os.cpu_count()} cores")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(rows, indent=2))
+        Path(args.out).write_text(json.dumps({"rows": rows, "load_average": load, "cores": os.cpu_count()}, indent=2))
     return 0
 
 

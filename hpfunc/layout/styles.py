@@ -3,7 +3,7 @@
 The declarative counterpart of torch's ``parallelize_module`` for functional models: a mapping from
 dotted parameter paths (globs such as ``layers.*.attn.wq``, or ``re:<regex>``; first match wins) to a
 style, turned into a plan layer by ``hpfunc.transforms.plans.tp(axis, styles)``. A model's own table
-lives beside the model (``hpfunc.models.qwen3_parallel.tp_styles``); the styles themselves are core
+lives beside the model (``hpfunc.models.qwen3.parallel_plan.tp_styles``); the styles themselves are core
 vocabulary, so models declare their layout without importing any transform::
 
     plan = plans.fsdp("fsdp") + plans.tp("tp", {

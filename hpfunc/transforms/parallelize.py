@@ -189,7 +189,7 @@ class ParallelizedStep:
     def __call__(self, state: Any, batch: Any) -> tuple[Any, Any]:
         self._check_context()
         planned = self._planned(state)
-        check_params(get_path(state, self.params), planned.res, self.mesh)
+        check_params(get_path(state, self.params), planned.res, self.mesh, planned.paths)
         batch_spec = self.plan.batch_spec(self.mesh)
         self.plan.check_batch(batch, self.mesh)
 
@@ -229,9 +229,11 @@ def _metric_spec(path: str, x: Any, res: Mapping[str, LeafLayout], mesh: Mesh) -
     return P()
 
 
-def check_params(params: Any, res: Mapping[str, LeafLayout], mesh: Mesh) -> None:
-    """:class:`PlanError` naming the first parameter DTensor not stored as the plan says."""
-    for path, x in _tree.leaves_with_paths(params):
+def check_params(params: Any, res: Mapping[str, LeafLayout], mesh: Mesh, paths: list[str] | None = None) -> None:
+    """:class:`PlanError` naming the first parameter DTensor not stored as the plan says (``paths``: the
+    parameters' paths in flattening order, when known)."""
+    pairs = _tree.leaves_with_paths(params) if paths is None else zip(paths, _tree.leaves(params))
+    for path, x in pairs:
         r = res[path]
         if isinstance(x, DTensor):
             # placements, not sharding_of(): this runs every step and must stay cheap

@@ -39,6 +39,8 @@ class EngineConfig:
 
     def __init__(self, mesh: Any, plan: Any, leaves: list[LeafLayout], dtypes: list[torch.dtype]):
         self.mesh, self.plan, self.leaves = mesh, plan, leaves
+        self.by_path = {lay.path: lay for lay in leaves}
+        self.block_shapes = {lay.path: lay.block_shape(mesh) for lay in leaves}
         groups: dict[tuple, list[int]] = {}
         for i, (lay, dt) in enumerate(zip(leaves, dtypes)):
             if lay.gather:

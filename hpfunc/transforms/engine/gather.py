@@ -20,6 +20,7 @@ everything else it owns is kept as it is.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -74,20 +75,30 @@ class ParamLayer(saved_tensors.Layer):
         self.mesh, self.reshard = mesh, reshard
         self.needs_hooks = reshard and any_gather  # otherwise it only claims tensors, never changes one
         self._owned: dict[int, tuple[StorageWeakRef, Any]] = {}  # storage -> (ref, (gid, k) or None)
+        # claims are registered on the first question (most steps ask none), held weakly until then
+        self._claims: list[tuple[weakref.ref, Any]] = []
         self._groups: dict[int, Callable[[], list[torch.Tensor]]] = {}  # gid -> gather it again
         self._pending: dict[int, list] = {}  # gid -> [markers not yet unpacked, regathered tensors]
 
     def own(self, t: torch.Tensor) -> None:
         """Claim ``t``'s storage (a storage block or a cast copy): kept as it is, never moved."""
-        self._owned[_key(t)] = (StorageWeakRef(t.untyped_storage()), None)
+        self._claims.append((weakref.ref(t), None))
 
     def own_gathered(self, fulls: list[torch.Tensor], gid: int, regather: Callable[[], list[torch.Tensor]]) -> None:
         """Claim a gathered group; with reshard after forward, ``regather()`` makes it again in the backward."""
         self._groups[gid] = regather
-        for k, f in enumerate(fulls):
-            self._owned.setdefault(_key(f), (StorageWeakRef(f.untyped_storage()), (gid, k)))
+        self._claims.extend((weakref.ref(f), (gid, k)) for k, f in enumerate(fulls))
 
     def _info(self, t: torch.Tensor) -> tuple | None:
+        if self._claims:
+            for ref, info in self._claims:
+                c = ref()
+                if c is None:  # freed before anyone asked: nothing to own
+                    continue
+                k = _key(c)
+                if k not in self._owned or self._owned[k][0].expired():
+                    self._owned[k] = (StorageWeakRef(c.untyped_storage()), info)
+            self._claims.clear()
         hit = self._owned.get(_key(t))
         if hit is None or hit[0].expired():  # expired: a freed storage whose address was reused
             return None

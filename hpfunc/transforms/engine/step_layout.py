@@ -76,11 +76,11 @@ class RankStep:
     def __init__(self, cfg: EngineConfig, paths: list[str], storage: list[torch.Tensor]):
         self.cfg, self.mesh = cfg, cfg.mesh
         self.paths, self.leaves = paths, cfg.leaves
-        self.by_path = dict(zip(paths, cfg.leaves))
+        self.by_path = cfg.by_path
         self.storage = storage
         self.opt_blocks = [tag(narrow_to_opt(x, lay.opt_extra), self, i)
                            for i, (x, lay) in enumerate(zip(storage, cfg.leaves))]
-        self.block_shapes = {p: lay.block_shape(cfg.mesh) for p, lay in self.by_path.items()}
+        self.block_shapes = cfg.block_shapes
         self._acc: _Accumulation | None = None
 
     # -- the StepLayout protocol ------------------------------------------------------------------
@@ -155,13 +155,14 @@ class RankStep:
         wanted: list[int] = []
         for a, arg in enumerate(args):
             found = False
-            for path, x in _tree.leaves_with_paths(arg):
+            for k, x in enumerate(_tree.leaves(arg)):
                 i = index_of(x, self)
                 if i is not None:
                     found = True
                     if a in argnums:
                         wanted.append(i)
                 elif a in argnums and isinstance(x, torch.Tensor):
+                    path = _tree.leaves_with_paths(arg)[k][0]
                     raise PlanError(
                         f"value_and_grad inside hpfunc.parallelize: argument {a} leaf {path or '<root>'!r} is not one "
                         f"of the state's parameters; differentiate the parameters parallelize passed to the step "
