@@ -77,49 +77,65 @@ class Layer:
         return outer.unpack(packed)
 
 
-class _Packed:
-    """A value packed by ``chain[k]`` (``chain`` is the stack, outermost first, when it was packed)."""
-
-    __slots__ = ("chain", "k", "payload")
-
-    def __init__(self, chain: tuple[Layer, ...], k: int, payload: Any):
-        self.chain, self.k, self.payload = chain, k, payload
-
-
 class Outer:
     """The layers outward of one layer: ``pack`` hands them a tensor, ``unpack`` takes it back."""
 
-    __slots__ = ("chain", "k")
+    __slots__ = ("layer", "next")
 
-    def __init__(self, chain: tuple[Layer, ...], k: int):
-        self.chain, self.k = chain, k  # the layer these are outward of is chain[k]
+    def __init__(self, layer: Layer, next: "Outer | None"):
+        # ``layer`` is the one these are outward of; ``next`` the same for the layer outward (None past the
+        # outermost: autograd's default). One Outer per layer of a chain, made once: packing allocates nothing.
+        self.layer, self.next = layer, next
 
     def pack(self, t: torch.Tensor) -> Any:
-        if self.k == 0:
+        nxt = self.next
+        if nxt is None:
             # autograd's default: keep the tensor. Detached: a saved output returned as itself would hold
             # its own grad_fn (a reference cycle that keeps the graph alive until the garbage collector)
             return t.detach()
-        k = self.k - 1
-        return _Packed(self.chain, k, self.chain[k].pack(t, Outer(self.chain, k)))
+        return _Packed(nxt, nxt.layer.pack(t, nxt))
 
     def unpack(self, packed: Any) -> torch.Tensor:
         return _unpack(packed)
 
 
+class _Packed:
+    """A value packed by ``outer.layer`` (``outer`` leads to the layers outward of it)."""
+
+    __slots__ = ("outer", "payload")
+
+    def __init__(self, outer: Outer, payload: Any):
+        self.outer, self.payload = outer, payload
+
+
+def _outers(chain: tuple[Layer, ...]) -> list[Outer]:
+    """``outers[k]``: the Outer of ``chain[k]`` (outermost first)."""
+    outers: list[Outer] = []
+    nxt = None
+    for lay in chain:
+        nxt = Outer(lay, nxt)
+        outers.append(nxt)
+    return outers
+
+
 def _pack_with(chain: tuple[Layer, ...]):
+    outers = _outers(chain)
+    owners = outers[:-1]  # the innermost layer packs what no outer layer owns, so only the outer ones are asked
+    inner = outers[-1]
+
     def pack(t: torch.Tensor) -> Any:
-        for k, lay in enumerate(chain):
-            if lay.owns(t):
-                return _Packed(chain, k, lay.pack(t, Outer(chain, k)))
-        k = len(chain) - 1
-        return _Packed(chain, k, chain[k].pack(t, Outer(chain, k)))
+        for o in owners:
+            if o.layer.owns(t):
+                return _Packed(o, o.layer.pack(t, o))
+        return _Packed(inner, inner.layer.pack(t, inner))
 
     return pack
 
 
 def _unpack(packed: Any) -> torch.Tensor:
-    if isinstance(packed, _Packed):
-        return packed.chain[packed.k].unpack(packed.payload, Outer(packed.chain, packed.k))
+    if type(packed) is _Packed:
+        o = packed.outer
+        return o.layer.unpack(packed.payload, o)
     return packed
 
 
@@ -144,7 +160,12 @@ def layer(lay: Layer) -> Iterator[Layer]:
         # this one must install the longer chain too, or tensors saved here would never be asked
         # about (a claim-only layer's ``owns`` ignored under an outer recorder or offload).
         if any(x.needs_hooks for x in chain) and _RECOMPUTE.get() is None:
-            with torch.autograd.graph.saved_tensors_hooks(_pack_with(chain), _unpack):
+            if len(chain) == 1:  # alone on the stack: its own pack/unpack, with nothing to route
+                outer = _outers(chain)[0]
+                hooks = (lambda t: lay.pack(t, outer), lambda p: lay.unpack(p, outer))
+            else:
+                hooks = (_pack_with(chain), _unpack)
+            with torch.autograd.graph.saved_tensors_hooks(*hooks):
                 yield lay
         else:
             yield lay

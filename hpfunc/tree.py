@@ -57,7 +57,8 @@ def path_str(path: Iterable[Any]) -> str:
 
 def leaves_with_paths(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> list[tuple[str, Any]]:
     """Return ``[(dotted_path, leaf), ...]`` in optree's flattening order."""
-    paths, leaves, _ = optree.tree_flatten_with_path(tree, is_leaf=is_leaf, none_is_leaf=NONE_IS_LEAF, namespace=NAMESPACE)
+    paths, leaves, _ = optree.tree_flatten_with_path(tree, is_leaf=is_leaf, none_is_leaf=NONE_IS_LEAF,
+                                                     namespace=NAMESPACE)
     return [(path_str(p), leaf) for p, leaf in zip(paths, leaves)]
 
 
@@ -70,7 +71,8 @@ def map_with_path(
     {'a': {'b': 'a.b'}}
     """
     return optree.tree_map_with_path(
-        lambda p, *xs: fn(path_str(p), *xs), tree, *rest, is_leaf=is_leaf, none_is_leaf=NONE_IS_LEAF, namespace=NAMESPACE
+        lambda p, *xs: fn(path_str(p), *xs), tree, *rest, is_leaf=is_leaf, none_is_leaf=NONE_IS_LEAF,
+        namespace=NAMESPACE
     )
 
 

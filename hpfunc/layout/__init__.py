@@ -18,7 +18,7 @@ What you can ask:
                                      over them)
 :func:`local_block` (path, full)     the block of a global value that this rank's block covers
 :func:`gather_block` (path, block)   the global value from this rank's block (a collective)
-:func:`global_sq_norm`               the squared norm of global tensors from their blocks
+:func:`global_sq_norm` (tree)        the squared norm of global tensors from their blocks
 :func:`tp_axis`, ...                 the tensor-parallel binding (:mod:`hpfunc.layout.tensor_parallel`)
                                      and its building blocks :func:`scatter_sequence`,
                                      :func:`gather_sequence`, :func:`reduce_partial`

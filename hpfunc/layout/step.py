@@ -105,6 +105,10 @@ class StepLayout(Protocol):
         that ``x`` (if given) has the shape of that parameter's block here; :class:`PlanError` naming
         ``where`` otherwise."""
 
+    def leaf_layouts(self, tree: Any, where: str) -> list[LeafLayout]:
+        """:meth:`leaf` of every leaf of ``tree`` (shaped like the parameters or a subtree of them, its
+        paths relative to their root), in flattening order."""
+
     def data_axes(self) -> tuple[str, ...]:
         """The mesh axes (size > 1) the batch is split over: values computed from the batch vary
         over them."""
@@ -206,14 +210,20 @@ def gather_block(path: str, block: torch.Tensor, *, dims: Any = None) -> torch.T
     return block
 
 
-def global_sq_norm(paths: list[str], leaves: list[torch.Tensor], where: str) -> torch.Tensor | None:
-    """Sum of squares (fp64) of the global tensors whose blocks here are ``leaves`` (at parameter
-    ``paths``), or ``None`` outside a parallelized step."""
+def global_sq_norm(tree: Any, where: str = "global_sq_norm") -> torch.Tensor | None:
+    """Sum of squares (fp64) of the global tensors whose blocks here are the leaves of ``tree`` (shaped
+    like the parameters, or a subtree of them), or ``None`` outside a parallelized step.
+
+    >>> global_sq_norm({"w": torch.ones(2)}) is None
+    True
+    """
     ctx = current()
     if ctx is None:
         return None
-    specs = [ctx.leaf(path, x, where).spec.opt for path, x in zip(paths, leaves)]
-    return blocks_sq_norm(ctx.mesh, specs, leaves)
+    from hpfunc import tree as _tree
+
+    layouts = ctx.leaf_layouts(tree, where)
+    return blocks_sq_norm(ctx.mesh, [lay.spec.opt for lay in layouts], _tree.leaves(tree))
 
 
 def blocks_sq_norm(mesh: Any, opt_specs: list[P], blocks: list[torch.Tensor]) -> torch.Tensor:
@@ -224,9 +234,16 @@ def blocks_sq_norm(mesh: Any, opt_specs: list[P], blocks: list[torch.Tensor]) ->
 
     # only the axes some block is split on need a sum (on the others every block is whole on every rank)
     split = tuple(a for a in mesh.axis_names if mesh.axis_size(a) > 1 and any(a in s.axes for s in opt_specs))
-    terms = []
-    for spec, x in zip(opt_specs, blocks):
-        reps = math.prod(mesh.axis_size(a) for a in split if a not in spec.axes)
-        terms.append(x.detach().double().pow(2).sum() / reps)
-    total = torch.stack(terms).sum() if terms else torch.zeros((), dtype=torch.float64)
+    if not blocks:
+        total = torch.zeros((), dtype=torch.float64)
+    else:
+        reps = [math.prod(mesh.axis_size(a) for a in split if a not in spec.axes) for spec in opt_specs]
+        xs = [x.detach() for x in blocks]
+        if all(x.device == xs[0].device for x in xs):  # one fused kernel for every block's norm
+            sq = torch.stack(torch._foreach_norm(xs, 2, dtype=torch.float64)).square()
+        else:
+            sq = torch.stack([x.double().pow(2).sum().to(xs[0].device) for x in xs])
+        if any(r != 1 for r in reps):
+            sq = sq / torch.tensor(reps, dtype=torch.float64, device=sq.device)
+        total = sq.sum()
     return lax.psum(total, split) if split else total

@@ -12,7 +12,12 @@ from typing import Sequence
 
 import torch
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+def _plain(cls: type) -> bool:
+    """A tensor type that computes as a plain tensor: ``torch.Tensor`` or a subclass that overrides
+    neither dispatch (``nn.Parameter``, a parallelized step's parameter blocks); not a DTensor."""
+    return cls is torch.Tensor or (
+        issubclass(cls, torch.Tensor) and cls.__torch_dispatch__ is torch.Tensor.__torch_dispatch__
+        and cls.__torch_function__ is torch._C._disabled_torch_function_impl)
 
 
 def foreachable(*lists: Sequence[torch.Tensor]) -> bool:
@@ -21,7 +26,8 @@ def foreachable(*lists: Sequence[torch.Tensor]) -> bool:
     if first is None:
         return False
     return all(
-        type(x) in _PLAIN and x.device == first.device and x.dtype == first.dtype for xs in lists for x in xs
+        (type(x) is torch.Tensor or _plain(type(x))) and x.device == first.device and x.dtype == first.dtype
+        for xs in lists for x in xs
     )
 
 

@@ -76,6 +76,7 @@ class _Planned:
     specs: Any
     paths: list[str]
     cfg: EngineConfig
+    placements: list[tuple]  # the storage placements of the parameters, in flattening order
 
 
 @attrs.frozen(eq=False)
@@ -115,15 +116,20 @@ class ParallelizedStep:
             res[paths[is_param[k]]].spec.storage if k in is_param else _state_leaf_spec(path, x, res)
             for k, (path, x) in enumerate(_tree.leaves_with_paths(state))])
         cfg = EngineConfig(self.mesh, self.plan, [res[p] for p in paths], [x.dtype for _, x in pairs])
-        hit = self._cache[key] = _Planned(res, specs, paths, cfg)
+        placements = [tuple(spec_to_placements(res[p].spec.storage, self.mesh, len(res[p].shape), where=p))
+                      for p in paths]
+        hit = self._cache[key] = _Planned(res, specs, paths, cfg, placements)
         return hit
 
-    def _metrics_specs(self, res: Mapping[str, LeafLayout]) -> Callable[[Any], Any]:
-        def specs(out: Any) -> Any:
-            state_specs, metrics = out[0], out[1]
-            return (state_specs, _tree.map_with_path(lambda path, x: _metric_spec(path, x, res, self.mesh), metrics))
-
-        return specs
+    def _metrics_specs(self, metrics: Any, res: Mapping[str, LeafLayout]) -> Any:
+        """The out specs of this rank's metrics (once per metrics structure)."""
+        leaves, treedef = _tree.flatten(metrics)
+        key = ("metrics", treedef, tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in leaves))
+        hit = self._cache.get(key)
+        if hit is None:
+            hit = self._cache[key] = _tree.map_with_path(lambda path, x: _metric_spec(path, x, res, self.mesh),
+                                                          metrics)
+        return hit
 
     # -- running ----------------------------------------------------------------------------------
     def _run(self, fn: Callable, state_in: Any, planned: _Planned, args: tuple, arg_specs: tuple,
@@ -189,7 +195,7 @@ class ParallelizedStep:
     def __call__(self, state: Any, batch: Any) -> tuple[Any, Any]:
         self._check_context()
         planned = self._planned(state)
-        check_params(get_path(state, self.params), planned.res, self.mesh, planned.paths)
+        check_params(get_path(state, self.params), planned.res, self.mesh, planned.paths, planned.placements)
         batch_spec = self.plan.batch_spec(self.mesh)
         self.plan.check_batch(batch, self.mesh)
 
@@ -199,9 +205,8 @@ class ParallelizedStep:
                 raise TypeError(f"parallelize: the step must return (state, metrics); found {type(out).__name__}")
             return out
 
-        specs = self._metrics_specs(planned.res)
         return self._run(fn, state, planned, (batch,), (batch_spec,),
-                         lambda out: (planned.specs, specs(out)[1]))
+                         lambda out: (planned.specs, self._metrics_specs(out[1], planned.res)))
 
 
 def _state_leaf_spec(path: str, x: Any, res: Mapping[str, LeafLayout]) -> P:
@@ -229,17 +234,19 @@ def _metric_spec(path: str, x: Any, res: Mapping[str, LeafLayout], mesh: Mesh) -
     return P()
 
 
-def check_params(params: Any, res: Mapping[str, LeafLayout], mesh: Mesh, paths: list[str] | None = None) -> None:
-    """:class:`PlanError` naming the first parameter DTensor not stored as the plan says (``paths``: the
-    parameters' paths in flattening order, when known)."""
+def check_params(params: Any, res: Mapping[str, LeafLayout], mesh: Mesh, paths: list[str] | None = None,
+                 placements: list[tuple] | None = None) -> None:
+    """:class:`PlanError` naming the first parameter DTensor not stored as the plan says (``paths``, and
+    ``placements`` the storage placements of each, in flattening order, when known)."""
     pairs = _tree.leaves_with_paths(params) if paths is None else zip(paths, _tree.leaves(params))
-    for path, x in pairs:
+    for k, (path, x) in enumerate(pairs):
         r = res[path]
         if isinstance(x, DTensor):
             # placements, not sharding_of(): this runs every step and must stay cheap
-            want = spec_to_placements(r.spec.storage, mesh, x.ndim, where=path)
+            want = (placements[k] if placements is not None
+                    else tuple(spec_to_placements(r.spec.storage, mesh, x.ndim, where=path)))
             same_mesh = x.device_mesh is mesh.device_mesh or x.device_mesh == mesh.device_mesh
-            if not same_mesh or list(x.placements) != list(want):
+            if not same_mesh or tuple(x.placements) != want:
                 raise PlanError(f"parameter {path!r} is stored as {sharding_of(x).spec!r} but the plan stores it "
                                 f"as {r.spec.storage!r}; use train_step.shard_params / hpfunc.reshard first")
 

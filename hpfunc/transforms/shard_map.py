@@ -54,18 +54,19 @@ def _pair_specs(specs: Any, values: Any, what: str) -> tuple[list[Any], list[P],
     Returns the leaves, their specs, the treedef and ``path(i)``, the dotted path of leaf ``i`` (built
     only when asked: only errors need it).
     """
-    leaves, treedef = optree.tree_flatten(values, none_is_leaf=True)
-    spec_leaves, spec_def = optree.tree_flatten(specs, is_leaf=_is_spec, none_is_leaf=True)
+    leaves, treedef = optree.tree_flatten(values, none_is_leaf=True, namespace=_tree.NAMESPACE)
+    spec_leaves, spec_def = optree.tree_flatten(specs, is_leaf=_is_spec, none_is_leaf=True, namespace=_tree.NAMESPACE)
     if spec_def != treedef:  # a proper prefix: one spec stands for a whole subtree
         try:
-            spec_leaves = optree.broadcast_prefix(specs, values, is_leaf=_is_spec, none_is_leaf=True)
+            spec_leaves = optree.broadcast_prefix(specs, values, is_leaf=_is_spec, none_is_leaf=True,
+                                                  namespace=_tree.NAMESPACE)
         except (ValueError, TypeError) as e:
             raise SpecError(
                 f"{what} must be a spec P(...) or a tree prefix of the {what.split('_')[0]}puts; got {specs!r}: {e}"
             ) from None
 
     def path(i: int) -> str:
-        return _tree.path_str(optree.tree_paths(values, none_is_leaf=True)[i])
+        return _tree.path_str(optree.tree_paths(values, none_is_leaf=True, namespace=_tree.NAMESPACE)[i])
 
     return leaves, [s if isinstance(s, P) else as_spec(s) for s in spec_leaves], treedef, path
 

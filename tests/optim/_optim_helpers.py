@@ -44,3 +44,14 @@ def one_intra_op_thread():
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def run_updates(params: dict, grads: list[dict], tx) -> dict:
+    """``params`` after one ``tx`` update per gradient tree in ``grads``."""
+    from hpfunc import optim
+
+    state = tx.init(params)
+    for g in grads:
+        updates, state = tx.update(g, state, params)
+        params = optim.apply_updates(params, updates)
+    return params

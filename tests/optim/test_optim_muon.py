@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 
 from hpfunc import optim
 
-from _optim_helpers import max_abs_diff, randn, one_intra_op_thread  # noqa: F401 (autouse fixture)
+from _optim_helpers import max_abs_diff, randn, run_updates, one_intra_op_thread  # noqa: F401 (autouse fixture)
 
 # Worst error seen against the reference, printed by test_muon_report_max_error (run with -s).
 MAX_ERR = {"fp32": 0.0}
@@ -55,14 +55,6 @@ def ref_muon_run(params: dict, grads: list[dict], *, lr, beta, nesterov, ns_step
     return params
 
 
-def ours_run(params: dict, grads: list[dict], tx) -> dict:
-    state = tx.init(params)
-    for g in grads:
-        updates, state = tx.update(g, state, params)
-        params = optim.apply_updates(params, updates)
-    return params
-
-
 SHAPES = {"square": (6, 6), "wide": (4, 10), "tall": (12, 5), "experts": (3, 8, 4), "experts_wide": (2, 3, 7)}
 
 
@@ -84,7 +76,7 @@ def test_muon_matches_reference(lr, beta, nesterov, ns_steps, wd, consistent_rms
         dtype=torch.float32,
     )
     tx = optim.muon(lr, beta=beta, nesterov=nesterov, ns_steps=ns_steps, weight_decay=wd, consistent_rms=consistent_rms)
-    got = ours_run(params, grads, tx)
+    got = run_updates(params, grads, tx)
     err = max(max_abs_diff(got[k], expected[k]) for k in SHAPES)
     MAX_ERR["fp32"] = max(MAX_ERR["fp32"], err)
     # The reference decays the param and then adds the step (two roundings), apply_updates adds
@@ -151,7 +143,7 @@ def test_muon_stack_is_independent_matrices():
         p = randn(shape, 1)
         grads = [randn(shape, 10 + t) for t in range(5)]
         tx = optim.muon(0.05, weight_decay=0.1, consistent_rms=0.2)
-        stack = ours_run({"e": p}, [{"e": g} for g in grads], tx)["e"]
+        stack = run_updates({"e": p}, [{"e": g} for g in grads], tx)["e"]
         for i in range(shape[0]):
-            alone = ours_run({"e": p[i]}, [{"e": g[i]} for g in grads], tx)["e"]
+            alone = run_updates({"e": p[i]}, [{"e": g[i]} for g in grads], tx)["e"]
             torch.testing.assert_close(stack[i], alone, atol=1e-6, rtol=2e-6, msg=lambda m: f"{shape}[{i}]: {m}")

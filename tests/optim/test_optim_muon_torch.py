@@ -36,7 +36,7 @@ from hypothesis import assume, given, settings, strategies as st
 
 from hpfunc import optim
 
-from _optim_helpers import randn, scaled_err, one_intra_op_thread  # noqa: F401 (autouse fixture)
+from _optim_helpers import randn, run_updates, scaled_err, one_intra_op_thread  # noqa: F401 (autouse fixture)
 
 STEPS = 6
 FP32_ULP = torch.finfo(torch.float32).eps
@@ -71,14 +71,6 @@ def run_torch(params: dict, grads: list[dict], schedule=None, **kw) -> dict:
         if sched is not None:
             sched.step()
     return {k: p.detach() for k, p in ps.items()}
-
-
-def run_ours(params: dict, grads: list[dict], tx) -> dict:
-    state = tx.init(params)
-    for g in grads:
-        updates, state = tx.update(g, state, params)
-        params = optim.apply_updates(params, updates)
-    return params
 
 
 def ours_for(torch_kw: dict, *, ns_dtype=torch.bfloat16, schedule=None):
@@ -125,7 +117,7 @@ def test_muon_equals_torch_muon(shapes, lr, momentum, nesterov, weight_decay, ad
               ns_steps=ns_steps)
     schedule = optim.linear(lr, lr / 4, STEPS - 2, 1) if use_schedule else None
     expected = run_torch(params, grads, schedule=schedule, **kw)
-    got = run_ours(params, grads, ours_for(kw, schedule=schedule))
+    got = run_updates(params, grads, ours_for(kw, schedule=schedule))
     err = max(scaled_err(got[k], expected[k]) for k in params)
     MAX_ERR["bf16 iteration vs torch (scaled)"] = max(MAX_ERR["bf16 iteration vs torch (scaled)"], err)
     assert all(got[k].dtype == torch.float32 for k in got)
@@ -139,8 +131,8 @@ def test_fp32_iteration_is_where_the_default_differs_from_torch():
     grads = [{k: randn(v.shape, 10 + 2 * t + i) for i, (k, v) in enumerate(params.items())} for t in range(STEPS)]
     kw = dict(lr=0.05, momentum=0.95, nesterov=True, weight_decay=0.1)
     expected = run_torch(params, grads, **kw)
-    bf16 = run_ours(params, grads, ours_for(kw))
-    fp32 = run_ours(params, grads, ours_for(kw, ns_dtype=None))
+    bf16 = run_updates(params, grads, ours_for(kw))
+    fp32 = run_updates(params, grads, ours_for(kw, ns_dtype=None))
     err_bf16 = max(scaled_err(bf16[k], expected[k]) for k in params)
     err_fp32 = max(scaled_err(fp32[k], expected[k]) for k in params)
     MAX_ERR["fp32 iteration vs torch (scaled)"] = err_fp32
@@ -158,11 +150,11 @@ def test_eps_is_added_where_torch_clamps():
         g = g * (norm / torch.linalg.matrix_norm(g))
         kw = dict(lr=0.1, momentum=0.0, nesterov=False, weight_decay=0.0, eps=eps)
         expected = run_torch({"w": torch.zeros(6, 10)}, [{"w": g}], **kw)["w"]
-        got = run_ours({"w": torch.zeros(6, 10)}, [{"w": g}], ours_for(kw))["w"]
+        got = run_updates({"w": torch.zeros(6, 10)}, [{"w": g}], ours_for(kw))["w"]
         assert (scaled_err(got, expected) <= TIGHT) == same, (norm, scaled_err(got, expected))
     zero = {"w": torch.zeros(3, 5)}
     kw = dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.0)
-    assert torch.equal(run_ours(zero, [zero], ours_for(kw))["w"], run_torch(zero, [zero], **kw)["w"])  # 0 -> 0
+    assert torch.equal(run_updates(zero, [zero], ours_for(kw))["w"], run_torch(zero, [zero], **kw)["w"])  # 0 -> 0
 
 
 def test_stacks_are_hpfunc_only():
@@ -171,7 +163,7 @@ def test_stacks_are_hpfunc_only():
     with pytest.raises(ValueError, match="only supports 2D parameters"):
         torch.optim.Muon([torch.nn.Parameter(torch.zeros(2, 3, 4))])
     p = {"e": randn((2, 3, 4), 0)}
-    assert run_ours(p, [{"e": randn((2, 3, 4), 1)}], optim.muon(0.02))["e"].shape == (2, 3, 4)
+    assert run_updates(p, [{"e": randn((2, 3, 4), 1)}], optim.muon(0.02))["e"].shape == (2, 3, 4)
 
 
 def test_only_defaults_and_names_differ():

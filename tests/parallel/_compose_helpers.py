@@ -14,13 +14,14 @@ buffers ``offload`` copies into; the model itself makes no uint8 tensor) or an *
 
 from __future__ import annotations
 
-import functools
 import gc
 
 import torch
 import torch.nn.functional as F
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from _parallel_helpers import Spy
 
 LR = 1e-3
 
@@ -157,40 +158,12 @@ class _Probe(torch.autograd.Function):
         return g, None
 
 
-class _Spy:
-    """Wraps the step's parameter view and notes the storage of every parameter the model reads."""
-
-    def __init__(self, inner, seen: set):
-        self._inner, self._seen = inner, seen
-
-    def _wrap(self, v):
-        if isinstance(v, torch.Tensor):
-            self._seen.add(_key(v))
-            return v
-        from collections.abc import Mapping, Sequence
-
-        if isinstance(v, (Mapping, Sequence)):
-            return _Spy(v, self._seen)
-        return v
-
-    def __getitem__(self, k):
-        return self._wrap(self._inner[k])
-
-    def __iter__(self):
-        if hasattr(self._inner, "keys"):
-            return iter(self._inner)
-        return (self[i] for i in range(len(self._inner)))
-
-    def __len__(self):
-        return len(self._inner)
-
-
 def measured_loss(kind: str, record: dict, spy: bool):
     """``loss`` with the liveness probe; the probe writes alive bytes by class into ``record``."""
 
     def fn(params, batch):
         births, seen = _Births(), set()
-        p = _Spy(params, seen) if spy else params
+        p = Spy(params, lambda v: seen.add(_key(v))) if spy else params
 
         def probe():
             gc.collect()
@@ -237,7 +210,8 @@ def run_case(name: str, kind: str, seed: int = 0, dim: int = 8, hidden: int = 16
     # 1. the gradient and the update are the single-device ones (the plain loss: no transform at all)
     n_data = mesh.axis_size(tuple(a for a in mesh.axis_names if a in plan.data_axes))
     def ref_loss(p):  # the mean over data shards of the shard means
-        return torch.stack([loss(p, {"x": x, "y": y}) for x, y in zip(b["x"].chunk(n_data), b["y"].chunk(n_data))]).mean()
+        shards = zip(b["x"].chunk(n_data), b["y"].chunk(n_data))
+        return torch.stack([loss(p, {"x": x, "y": y}) for x, y in shards]).mean()
     value, ref_grads = hpfunc.value_and_grad(ref_loss)(full)
     assert_trees_close(metrics["loss"], value, rtol=1e-5, atol=1e-6, what=f"{name}/{kind} loss")
     assert_trees_close(to_full(grads), ref_grads, rtol=1e-5, atol=1e-6, what=f"{name}/{kind} grads")
@@ -249,9 +223,12 @@ def run_case(name: str, kind: str, seed: int = 0, dim: int = 8, hidden: int = 16
     # copied to the host, and gathered parameters stay alive only without reshard after forward
     res = step.resolve(params)
     tp = mesh.axis_size("tp") if "tp" in axes else 1
-    local = hpfunc.tree.map_with_path(
-        lambda path, x: x[tuple(slice(0, x.shape[d] // tp) if "tp" in res[path].spec.compute.dim_axes(d) else slice(None)
-                                for d in range(x.ndim))].clone().requires_grad_(True), full)
+    def block(path, x):  # the shape of this rank's tensor-parallel block (the values do not matter)
+        cut = tuple(slice(0, x.shape[d] // tp) if "tp" in res[path].spec.compute.dim_axes(d) else slice(None)
+                    for d in range(x.ndim))
+        return x[cut].clone().requires_grad_(True)
+
+    local = hpfunc.tree.map_with_path(block, full)
     mine = {k: v.chunk(n_data)[0] for k, v in b.items()}
     expect: dict = {}
     hpfunc.value_and_grad(measured_loss(kind, expect, spy=False))(local, mine)
@@ -277,3 +254,61 @@ def run_case(name: str, kind: str, seed: int = 0, dim: int = 8, hidden: int = 16
 
 def run_matrix(names: list[str], kinds: list[str] = WRAPS, **kw) -> list[dict]:
     return [{"name": n, "kind": k, **run_case(n, k, **kw)} for n in names for k in kinds]
+
+
+def run_refused_orders() -> list[str]:
+    """The orders of transforms that cannot make sense fail with a PlanError naming both, before any
+    communication."""
+    import hpfunc
+    from hpfunc import optim
+    from hpfunc.layout import PlanError
+    from hpfunc.transforms import plans
+
+    mesh = hpfunc.Mesh({"fsdp": 2})
+    tx = optim.adamw(LR)
+    batch = torch.ones(4, 3)
+    msgs = []
+
+    def sq_loss(p):
+        return ((batch @ p["w"]) ** 2).mean()
+
+    def plain(state, b):
+        loss, g = hpfunc.value_and_grad(sq_loss)(state["params"])
+        u, opt = tx.update(g, state["opt"], state["params"])
+        return {"params": optim.apply_updates(state["params"], u), "opt": opt}, {"loss": loss}
+
+    def remat_around_value_and_grad(state, b):
+        hpfunc.remat(lambda p: hpfunc.value_and_grad(sq_loss)(p)[0])(state["params"])
+        return state, {}
+
+    inner = hpfunc.parallelize(plain, mesh, plans.fsdp("fsdp"))
+
+    def nested(state, b):
+        return inner(state, b)
+
+    cases = [
+        ("remat_around_value_and_grad", remat_around_value_and_grad, None,
+         ["hpfunc.value_and_grad inside hpfunc.remat", "parallelize"]),
+        ("step_inside_offload", plain, hpfunc.offload, ["called inside hpfunc.offload", "hpfunc.parallelize"]),
+        ("step_inside_remat", plain, hpfunc.remat, ["called inside hpfunc.remat", "hpfunc.parallelize"]),
+        ("nested_parallelize", nested, None, ["inside another one"]),
+    ]
+    for name, step, around, needles in cases:
+        ts = hpfunc.parallelize(step, mesh, plans.fsdp("fsdp"))
+        params = ts.shard_params({"w": torch.ones(3, 2)})
+        state = ts.init_state(lambda p: {"params": p, "opt": tx.init(p)}, params)
+        call = ts if around is None else around(lambda s, b: ts(s, b))
+        with hpfunc.comm_stats() as stats:
+            try:
+                if around is hpfunc.remat:  # remat needs a differentiable input to wrap anything
+                    call(state, batch.requires_grad_(True))
+                else:
+                    call(state, batch)
+            except PlanError as e:
+                msg = str(e)
+                assert all(n in msg for n in needles), (name, msg)
+                assert not [r for r in stats.records if r.payload_bytes > 0], (name, stats.table())
+                msgs.append(msg)
+                continue
+        raise AssertionError(f"{name}: no PlanError")
+    return msgs

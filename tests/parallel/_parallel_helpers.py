@@ -327,23 +327,20 @@ def run_bad_input(case: str) -> str:
     raise AssertionError(f"{case}: no error")
 
 
-class _Spy:
-    """Wraps the step's lazy parameter view; keeps a weak reference to every parameter the model reads."""
+class Spy:
+    """Wraps the step's lazy parameter view and calls ``on_read(tensor)`` for every parameter the model reads."""
 
-    def __init__(self, inner, refs):
-        self._inner, self._refs = inner, refs
+    def __init__(self, inner, on_read):
+        self._inner, self._on_read = inner, on_read
 
     def _wrap(self, v):
-        import weakref
         from collections.abc import Mapping, Sequence
 
         if isinstance(v, torch.Tensor):
-            # the storage owner: autograd may save a view (w.t()) that keeps it, not the view read here
-            root = v._base if v._base is not None else v
-            self._refs.append((weakref.ref(root), v.numel() * v.element_size()))
+            self._on_read(v)
             return v
         if isinstance(v, (Mapping, Sequence)) and not isinstance(v, str):
-            return _Spy(v, self._refs)
+            return Spy(v, self._on_read)
         return v
 
     def __getitem__(self, k):
@@ -379,8 +376,15 @@ def run_alive_after_forward(name: str) -> dict:
     seen = {}
 
     def loss_fn(p, b):
+        import weakref
+
         refs = []
-        out = qwen3.parallel_plan.loss(_Spy(p, refs), b, cfg)[0]
+
+        def on_read(v):  # the storage owner: autograd may save a view (w.t()) that keeps it, not the view read
+            root = v._base if v._base is not None else v
+            refs.append((weakref.ref(root), v.numel() * v.element_size()))
+
+        out = qwen3.parallel_plan.loss(Spy(p, on_read), b, cfg)[0]
         gc.collect()
         seen["read"] = sum(n for _, n in refs)
         seen["alive"] = sum(n for r, n in refs if r() is not None)

@@ -31,3 +31,9 @@ def test_every_policy_and_nesting_inside_every_plan(pools, names):
        dim=st.sampled_from([4, 8]), hidden=st.sampled_from([8, 16]), seq=st.sampled_from([1, 3]))
 def test_random_shapes_and_seeds(pools, name, kind, seed, dim, hidden, seq):
     _check(pools(C.world(name)).run(C.run_matrix, [name], [kind], seed=seed, dim=dim, hidden=hidden, seq=seq)[0])
+
+
+def test_orders_that_make_no_sense_are_refused(pool2):
+    # remat around a step's value_and_grad, a parallelized step inside offload or remat, one step inside
+    # another: PlanErrors naming both transforms, before any communication
+    assert len(pool2.run(C.run_refused_orders)[0]) == 4

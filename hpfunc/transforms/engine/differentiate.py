@@ -3,7 +3,7 @@
 :class:`EngineConfig` is what a step's plan decides once per step (which parameters are gathered
 together, mixed precision, reshard after forward, the gradient seed). :func:`value_and_grad` runs
 ``call(ws, read)`` -- ``ws`` are fresh parameter leaves (this rank's storage blocks, requiring grad, each
-a :class:`~hpfunc.transforms.engine.view.ParamBlock` that knows its index) and ``read(w)`` is the leaf
+tagged with its index, :func:`~hpfunc.transforms.engine.view.tag`) and ``read(w)`` is the leaf
 *as used* -- with the tensor-parallel binding of the plan and the step's saved-tensor layer on the
 stack, then differentiates the loss with respect to the wanted leaves.
 
@@ -40,6 +40,7 @@ class EngineConfig:
     def __init__(self, mesh: Any, plan: Any, leaves: list[LeafLayout], dtypes: list[torch.dtype]):
         self.mesh, self.plan, self.leaves = mesh, plan, leaves
         self.by_path = {lay.path: lay for lay in leaves}
+        self.paths_of: dict = {}  # tree structure -> its leaves' paths (trees shaped like the parameters)
         self.block_shapes = {lay.path: lay.block_shape(mesh) for lay in leaves}
         groups: dict[tuple, list[int]] = {}
         for i, (lay, dt) in enumerate(zip(leaves, dtypes)):
@@ -120,8 +121,7 @@ def value_and_grad(cfg: EngineConfig, blocks: list[torch.Tensor], call: Callable
     reads = _Reads(cfg, [], layer)
     ws = [tag(x, reads, i, requires_grad=x.is_floating_point()) for i, x in enumerate(blocks)]
     reads.ws = ws
-    for w in ws:
-        layer.own(w)
+    layer.own_blocks(ws)
     with torch.enable_grad(), saved_tensors.layer(layer), layout.tensor_parallel(
             plan.tp_axis, vocab_parallel=plan.tp_vocab_parallel, sequence_parallel=plan.tp_sequence_parallel):
         out = call(ws, reads)

@@ -53,7 +53,9 @@ def gather_group(blocks: list[torch.Tensor], gathers: list[tuple], mp: tuple | N
 
 
 def _key(t: torch.Tensor) -> int:
-    return StorageWeakRef(t.untyped_storage()).cdata
+    # the storage's address: equal for all views of it, and cheap (this runs for every saved tensor); a
+    # freed storage's address can be reused, so every hit is checked against a weak reference
+    return t.untyped_storage()._cdata
 
 
 class _Marker:
@@ -77,12 +79,18 @@ class ParamLayer(saved_tensors.Layer):
         self._owned: dict[int, tuple[StorageWeakRef, Any]] = {}  # storage -> (ref, (gid, k) or None)
         # claims are registered on the first question (most steps ask none), held weakly until then
         self._claims: list[tuple[weakref.ref, Any]] = []
+        self._blocks: list[torch.Tensor] = []  # the storage blocks (alive for the whole differentiation)
         self._groups: dict[int, Callable[[], list[torch.Tensor]]] = {}  # gid -> gather it again
         self._pending: dict[int, list] = {}  # gid -> [markers not yet unpacked, regathered tensors]
+        self._last: tuple | None = None  # (tensor, its lookup): the last tensor asked about
 
     def own(self, t: torch.Tensor) -> None:
-        """Claim ``t``'s storage (a storage block or a cast copy): kept as it is, never moved."""
+        """Claim ``t``'s storage (a cast copy): kept as it is, never moved."""
         self._claims.append((weakref.ref(t), None))
+
+    def own_blocks(self, blocks: list[torch.Tensor]) -> None:
+        """Claim the storage blocks of the parameters (the caller keeps ``blocks`` alive meanwhile)."""
+        self._blocks = blocks
 
     def own_gathered(self, fulls: list[torch.Tensor], gid: int, regather: Callable[[], list[torch.Tensor]]) -> None:
         """Claim a gathered group; with reshard after forward, ``regather()`` makes it again in the backward."""
@@ -90,6 +98,12 @@ class ParamLayer(saved_tensors.Layer):
         self._claims.extend((weakref.ref(f), (gid, k)) for k, f in enumerate(fulls))
 
     def _info(self, t: torch.Tensor) -> tuple | None:
+        if self._last is not None and self._last[0] is t:  # asked by owns() and then by pack() for one tensor
+            return self._last[1]
+        if self._blocks:
+            for b in self._blocks:
+                self._owned[_key(b)] = (StorageWeakRef(b.untyped_storage()), None)
+            self._blocks = []
         if self._claims:
             for ref, info in self._claims:
                 c = ref()
@@ -100,15 +114,20 @@ class ParamLayer(saved_tensors.Layer):
                     self._owned[k] = (StorageWeakRef(c.untyped_storage()), info)
             self._claims.clear()
         hit = self._owned.get(_key(t))
-        if hit is None or hit[0].expired():  # expired: a freed storage whose address was reused
-            return None
+        if hit is not None and hit[0].expired():  # a freed storage whose address was reused
+            hit = None
+        self._last = (t, hit)
         return hit
 
     def owns(self, t: torch.Tensor) -> bool:
-        return self._info(t) is not None
+        if self._info(t) is None:
+            self._last = None  # keep no reference to a tensor another layer may move
+            return False
+        return True
 
     def pack(self, t: torch.Tensor, outer: saved_tensors.Outer) -> Any:
         hit = self._info(t)
+        self._last = None  # the tensor is in autograd's hands now; do not keep it
         if hit is None:  # not a parameter: an activation, for the layers outward (autograd keeps it)
             return outer.pack(t)
         if hit[1] is None or not self.reshard:

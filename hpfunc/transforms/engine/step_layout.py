@@ -2,7 +2,7 @@
 :class:`hpfunc.layout.StepLayout` for :func:`hpfunc.parallelize`.
 
 The step receives its parameters as this rank's *optimizer blocks* (the storage block, narrowed
-further on ZeRO-1/2 axes), each a :class:`~hpfunc.transforms.engine.view.ParamBlock` of this step.
+further on ZeRO-1/2 axes), each tagged as a parameter of this step (:func:`~hpfunc.transforms.engine.view.tag`).
 :meth:`RankStep.value_and_grad` recognises them in the arguments of a differentiated function by that
 tag, runs the plan's differentiation (:mod:`~hpfunc.transforms.engine.differentiate`) with the
 function seeing them as used, and returns the gradients reduced and laid out like the blocks; the
@@ -96,6 +96,13 @@ class RankStep:
                             f"{tuple(lay.shape)}, optimizer spec {lay.spec.opt!r})")
         return lay
 
+    def leaf_layouts(self, tree: Any, where: str) -> list[LeafLayout]:
+        leaves, treedef = _tree.flatten(tree)
+        paths = self.cfg.paths_of.get(treedef)
+        if paths is None:  # once per tree structure: its paths (building them is what costs)
+            paths = self.cfg.paths_of[treedef] = [p for p, _ in _tree.leaves_with_paths(tree)]
+        return [self.leaf(path, x, where) for path, x in zip(paths, leaves)]
+
     def data_axes(self) -> tuple[str, ...]:
         return self.cfg.data_axes
 
@@ -122,13 +129,16 @@ class RankStep:
             if a >= len(args) or a < -len(args):
                 raise ValueError(f"value_and_grad: argnums {a} but the function got {len(args)} positional arguments")
         argnums = tuple(a % len(args) for a in argnums)
-        with_params, wanted = self._find_params(args, argnums)
+        flat = [_tree.flatten(arg) for arg in args]  # each argument flattened once
+        index = [[index_of(x, self) for x in leaves] for leaves, _ in flat]  # which leaves are parameters
+        with_params, wanted = self._find_params(args, argnums, flat, index)
         cfg = self.cfg
 
         def call(ws: list[torch.Tensor], read: Callable) -> Any:
             new_args = list(args)
             for a in with_params:
-                swapped = _tree.tree_map(lambda x: ws[i] if (i := index_of(x, self)) is not None else x, args[a])
+                leaves, treedef = flat[a]
+                swapped = _tree.unflatten(treedef, [x if i is None else ws[i] for x, i in zip(leaves, index[a])])
                 new_args[a] = lazy(swapped, read) if cfg.needs_view else swapped
             with layout.bind(None):
                 return fn(*new_args, **kwargs)
@@ -141,34 +151,31 @@ class RankStep:
             value = lax.pmean(loss.detach(), cfg.data_axes) if cfg.data_axes else loss.detach()
             if has_aux:
                 aux = reduce_batch_stats(aux, cfg.data_axes)
-        results = [_tree.tree_map(lambda x: grad_of[index_of(x, self)] if isinstance(x, torch.Tensor) else x, args[a])
+        results = [_tree.unflatten(flat[a][1], [x if i is None else grad_of[i] for x, i in zip(flat[a][0], index[a])])
                    for a in argnums]
         if acc is not None:  # inside hpfunc.microbatch: per-rank gradients, reduced once by acc.reduce
-            acc.record([index_of(x, self) if isinstance(x, torch.Tensor) else None
-                        for a in argnums for x in _tree.leaves(args[a])])
+            acc.record([i for a in argnums for i in index[a]])
         g_out = tuple(results) if multi else results[0]
         return ((value, aux) if has_aux else value), g_out
 
-    def _find_params(self, args: list, argnums: tuple[int, ...]) -> tuple[list[int], list[int]]:
+    def _find_params(self, args: list, argnums: tuple[int, ...], flat: list, index: list) -> tuple[list[int], list[int]]:
         """The arguments that hold parameters of this step, and the parameters to differentiate."""
         with_params: list[int] = []
         wanted: list[int] = []
         for a, arg in enumerate(args):
-            found = False
-            for k, x in enumerate(_tree.leaves(arg)):
-                i = index_of(x, self)
+            if any(i is not None for i in index[a]):
+                with_params.append(a)
+            if a not in argnums:
+                continue
+            for k, (x, i) in enumerate(zip(flat[a][0], index[a])):
                 if i is not None:
-                    found = True
-                    if a in argnums:
-                        wanted.append(i)
-                elif a in argnums and isinstance(x, torch.Tensor):
+                    wanted.append(i)
+                elif isinstance(x, torch.Tensor):
                     path = _tree.leaves_with_paths(arg)[k][0]
                     raise PlanError(
                         f"value_and_grad inside hpfunc.parallelize: argument {a} leaf {path or '<root>'!r} is not one "
                         f"of the state's parameters; differentiate the parameters parallelize passed to the step "
                         f"(or a subtree of them) and compute other values inside the function")
-            if found:
-                with_params.append(a)
         if not wanted:
             raise PlanError("value_and_grad inside hpfunc.parallelize: the differentiated arguments hold none of the "
                             "state's parameters (the tensors parallelize passed to the step); a gradient of anything "

@@ -1,10 +1,13 @@
 """The parameter view of a parallelized step: parameter blocks that know which parameter they are, and
 the lazy tree a differentiated function reads them through.
 
-Inside a step every parameter is this rank's block, a :class:`ParamBlock`: a plain tensor (ops on it
-return plain tensors, as with ``nn.Parameter``) that carries the step it belongs to and its index in
-the step's parameter list. That is how the step recognises the parameters a function differentiates,
-whatever tree operations (``split_params``, ``merge_params``) built the argument.
+Inside a step every parameter is this rank's block: a plain tensor (:func:`tag`: an alias of the
+block, no copy) that carries, as two attributes, the step it belongs to and its index in the step's
+parameter list. Whatever an op makes from it is a new tensor without them, so a tensor is a
+parameter of the step exactly when it *is* one of the blocks the step handed out. That is how the step
+recognises the parameters a function differentiates, whatever tree operations (``split_params``,
+``merge_params``) built the argument. (A plain tensor, not a subclass: a subclass would cost every op
+it enters about a microsecond of dispatch, and keep the optimizers off their fused ``foreach`` path.)
 
 The function being differentiated receives the parameters as a :func:`lazy` view: indexing it returns
 the leaf *as used* (``read(block)``: gathered over FSDP axes, cast under mixed precision), at the
@@ -31,29 +34,22 @@ import torch
 
 from hpfunc import tree as _tree
 
-__all__ = ["ParamBlock", "tag", "index_of", "lazy"]
+__all__ = ["tag", "index_of", "lazy"]
 
 
-class ParamBlock(torch.Tensor):
-    """This rank's block of one parameter of a parallelized step (see the module docstring)."""
-
-    # ops on a block return plain tensors: it is a parameter, not a new kind of value
-    __torch_function__ = torch._C._disabled_torch_function_impl
-
-
-def tag(x: torch.Tensor, owner: Any, index: int, *, requires_grad: bool = False) -> ParamBlock:
-    """``x`` (no copy: the same storage) as the block of parameter ``index`` of ``owner``."""
-    t = torch.Tensor._make_subclass(ParamBlock, x.detach(), requires_grad)
-    t._hpfunc_owner = owner
-    t._hpfunc_index = index
+def tag(x: torch.Tensor, owner: Any, index: int, *, requires_grad: bool = False) -> torch.Tensor:
+    """``x`` (an alias: the same storage, a tensor of its own) as the block of parameter ``index`` of ``owner``."""
+    t = x.detach()
+    if requires_grad:
+        t.requires_grad_(True)
+    t._hpfunc_param = (owner, index)
     return t
 
 
 def index_of(x: Any, owner: Any) -> int | None:
     """The parameter index of ``x`` if it is a block of ``owner``'s parameters, else ``None``."""
-    if type(x) is ParamBlock and x._hpfunc_owner is owner:
-        return x._hpfunc_index
-    return None
+    tagged = getattr(x, "_hpfunc_param", None)
+    return tagged[1] if tagged is not None and tagged[0] is owner else None
 
 
 class _LazyDict(Mapping):
