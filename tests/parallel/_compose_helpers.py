@@ -114,7 +114,9 @@ def _key(t: torch.Tensor) -> int:
 
 
 class _Births(TorchDispatchMode):
-    """Notes (weakly) every storage an op creates while active."""
+    """Notes (weakly) every storage an op creates while active. Keys are storage addresses, which a
+    freed storage hands on: an entry whose storage died is replaced by the new one at its address, and
+    only the last storage born at an address can still be alive."""
 
     def __init__(self):
         super().__init__()
@@ -125,7 +127,7 @@ class _Births(TorchDispatchMode):
         inputs = {_key(t) for t in _tensors((args, kwargs))}
         for t in _tensors(out):
             k = _key(t)
-            if k not in inputs and k not in self.born:
+            if k not in inputs and (k not in self.born or self.born[k][0].expired()):
                 s = t.untyped_storage()
                 self.born[k] = (StorageWeakRef(s), s.nbytes(), t.dtype)
         return out
@@ -162,8 +164,8 @@ def measured_loss(kind: str, record: dict, spy: bool):
     """``loss`` with the liveness probe; the probe writes alive bytes by class into ``record``."""
 
     def fn(params, batch):
-        births, seen = _Births(), set()
-        p = Spy(params, lambda v: seen.add(_key(v))) if spy else params
+        births, seen = _Births(), {}  # seen: storages the model read as parameters (weakly: an address is reused)
+        p = Spy(params, lambda v: seen.__setitem__(_key(v), StorageWeakRef(v.untyped_storage()))) if spy else params
 
         def probe():
             gc.collect()
@@ -171,7 +173,8 @@ def measured_loss(kind: str, record: dict, spy: bool):
             for k, (ref, nbytes, dtype) in births.born.items():
                 if ref.expired():
                     continue
-                what = "param" if k in seen else "host" if dtype == torch.uint8 else "activation"
+                param = k in seen and not seen[k].expired()  # that very storage, not a later one at its address
+                what = "param" if param else "host" if dtype == torch.uint8 else "activation"
                 out[what] += nbytes
             record.update(out)
 
