@@ -63,3 +63,13 @@ def stack_loss(layers: list, x: torch.Tensor, cfg: BlockConfig, layer_fn=None) -
     for p in layers:
         x = layer_fn(p, x, cfg)
     return (x.float() ** 2).mean()
+
+
+def assert_equal_trees(a, b):
+    """Bit-for-bit equal trees (same number of leaves)."""
+    import hpfunc
+
+    la, lb = hpfunc.tree.leaves(a), hpfunc.tree.leaves(b)
+    assert len(la) == len(lb)
+    for x, y in zip(la, lb):
+        assert torch.equal(x, y), (x - y).abs().max()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import hpfunc
-from _remat_block import BlockConfig, block, init_block, stack_loss
+from _remat_block import BlockConfig, assert_equal_trees, block, init_block, stack_loss
 from hpfunc.memory import saved_activations
 from hpfunc.transforms import remat as R
 from hpfunc.transforms import offload as O
@@ -24,11 +24,6 @@ def setup(layers: int = 2, seed: int = 0):
 
 def grads(loss, ps, x):
     return hpfunc.value_and_grad(loss, argnums=(0, 1))(ps, x)
-
-
-def assert_equal_trees(a, b):
-    for x, y in zip(hpfunc.tree.leaves(a), hpfunc.tree.leaves(b), strict=True):
-        assert torch.equal(x, y)
 
 
 def reference(ps, x):

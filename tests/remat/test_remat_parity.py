@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hpfunc
-from _remat_block import NAMES, BlockConfig, block, init_block, stack_loss
+from _remat_block import NAMES, BlockConfig, assert_equal_trees, block, init_block, stack_loss
 from hpfunc.transforms import remat as R
 from hpfunc.transforms.offload import offload
 
@@ -26,13 +26,6 @@ def setup(layers: int = 2, seed: int = 0):
 def grads(loss, ps, x):
     value, g = hpfunc.value_and_grad(loss, argnums=(0, 1))(ps, x)
     return value, g
-
-
-def assert_equal_trees(a, b):
-    la, lb = hpfunc.tree.leaves(a), hpfunc.tree.leaves(b)
-    assert len(la) == len(lb)
-    for x, y in zip(la, lb):
-        assert torch.equal(x, y), (x - y).abs().max()
 
 
 def reference(ps, x):

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hpfunc
-from _remat_block import NAMES, BlockConfig, block, init_block, stack_loss
+from _remat_block import NAMES, BlockConfig, assert_equal_trees, block, init_block, stack_loss
 from hpfunc import saved_tensors
 from hpfunc.memory import saved_activations
 from hpfunc.memory._names import name_scope
@@ -34,13 +34,6 @@ def setup(layers: int = 1, seed: int = 0, cfg: BlockConfig = CFG, batch: int = 2
     ps = [init_block(cfg, seed=seed + i) for i in range(layers)]
     x = torch.randn(batch, seq, cfg.hidden, generator=torch.Generator().manual_seed(seed + 100))
     return ps, x
-
-
-def assert_equal_trees(a, b):
-    la, lb = hpfunc.tree.leaves(a), hpfunc.tree.leaves(b)
-    assert len(la) == len(lb)
-    for x, y in zip(la, lb):
-        assert torch.equal(x, y), (x - y).abs().max()
 
 
 def grads(loss, ps, x):
