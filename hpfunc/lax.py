@@ -31,6 +31,11 @@ and ``torch.func.grad``/``vjp`` both differentiate through them. (Outside torch.
 in the equivalent ctx-first form, and one with no gradient to track runs as its bare forward: the same
 values, less host time.)
 
+A collective that times out (the process group's timeout: ``parallel.timeout_s``, ``hpfunc launch
+--timeout``, 300 s by default; see :func:`hpfunc.mesh.init_distributed`) or whose peer's connection
+closes raises :class:`hpfunc.faults.CollectiveError` naming the rank, the collective, its mesh axes
+and the line that issued it (the backend's error is its ``__cause__``).
+
 Example (in a 2-rank program)::
 
     @hpfunc.shard_map(mesh=mesh, in_specs=P("dp"), out_specs=P())
@@ -46,6 +51,7 @@ import torch
 import torch.distributed as dist
 
 from hpfunc import comm as _comm
+from hpfunc import faults as _faults
 from hpfunc.mesh import AxisName, Mesh, current_mesh, normalize_axes
 
 __all__ = [
@@ -153,7 +159,11 @@ def _all_reduce(x: torch.Tensor, ax: _Axes, op: dist.ReduceOp, collectors, name:
         if collectors:
             _comm.record(collectors, op="all_reduce", name=name, axes=ax.names, n=ax.n, payload_bytes=_nbytes(out),
                          phase=_phase())
-        dist.all_reduce(out, op=op, group=ax.group)
+        try:
+            dist.all_reduce(out, op=op, group=ax.group)
+        except RuntimeError as e:  # a timeout or a lost peer: name this collective (no cost otherwise)
+            _faults.raise_collective_error(e, name, ax.names, ax.n)
+            raise
     return out
 
 
@@ -170,7 +180,11 @@ def _gather_dim0(x: torch.Tensor, ax: _Axes, collectors, name: str) -> torch.Ten
     if collectors:
         _comm.record(collectors, op="all_gather", name=name, axes=ax.names, n=ax.n, payload_bytes=_nbytes(out),
                      phase=_phase())
-    _ALL_GATHER(out, flat, group=ax.group)
+    try:
+        _ALL_GATHER(out, flat, group=ax.group)
+    except RuntimeError as e:
+        _faults.raise_collective_error(e, name, ax.names, ax.n)
+        raise
     out = out.view(shape)
     if not ax.identity_order:
         out = out[torch.tensor(ax.g2l).argsort()]  # row g holds logical rank g2l[g]
@@ -188,14 +202,18 @@ def _scatter_dim0(x: torch.Tensor, ax: _Axes, collectors, name: str) -> torch.Te
     if collectors:
         _comm.record(collectors, op="reduce_scatter", name=name, axes=ax.names, n=ax.n, payload_bytes=_nbytes(flat),
                      phase=_phase())
-    if _is_func_wrapped(flat) and dist.get_backend(ax.group) == "gloo":
-        # gloo's reduce-scatter copies its result into the output on a worker thread, which fails for
-        # tensors wrapped by torch.func transforms: all-reduce in place and keep this rank's block.
-        dist.all_reduce(flat, group=ax.group)
-        out = flat.view(ax.n, -1)[ax.l2g[ax.me]].clone()  # row g goes to group rank g
-    else:
-        out = flat[: flat.numel() // ax.n].clone()
-        _REDUCE_SCATTER(out, flat, group=ax.group)
+    try:
+        if _is_func_wrapped(flat) and dist.get_backend(ax.group) == "gloo":
+            # gloo's reduce-scatter copies its result into the output on a worker thread, which fails for
+            # tensors wrapped by torch.func transforms: all-reduce in place and keep this rank's block.
+            dist.all_reduce(flat, group=ax.group)
+            out = flat.view(ax.n, -1)[ax.l2g[ax.me]].clone()  # row g goes to group rank g
+        else:
+            out = flat[: flat.numel() // ax.n].clone()
+            _REDUCE_SCATTER(out, flat, group=ax.group)
+    except RuntimeError as e:
+        _faults.raise_collective_error(e, name, ax.names, ax.n)
+        raise
     return out.view(tuple(x.shape[1:]))
 
 
@@ -455,7 +473,11 @@ def _a2a(x: torch.Tensor, ax: _Axes, split_dim: int, concat_dim: int, split_size
         if collectors:
             _comm.record(collectors, op="all_to_all", name=name, axes=ax.names, n=n, payload_bytes=_nbytes(send),
                          phase=_phase())
-        dist.all_to_all_single(out, send, group=ax.group)
+        try:
+            dist.all_to_all_single(out, send, group=ax.group)
+        except RuntimeError as e:
+            _faults.raise_collective_error(e, name, ax.names, ax.n)
+            raise
         return out, split_sizes, [send.shape[0] // n] * n
     # Move the split dim to the front so each chunk is contiguous rows; concat happens after.
     chunks = [c.movedim(split_dim, 0).contiguous() for c in chunks]
@@ -473,10 +495,14 @@ def _a2a(x: torch.Tensor, ax: _Axes, split_dim: int, concat_dim: int, split_size
     if collectors:
         _comm.record(collectors, op="all_to_all", name=name, axes=ax.names, n=n, payload_bytes=_nbytes(send),
                      phase=_phase())
-    if even:
-        dist.all_to_all_single(out, send, group=ax.group)
-    else:
-        dist.all_to_all_single(out, send, out_split, in_split, group=ax.group)
+    try:
+        if even:
+            dist.all_to_all_single(out, send, group=ax.group)
+        else:
+            dist.all_to_all_single(out, send, out_split, in_split, group=ax.group)
+    except RuntimeError as e:
+        _faults.raise_collective_error(e, name, ax.names, ax.n)
+        raise
     recv_chunks = list(torch.split(out, out_split, dim=0))  # by source group rank
     by_logical = [recv_chunks[ax.l2g[li]].movedim(0, split_dim) for li in range(n)]
     return torch.cat(by_logical, dim=concat_dim), split_sizes, recv_sizes
@@ -547,7 +573,11 @@ def _exchange_sizes(split_sizes: Sequence[int], ax: _Axes) -> list[int]:
         return [int(split_sizes[0])]
     sizes_in = torch.tensor([int(split_sizes[ax.g2l[g]]) for g in range(n)], dtype=torch.int64)
     sizes_out = torch.empty_like(sizes_in)
-    dist.all_to_all_single(sizes_out, sizes_in, group=ax.group)
+    try:
+        dist.all_to_all_single(sizes_out, sizes_in, group=ax.group)
+    except RuntimeError as e:
+        _faults.raise_collective_error(e, "all_to_all (split sizes)", ax.names, ax.n)
+        raise
     recv_g = sizes_out.tolist()
     return [recv_g[ax.l2g[li]] for li in range(n)]
 
@@ -577,8 +607,12 @@ def _permute(x: torch.Tensor, ax: _Axes, perm: Sequence[tuple[int, int]], collec
         peer = dist.get_global_rank(ax.group, ax.l2g[s])
         ops.append(dist.P2POp(dist.irecv, out, peer, group=ax.group))
     if ops:
-        for req in dist.batch_isend_irecv(ops):
-            req.wait()
+        try:
+            for req in dist.batch_isend_irecv(ops):
+                req.wait()
+        except RuntimeError as e:
+            _faults.raise_collective_error(e, name, ax.names, ax.n)
+            raise
     return out
 
 

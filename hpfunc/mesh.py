@@ -17,12 +17,15 @@ Example (inside a 4-rank program, e.g. ``hpfunc launch --nproc 4 script.py`` or
 from __future__ import annotations
 
 import contextvars
+import datetime
 import os
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from hpfunc import faults as _faults
 
 __all__ = ["Mesh", "make_mesh", "current_mesh", "AxisName", "normalize_axes", "init_distributed"]
 
@@ -43,12 +46,18 @@ def default_device_type() -> str:
     return "cpu"
 
 
-def init_distributed(backend: str | None = None) -> None:
+def init_distributed(backend: str | None = None, *, timeout_s: float | None = None) -> None:
     """Initialise the default process group from the torchrun environment if not yet initialised.
 
     Reads ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` (as set by ``torchrun`` or
     ``hpfunc launch``). Without them, starts a one-rank group so single-process programs and
     notebooks can build a mesh of size 1.
+
+    ``timeout_s`` is how long a collective waits for its peers before it fails (then
+    :mod:`hpfunc.lax` raises :class:`hpfunc.faults.CollectiveError` naming the rank and the
+    collective); by default the one an hpfunc launcher set (``hpfunc launch --timeout``,
+    ``parallel.timeout_s``), else 300 s (:data:`hpfunc.faults.DEFAULT_TIMEOUT_S`; torch's own
+    default for gloo is 30 minutes). A :class:`Mesh` gives its axis groups the same timeout.
     """
     if dist.is_initialized():
         return
@@ -57,10 +66,25 @@ def init_distributed(backend: str | None = None) -> None:
         if os.environ.get("HPFUNC_BACKEND"):
             backend = os.environ["HPFUNC_BACKEND"]
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        dist.init_process_group(backend)
+        seconds = _faults.timeout_from_env() if timeout_s is None else _faults.check_timeout(timeout_s, "timeout_s")
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=seconds))
         return
     store = dist.HashStore()
     dist.init_process_group(backend, store=store, rank=0, world_size=1)
+
+
+def _same_timeout_as_world(group: dist.ProcessGroup) -> None:
+    """Give ``group`` the collective timeout of the default group: torch creates a DeviceMesh's axis
+    groups with its own default (30 minutes for gloo), not the one the default group started with."""
+    world = dist.group.WORLD
+    if group is world or world is None:
+        return
+    try:
+        dev = torch.device("cuda" if dist.get_backend(world) == "nccl" else "cpu")
+        timeout = world._get_backend(dev).options._timeout
+        dist.distributed_c10d._set_pg_timeout(timeout, group)
+    except (AttributeError, RuntimeError, ValueError):  # a backend without options: it keeps its own
+        pass
 
 
 class Mesh:
@@ -106,6 +130,8 @@ class Mesh:
             device_mesh = _DEVICE_MESH_CACHE.get(key)
             if device_mesh is None:
                 device_mesh = init_device_mesh(dtype, sizes, mesh_dim_names=names)
+                for n in names:
+                    _same_timeout_as_world(device_mesh.get_group(n))
                 _DEVICE_MESH_CACHE[key] = device_mesh
         if device_mesh.mesh_dim_names is None:
             raise ValueError("Mesh needs a DeviceMesh with mesh_dim_names")
@@ -208,6 +234,7 @@ class Mesh:
         if group is None:
             flat_name = "_".join(names)
             group = self._dm[tuple(names)]._flatten(flat_name).get_group(flat_name)
+            _same_timeout_as_world(group)
             _GROUP_CACHE[key] = group
         return group
 

@@ -27,6 +27,8 @@ from typing import Any, Literal, Mapping, Sequence, Union
 import attrs
 import yaml
 
+from hpfunc.faults import DEFAULT_TIMEOUT_S
+
 __all__ = [
     "ConfigError",
     "ModelConfig",
@@ -171,6 +173,7 @@ class ParallelConfig:
 
     mesh: dict = attrs.field(factory=dict)
     plan: tuple = ()  # of PlanEntry
+    timeout_s: float = DEFAULT_TIMEOUT_S  # a collective waiting longer fails, naming rank and collective
 
     @property
     def size(self) -> int:
@@ -200,9 +203,11 @@ class ParallelConfig:
         return _flow(self.mesh)
 
     def to_data(self) -> dict[str, Any]:
+        # written only when set to something other than the default (300 s)
+        timeout = {} if self.timeout_s == DEFAULT_TIMEOUT_S else {"timeout_s": self.timeout_s}
         if not self.mesh and not self.plan:
-            return {}
-        return {"mesh": dict(self.mesh), "plan": [e.to_data() for e in self.plan]}
+            return timeout
+        return {"mesh": dict(self.mesh), "plan": [e.to_data() for e in self.plan], **timeout}
 
 
 @attrs.frozen
@@ -464,8 +469,9 @@ def _parse_parallel(data: Any, path: str) -> ParallelConfig:
     if not isinstance(data, Mapping):
         raise ConfigError(f"{path}: expected a mapping with mesh and plan, found {_found(data)}")
     for key in data:
-        if key not in ("mesh", "plan"):
-            raise ConfigError(_unknown_key_message(path, key, ["mesh", "plan"]))
+        if key not in ("mesh", "plan", "timeout_s"):
+            raise ConfigError(_unknown_key_message(path, key, ["mesh", "plan", "timeout_s"]))
+    timeout_s = _parse_timeout(data.get("timeout_s", DEFAULT_TIMEOUT_S), f"{path}.timeout_s")
     mesh = _parse_mesh(data.get("mesh"), f"{path}.mesh")
     raw_plan = data.get("plan")
     if raw_plan is None:
@@ -484,7 +490,15 @@ def _parse_parallel(data: Any, path: str) -> ParallelConfig:
         example = ", ".join(a if a in PLAN_KINDS else "ddp" for a, s in mesh.items())
         raise ConfigError(f"{path}.plan: missing; the mesh {_flow(mesh)} ({size} processes) needs a plan with one "
                           f"entry per mesh axis, in mesh order, e.g. plan: [{example}]")
-    return ParallelConfig(mesh=mesh, plan=_bind_axes(parsed, mesh, path))
+    return ParallelConfig(mesh=mesh, plan=_bind_axes(parsed, mesh, path), timeout_s=timeout_s)
+
+
+def _parse_timeout(value: Any, path: str) -> float:
+    """``parallel.timeout_s``: seconds (> 0) a collective may wait for its peers."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise ConfigError(f"{path}: expected a number of seconds > 0 that a collective may wait for the other "
+                          f"ranks (default {DEFAULT_TIMEOUT_S:g}), found {_found(value)}")
+    return float(value)
 
 
 def _flow(mesh: Mapping[str, int]) -> str:

@@ -6,11 +6,17 @@ ranks (no ``RANK`` / ``WORLD_SIZE`` in the environment), the command starts
 rendezvous on this machine and one process per mesh position, each running the same command::
 
     hpfunc train cfg.yaml --set x=y      # 4-process mesh: becomes, in effect,
-    torchrun --standalone --nproc-per-node 4 -m hpfunc.cli train cfg.yaml --set x=y
+    torchrun --standalone --nproc-per-node 4 -m hpfunc.rank -m hpfunc.cli train cfg.yaml --set x=y
 
 Inside the ranks :func:`in_launched_rank` is true, so they train instead of launching again. A rank
 that fails makes the launcher stop the others (nobody waits on a collective that never comes) and
 :func:`launch` returns that rank's exit status; the rank printed its own error on stderr.
+
+The ranks start through :mod:`hpfunc.rank` (:func:`hpfunc.launch.run_ranks`), so no rank outlives
+the launcher (even a ``kill -9`` of it), and with the collective timeout ``timeout_s`` (the config's
+``parallel.timeout_s``): a collective that waits longer fails naming the rank, the collective and
+its mesh axis, and a rank whose heartbeat stops for longer (stopped, hung) is named and killed.
+SIGTERM or Ctrl-C of the launcher stops the ranks; :func:`launch` then returns 128 + the signal.
 
 Example (a script instead of the trainer, as the tests do)::
 
@@ -20,7 +26,6 @@ Example (a script instead of the trainer, as the tests do)::
 from __future__ import annotations
 
 import os
-import sys
 from typing import Sequence
 
 __all__ = ["in_launched_rank", "launch", "rank_of_this_process"]
@@ -36,7 +41,8 @@ def rank_of_this_process() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def launch(target: Sequence[str], nproc: int, *, module: bool = False, threads: int | None = None) -> int:
+def launch(target: Sequence[str], nproc: int, *, module: bool = False, threads: int | None = None,
+           timeout_s: float | None = None) -> int:
     """Run ``target`` (a script and its arguments, or with ``module`` a module name and its arguments)
     on ``nproc`` local ranks through ``torch.distributed.run``; return the exit status.
 
@@ -46,29 +52,16 @@ def launch(target: Sequence[str], nproc: int, *, module: bool = False, threads: 
       module: run ``python -m target[0]``.
       threads: ``OMP_NUM_THREADS`` for the ranks when the environment does not set it (torch's
         launcher would otherwise set 1 and print a banner saying so).
+      timeout_s: the collective timeout (``parallel.timeout_s``); None: the default of
+        :func:`hpfunc.launch.run_ranks` (300 s).
 
     Returns:
       0 when every rank exited 0; otherwise the exit status of the first rank that failed (1 when it
-      was killed by a signal). ``KeyboardInterrupt`` stops the ranks and is re-raised.
+      was killed by a signal); 128 + the signal number when the launcher got SIGTERM, SIGINT (130),
+      SIGHUP or SIGQUIT, after stopping the ranks. What went wrong is printed on stderr.
     """
-    from torch.distributed import run as torchrun
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
-    from hpfunc.launch import torchrun_args
+    from hpfunc.launch import run_ranks, torchrun_args
 
     os.environ.setdefault("OMP_NUM_THREADS", str(threads or 1))
     argv = ["--nproc", str(nproc), *(["--module"] if module else []), *target]
-    args = torchrun.parse_args(torchrun_args(argv))
-    try:
-        torchrun.run(args)
-    except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
-        code = failure.exitcode
-        how = f"exit status {code}" if code >= 0 else f"signal {-code}"
-        print(f"hpfunc: rank {rank} of {nproc} failed ({how}); its error is printed above. "
-              f"The other ranks were stopped.", file=sys.stderr, flush=True)
-        return code if code > 0 else 1
-    except SignalException as e:  # Ctrl-C or a kill of this process: the launcher stopped the ranks
-        raise KeyboardInterrupt(str(e)) from None
-    return 0
+    return run_ranks(torchrun_args(argv), nproc=nproc, timeout_s=timeout_s, who="hpfunc train")
