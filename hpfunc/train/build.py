@@ -141,13 +141,21 @@ def build_optimizer(oc: OptimizerConfig, factor: Callable[[int], float]) -> tupl
 
 def check_buildable(cfg: Config) -> Any:
     """Build what can be built without data (model config, schedule) and check the parallel plan
-    against the model, so errors come before any work (and before any rank starts).
+    against the model, so errors come before any work (and before any rank starts). Also checked:
+    ``train.seq_len`` fits in ``model.max_position_embeddings``.
 
     Returns the model config.
     """
     from hpfunc.train.distributed import check_parallel
 
     model_cfg = build_model_config(cfg.model)
+    if cfg.train.seq_len > model_cfg.max_position_embeddings:
+        # the rotary embedding would run past the positions the model is made for, without a word
+        raise ConfigError(
+            f"train.seq_len: {cfg.train.seq_len} is longer than the model's model.max_position_embeddings "
+            f"({model_cfg.max_position_embeddings}, preset {cfg.model.preset!r}); use train.seq_len <= "
+            f"{model_cfg.max_position_embeddings} or set model.max_position_embeddings: {cfg.train.seq_len} (or more)"
+        )
     build_schedule(cfg.schedule, cfg.train.steps)
     check_parallel(cfg, model_cfg)
     return model_cfg

@@ -1,10 +1,13 @@
-"""``hpfunc train CONFIG.yaml [--set key.path=value ...] [--out DIR] [--steps N] [--check]``.
+"""``hpfunc train CONFIG.yaml [--set key.path=value ...] [--out DIR] [--steps N] [--overwrite] [--check]``.
 
-A config whose ``parallel.mesh`` needs more than one process is checked here, then the same command
-runs on that many ranks under ``torch.distributed.run`` (:mod:`hpfunc.train.launch`); inside a rank
-(``RANK`` / ``WORLD_SIZE`` set) it trains. Exit status: 0 after a run, 2 for a usage or config error
-(the message names the key), 1 otherwise (for a multi-process run, the status of the first rank
-that failed).
+A config whose ``parallel.mesh`` needs more than one process is checked here, its output folder
+claimed (:class:`hpfunc.train.output.RunFolder`: the lock is held here for the whole launch and its
+token handed to rank 0 in ``HPFUNC_TRAIN_OUTPUT_LOCK``), then the same command runs on that many
+ranks under ``torch.distributed.run`` (:mod:`hpfunc.train.launch`); inside a rank (``RANK`` /
+``WORLD_SIZE`` set) it trains. Exit status: 0 after a run, 2 for a usage or config error (the message
+names the key; the output folder's and the data's errors are config errors too), 1 otherwise: a
+diverged run, a failed write (a full disk), or for a multi-process run the status of the first rank
+that failed.
 
 Example:
     >>> main([])  # doctest: +ELLIPSIS
@@ -18,21 +21,27 @@ import os
 import sys
 from typing import Sequence
 
-__all__ = ["main", "USAGE"]
+__all__ = ["main", "USAGE", "LOCK_ENV"]
 
-USAGE = """usage: hpfunc train CONFIG.yaml [--set key.path=value ...] [--out DIR] [--steps N] [--check]
+# How the launching process hands its claim on the output folder to rank 0 (the token of its lock).
+LOCK_ENV = "HPFUNC_TRAIN_OUTPUT_LOCK"
 
-Train a model from a YAML config and write config.yaml, metrics.jsonl, loss.png and summary.json
-into the output folder. A `parallel:` mesh of N > 1 processes starts N ranks (torch.distributed.run,
-gloo) running this same command.
+USAGE = """usage: hpfunc train CONFIG.yaml [--set key.path=value ...] [--out DIR] [--steps N] [--overwrite] [--check]
+
+Train a model from a YAML config and write config.yaml, metrics.jsonl, loss.png, sample.txt and
+summary.json into the output folder, which the run owns (locked) while it runs. A `parallel:` mesh of
+N > 1 processes starts N ranks (torch.distributed.run, gloo) running this same command.
 
   CONFIG.yaml             the run's config (see docs/train.md; example: examples/configs/qwen3_moe_tiny.yaml)
   --set key.path=value    override one config key, e.g. --set train.steps=50 --set optimizer.lr=1e-3
                           (repeatable; values are YAML: 3, 0.1, null, [0.9, 0.95])
   --out DIR               output folder (same as --set output.dir=DIR)
   --steps N               number of steps (same as --set train.steps=N)
-  --check                 check the config (and the parallel plan against the model) and print it
-                          resolved, with the plan per parameter, without training
+  --overwrite             replace the run already in the output folder (without it such a folder is
+                          refused); the old files go when the new run starts writing
+  --check                 check the config, the parallel plan against the model and the data (read
+                          and checked against the model and the batch), and print the config
+                          resolved, with the data and the plan per parameter, without training
 """
 
 
@@ -42,6 +51,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--out")
     p.add_argument("--steps")
+    p.add_argument("--overwrite", action="store_true")
     p.add_argument("--check", action="store_true")
     return p
 
@@ -87,11 +97,18 @@ def main(argv: Sequence[str] | None = None) -> None:
         cfg = load_config(args.config, overrides)
         model_cfg = check_buildable(cfg)
         if args.check:
+            from hpfunc.train.data import check_data, load_data
+
+            data = load_data(cfg.data)
+            check_data(data, cfg, model_cfg.vocab_size)
             print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), end="")
+            # YAML comments: the output still loads as the resolved config
+            print(f"# data: {data.description} ({data.train.numel():,} train / {data.val.numel():,} val), "
+                  f"token ids < {data.vocab_size} (model.vocab_size {model_cfg.vocab_size}), windows of "
+                  f"train.seq_len + 1 = {cfg.train.seq_len + 1}")
             if cfg.parallel.plan:
                 from hpfunc.train.distributed import describe_plan
 
-                # YAML comments: the output still loads as the resolved config
                 print("\n".join("# " + line for line in describe_plan(cfg, model_cfg).splitlines()))
             return
         world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -100,22 +117,42 @@ def main(argv: Sequence[str] | None = None) -> None:
             raise ConfigError(f"parallel.mesh: this launch has {world} processes (WORLD_SIZE) but the config's mesh "
                               f"{cfg.parallel.mesh_text} needs {cfg.parallel.size}; run "
                               f"`hpfunc train` without a launcher (it starts the processes) or match the mesh")
+        inputs = [("config", args.config)]
         if cfg.parallel.size > 1 and not in_rank:
-            if cfg.output.progress != "none":
-                # the ranks take a while to start (each imports torch): say what is happening
-                print(f"hpfunc train: starting {cfg.parallel.size} processes (torch.distributed.run, gloo) for "
-                      f"the mesh {cfg.parallel.mesh_text}", flush=True)
-            status = launch(["hpfunc.cli", "train", *argv], cfg.parallel.size, module=True,
-                            threads=cfg.train.num_threads)
+            from hpfunc.train.data import data_inputs
+            from hpfunc.train.output import RunFolder
+
+            # the output folder is checked and claimed here, before any rank starts, and held to the end
+            with RunFolder(cfg.output.dir, overwrite=args.overwrite,
+                           inputs=[*inputs, *data_inputs(cfg.data)]) as folder:
+                if cfg.output.progress != "none":
+                    # the ranks take a while to start (each imports torch): say what is happening
+                    print(f"hpfunc train: starting {cfg.parallel.size} processes (torch.distributed.run, gloo) for "
+                          f"the mesh {cfg.parallel.mesh_text}", flush=True)
+                before = os.environ.get(LOCK_ENV)
+                os.environ[LOCK_ENV] = folder.token or ""  # the ranks inherit the environment
+                try:
+                    status = launch(["hpfunc.cli", "train", *argv], cfg.parallel.size, module=True,
+                                    threads=cfg.train.num_threads, timeout_s=cfg.parallel.timeout_s)
+                finally:
+                    if before is None:
+                        os.environ.pop(LOCK_ENV, None)
+                    else:
+                        os.environ[LOCK_ENV] = before
             if status:
                 raise SystemExit(status)
             return
         from hpfunc.train.loop import TrainingDiverged, run
+        from hpfunc.train.output import OutputWriteError
 
         try:
-            run(cfg)
+            run(cfg, overwrite=args.overwrite, inputs=inputs,
+                lock_token=os.environ.get(LOCK_ENV) if in_rank else None)
         except TrainingDiverged as e:
             print(f"{who}: training diverged at {e}", file=sys.stderr)
+            raise SystemExit(1) from None
+        except OutputWriteError as e:
+            print(f"{who}: output error: {e}", file=sys.stderr, flush=True)
             raise SystemExit(1) from None
     except ConfigError as e:
         print(f"{who}: config error: {e}", file=sys.stderr)

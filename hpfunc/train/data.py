@@ -9,10 +9,17 @@ Sources (``data.source`` in the config):
 - ``text``: UTF-8 text files matched by globs (``**`` allowed), sorted.
 - ``jsonl``: JSON lines, one document per line in ``data.text_field``.
 - ``ids``: pre-tokenised ids, a ``.npy`` or a ``.pt`` holding an integer tensor (any shape; flattened).
+  A damaged, truncated, empty, pickled or object-dtype file is a :class:`DataError` naming the file
+  (pickles are never loaded: they can run code).
 
 Text becomes bytes (vocab 256) unless ``data.tokenizer`` names a ``tokenizer.json`` for the
 ``tokenizers`` package. Documents are joined in order (bytes: with a newline), and the last
 ``val_fraction`` of the token stream is the validation split.
+
+:func:`check_data` checks a loaded corpus against the run before any step: token ids within the
+model's vocabulary, enough tokens in the training split for one window of ``seq_len + 1`` (the
+message names the split, the files and the fix), and enough in the validation split when the run
+evaluates.
 
 A batch is ``B`` windows of ``S + 1`` tokens at start offsets drawn with :mod:`hpfunc.random`
 (counter-based), so the same seed and step give the same batch on any machine:
@@ -31,6 +38,7 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 import pathlib
 import sysconfig
@@ -41,7 +49,7 @@ import numpy as np
 import torch
 
 from hpfunc import random
-from hpfunc.train.config import ConfigError, DataConfig
+from hpfunc.train.config import Config, ConfigError, DataConfig
 
 __all__ = [
     "DataError",
@@ -54,6 +62,8 @@ __all__ = [
     "tokenize_bytes",
     "tokenize_with",
     "load_data",
+    "data_inputs",
+    "check_data",
     "split_train_val",
     "window_starts",
     "sample_batch",
@@ -70,12 +80,18 @@ class DataError(ConfigError):
 
 @attrs.frozen
 class TokenData:
-    """A tokenised corpus: 1-D train and validation token streams and the vocabulary size."""
+    """A tokenised corpus: 1-D train and validation token streams and the vocabulary size.
+
+    ``files`` are the files read (empty for ``stdlib``: too many to name), ``empty`` those of them
+    that held no tokens; error messages name them.
+    """
 
     train: torch.Tensor
     val: torch.Tensor
     vocab_size: int
     description: str
+    files: tuple = ()
+    empty: tuple = ()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -138,7 +154,11 @@ def read_text_files(files: Sequence[pathlib.Path], *, max_bytes: int | None = No
 
     def gen():
         for f in files:
-            yield pathlib.Path(f).read_bytes().decode("utf-8", errors="replace")
+            try:
+                data = pathlib.Path(f).read_bytes()
+            except OSError as e:
+                raise DataError(f"{f}: cannot read the file: {e.strerror or e}") from None
+            yield data.decode("utf-8", errors="replace")
 
     return _take_bytes(gen(), max_bytes)
 
@@ -148,32 +168,98 @@ def read_jsonl(files: Sequence[pathlib.Path], text_field: str = "text", *, max_b
 
     def gen():
         for f in files:
-            with open(f, encoding="utf-8") as fh:
-                for lineno, line in enumerate(fh, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        record = json.loads(line)
-                    except json.JSONDecodeError as e:
-                        raise DataError(f"{f}:{lineno}: not valid JSON ({e.msg})") from None
-                    if not isinstance(record, dict) or text_field not in record:
-                        keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-                        raise DataError(
-                            f"{f}:{lineno}: expected an object with the text field {text_field!r} "
-                            f"(data.text_field), found {keys}"
-                        )
-                    text = record[text_field]
-                    if not isinstance(text, str):
-                        raise DataError(
-                            f"{f}:{lineno}: field {text_field!r} must be a string, found {type(text).__name__}"
-                        )
-                    yield text
+            try:
+                raw = pathlib.Path(f).read_bytes()
+            except OSError as e:
+                raise DataError(f"{f}: cannot read the file: {e.strerror or e}") from None
+            for lineno, bline in enumerate(raw.splitlines(), 1):
+                try:
+                    line = bline.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise DataError(f"{f}:{lineno}: not UTF-8 text (byte {e.start} of the line); "
+                                    f"JSON lines must be UTF-8") from None
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{f}:{lineno}: not valid JSON ({e.msg})") from None
+                if not isinstance(record, dict) or text_field not in record:
+                    keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+                    raise DataError(
+                        f"{f}:{lineno}: expected an object with the text field {text_field!r} "
+                        f"(data.text_field), found {keys}"
+                    )
+                text = record[text_field]
+                if not isinstance(text, str):
+                    raise DataError(
+                        f"{f}:{lineno}: field {text_field!r} must be a string, found {type(text).__name__}"
+                    )
+                yield text
 
     return _take_bytes(gen(), max_bytes)
 
 
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__
+
+
+_NPY_FIX = "write it again with np.save(path, np.asarray(ids, dtype=np.int32))"
+_PT_FIX = "write it again with torch.save(torch.as_tensor(ids, dtype=torch.int32), path)"
+
+
+def _load_npy(f: pathlib.Path) -> np.ndarray:
+    with open(f, "rb") as fh:
+        head = fh.read(6)
+    if not head:
+        raise DataError(f"{f}: the file is empty (0 bytes), not a .npy array; {_NPY_FIX}")
+    if head != b"\x93NUMPY":
+        what = ("pickled Python data (not loaded: a pickle can run code)" if head[:1] == b"\x80"
+                else "an .npz archive or a zip file" if head[:2] == b"PK"
+                else f"data that does not start with the .npy signature (first bytes {head!r})")
+        raise DataError(f"{f}: not a .npy array: the file holds {what}; {_NPY_FIX}")
+    try:
+        return np.load(f, allow_pickle=False)
+    except ValueError as e:
+        if "object" in str(e).lower() or "pickle" in str(e).lower():
+            raise DataError(f"{f}: the array has dtype object (Python objects, stored as a pickle, which is not "
+                            f"loaded: it can run code); token ids must be integers: {_NPY_FIX}") from None
+        raise DataError(f"{f}: the .npy file is damaged or truncated ({_first_line(e)}); {_NPY_FIX}") from None
+    except (EOFError, OSError) as e:
+        raise DataError(f"{f}: the .npy file is damaged or truncated ({_first_line(e)}); {_NPY_FIX}") from None
+
+
+def _load_pt(f: pathlib.Path) -> torch.Tensor:
+    import pickle
+
+    with open(f, "rb") as fh:
+        head = fh.read(4)
+    if not head:
+        raise DataError(f"{f}: the file is empty (0 bytes), not a saved tensor; {_PT_FIX}")
+    if head[:2] != b"PK" and head[:1] != b"\x80":  # torch.save: a zip archive (or the legacy pickle format)
+        raise DataError(f"{f}: not a file written by torch.save (first bytes {head!r}); {_PT_FIX}")
+    try:
+        t = torch.load(f, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        found = [ln.strip() for ln in str(e).splitlines() if "Unsupported" in ln]
+        what = f" ({found[0].split(' was not')[0].replace('WeightsUnpickler error: ', '')[:120]})" if found else ""
+        raise DataError(f"{f}: the file holds Python objects other than tensors{what}, which are not loaded "
+                        f"(weights-only loading: a pickle can run code); {_PT_FIX}") from None
+    except Exception as e:  # torch raises RuntimeError / EOFError / ... with the reader's message
+        reason = _first_line(e).split(". ")[0][:160] if str(e).strip() else "it ends too early"
+        raise DataError(f"{f}: the .pt file is damaged or truncated ({type(e).__name__}: {reason}); "
+                        f"{_PT_FIX}") from None
+    if not isinstance(t, torch.Tensor):
+        raise DataError(f"{f}: expected a saved integer tensor, found {type(t).__name__}; {_PT_FIX}")
+    return t
+
+
 def read_ids(files: Sequence[pathlib.Path]) -> torch.Tensor:
     """Pre-tokenised ids from ``.npy`` / ``.pt`` files, flattened and concatenated (int64).
+
+    Pickled data is never loaded (``allow_pickle=False``, ``weights_only=True``); a file that cannot
+    be read as an integer array is a :class:`DataError` naming it and saying how to write it.
 
     >>> import tempfile, pathlib
     >>> f = pathlib.Path(tempfile.mkdtemp()) / "ids.npy"
@@ -184,15 +270,20 @@ def read_ids(files: Sequence[pathlib.Path]) -> torch.Tensor:
     parts = []
     for f in files:
         f = pathlib.Path(f)
-        if f.suffix == ".npy":
-            arr = np.load(f, allow_pickle=False)
-            t = torch.from_numpy(np.ascontiguousarray(arr))
-        elif f.suffix == ".pt":
-            t = torch.load(f, map_location="cpu", weights_only=True)
-            if not isinstance(t, torch.Tensor):
-                raise DataError(f"{f}: expected a saved integer tensor, found {type(t).__name__}")
-        else:
-            raise DataError(f"{f}: pre-tokenised ids must be a .npy or .pt file, found suffix {f.suffix!r}")
+        try:
+            if f.suffix == ".npy":
+                arr = _load_npy(f)
+                if arr.dtype.kind not in "iu":
+                    raise DataError(f"{f}: expected integer token ids, found dtype {arr.dtype}; {_NPY_FIX}")
+                if arr.dtype.kind == "u" and arr.dtype.itemsize == 8 and arr.size and int(arr.max()) >= 2**63:
+                    raise DataError(f"{f}: token id {int(arr.max())} does not fit in int64")
+                t = torch.from_numpy(np.ascontiguousarray(arr.reshape(-1)).astype(np.int64, copy=False))
+            elif f.suffix == ".pt":
+                t = _load_pt(f)
+            else:
+                raise DataError(f"{f}: pre-tokenised ids must be a .npy or .pt file, found suffix {f.suffix!r}")
+        except OSError as e:
+            raise DataError(f"{f}: cannot read the file: {e.strerror or e}") from None
         if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
             raise DataError(f"{f}: expected integer token ids, found dtype {t.dtype}")
         t = t.reshape(-1).to(torch.int64)
@@ -264,9 +355,13 @@ def load_data(cfg: DataConfig) -> TokenData:
     (256, torch.uint8, True)
     """
     vocab = BYTE_VOCAB
+    named: list[pathlib.Path] = []  # the files to name in messages (not the whole stdlib)
+    empty: list[pathlib.Path] = []
     if cfg.source == "ids":
-        files = expand_globs(cfg.paths or [])
-        ids = read_ids(files)
+        files = named = expand_globs(cfg.paths or [])
+        parts = [read_ids([f]) for f in files]
+        empty = [f for f, p in zip(files, parts) if p.numel() == 0]
+        ids = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
         vocab = int(ids.max()) + 1 if ids.numel() else 1
         what = f"{len(files)} id file(s)"
     else:
@@ -275,11 +370,12 @@ def load_data(cfg: DataConfig) -> TokenData:
             texts = read_text_files(files, max_bytes=cfg.max_bytes)
             what = f"python stdlib ({len(texts)} of {len(files)} .py files)"
         elif cfg.source == "text":
-            files = expand_globs(cfg.paths or [])
+            files = named = expand_globs(cfg.paths or [])
             texts = read_text_files(files, max_bytes=cfg.max_bytes)
+            empty = [f for f, t in zip(files, texts) if not t]
             what = f"{len(texts)} text file(s)"
         elif cfg.source == "jsonl":
-            files = expand_globs(cfg.paths or [])
+            files = named = expand_globs(cfg.paths or [])
             texts = read_jsonl(files, cfg.text_field, max_bytes=cfg.max_bytes)
             what = f"{len(texts)} JSONL document(s) from {len(files)} file(s)"
         else:  # the config check keeps this unreachable
@@ -291,7 +387,87 @@ def load_data(cfg: DataConfig) -> TokenData:
             ids = tokenize_bytes(texts)
             what += ", bytes"
     train, val = split_train_val(_compact(ids, vocab), cfg.val_fraction)
-    return TokenData(train=train, val=val, vocab_size=vocab, description=f"{what}: {ids.numel():,} tokens")
+    return TokenData(train=train, val=val, vocab_size=vocab, description=f"{what}: {ids.numel():,} tokens",
+                     files=tuple(str(f) for f in named), empty=tuple(str(f) for f in empty))
+
+
+def data_inputs(cfg: DataConfig) -> list[tuple[str, str]]:
+    """``(what, path)`` of the files the data section names (what its globs match now) and its tokenizer:
+    the inputs a run must never write over (:class:`hpfunc.train.output.RunFolder` refuses it)."""
+    found = [("data file (data.paths)", f) for pattern in cfg.paths or () for f in glob.glob(pattern, recursive=True)]
+    if cfg.tokenizer:
+        found.append(("tokenizer (data.tokenizer)", cfg.tokenizer))
+    return found
+
+
+def _names(files: Sequence[str], most: int = 3) -> str:
+    shown = ", ".join(files[:most])
+    return shown + (f" and {len(files) - most} more" if len(files) > most else "")
+
+
+def check_data(data: TokenData, cfg: Config, vocab_size: int) -> None:
+    """Raise :class:`DataError` (a :class:`ConfigError`) naming the key, the split and the files when the
+    corpus cannot feed the run: a token id beyond the model's vocabulary (``model.vocab_size``), a
+    training split shorter than one window of ``train.seq_len + 1`` tokens, or, when the run evaluates
+    (``data.val_fraction > 0`` and ``train.eval_batches > 0``), a validation split that short.
+
+    Windows are drawn with replacement, so the batch size needs no more tokens than one window.
+
+    >>> from hpfunc.train.config import load_config_dict
+    >>> cfg = load_config_dict({"train": {"seq_len": 8}, "data": {"val_fraction": 0.5}})
+    >>> data = TokenData(train=torch.arange(6), val=torch.arange(6), vocab_size=6, description="12 tokens")
+    >>> try:
+    ...     check_data(data, cfg, vocab_size=256)
+    ... except DataError as e:
+    ...     print(str(e).split(" (the data")[0])
+    data.val_fraction: the training split has 6 tokens, too few for one window of train.seq_len + 1 = 9 tokens
+    """
+    if data.vocab_size > vocab_size:
+        raise DataError(
+            f"model.vocab_size: the data has token ids up to {data.vocab_size - 1} but the model's vocabulary "
+            f"is {vocab_size}; set model.vocab_size: {data.vocab_size} (or more)"
+        )
+    dc, tc = cfg.data, cfg.train
+    need = tc.seq_len + 1
+    n_train, n_val = data.train.numel(), data.val.numel()
+    total = n_train + n_val
+    if data.files and len(data.empty) == len(data.files):
+        source = f"{_names(data.empty)} {'is' if len(data.empty) == 1 else 'are'} empty"
+    else:
+        source = f"{data.description}" + (f", from {_names(data.files)}" if data.files else "")
+        if data.empty:
+            source += f"; empty: {_names(data.empty)}"
+    evaluates = dc.val_fraction > 0 and tc.eval_batches > 0
+    # the val_fraction that leaves a window on each side (train alone when the run does not evaluate)
+    lo = math.ceil(need / total * 1000) / 1000 if evaluates and total else 0.0
+    hi = math.floor((total - need) / total * 1000) / 1000 if total else -1.0
+    both = f"set data.val_fraction between {lo:g} and {hi:g} (now {dc.val_fraction})"
+    no_split = (f"add data (each split needs {need} tokens, {2 * need} in all) or lower train.seq_len (to at most "
+                f"{max(total // 2 - 1, 1)})")
+    if n_train < need:
+        split = (f"data.val_fraction {dc.val_fraction} keeps the last {n_val:,} for validation" if n_val
+                 else "none kept for validation")
+        if total < need:  # not enough data at all: more data or a shorter window
+            key = "data.max_bytes" if dc.max_bytes is not None and dc.source != "ids" else (
+                "data.paths" if dc.paths else "data")
+            more = f"raise data.max_bytes (now {dc.max_bytes:,})" if key == "data.max_bytes" else (
+                "add data (data.paths)" if dc.paths else "add data")
+            fix = f"{more} or lower train.seq_len (to at most {total - 1})" if total > 1 else more
+        elif lo > hi:  # the run evaluates, and no split gives both sides a window
+            key, fix = "data.val_fraction", f"{no_split}, or train without validation (data.val_fraction: 0)"
+        else:  # the validation split takes too much: give the training split more
+            key = "data.val_fraction"
+            fix = (both if evaluates else f"lower data.val_fraction (now {dc.val_fraction}; at most {hi:g} leaves "
+                   f"{need} tokens for training)") + f", lower train.seq_len (to at most {max(n_train - 1, 1)}) or add data"
+        raise DataError(f"{key}: the training split has {n_train:,} tokens, too few for one window of "
+                        f"train.seq_len + 1 = {need} tokens (the data: {source}; {split}); {fix}")
+    if evaluates and n_val < need:
+        fix = both if lo <= hi else no_split
+        raise DataError(
+            f"data.val_fraction: the validation split has {n_val:,} tokens (data.val_fraction {dc.val_fraction} of "
+            f"the data: {source}), too few for one window of train.seq_len + 1 = {need} tokens, and the run evaluates "
+            f"(train.eval_batches: {tc.eval_batches}); {fix}, or set train.eval_batches: 0 to train without "
+            f"validation")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -310,7 +486,8 @@ def window_starts(key: torch.Tensor, step: int, num_tokens: int, batch_size: int
     if span < 1:
         raise DataError(
             f"the token stream has {num_tokens} tokens, too few for one window of seq_len + 1 = "
-            f"{seq_len + 1}; use more data, a larger data.val_fraction split, or a smaller train.seq_len"
+            f"{seq_len + 1}; use more data or a smaller train.seq_len (for the training split, a smaller "
+            f"data.val_fraction; for the validation split, a larger one)"
         )
     return random.randint(random.fold_in(key, step), (batch_size,), 0, span)
 

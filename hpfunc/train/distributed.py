@@ -126,7 +126,8 @@ def check_parallel(cfg: Config, model_cfg: Any) -> None:
     Checked: the global batch (``train.batch_size``) splits evenly over the data-parallel ranks; the
     tensor-parallel degree divides the attention heads, the key/value heads, the MLP / expert hidden
     features (and the vocabulary with ``vocab_parallel``, the sequence with ``sequence_parallel``);
-    then the whole plan resolves on every parameter of the model (:meth:`Plan.resolve`).
+    then the whole plan resolves on every parameter of the model (:meth:`Plan.resolve`), and every
+    axis of a sharding entry (fsdp, zero*, the shard axis of hsdp, tp) shards at least one of them.
     """
     pc = cfg.parallel
     if not pc.plan:
@@ -159,12 +160,46 @@ def check_parallel(cfg: Config, model_cfg: Any) -> None:
             raise ConfigError(f"train.seq_len: sequence parallelism (parallel.plan[{i}]) splits the sequence of "
                               f"{cfg.train.seq_len} over {n} ranks; use a multiple of {n}")
     plan = build_plan(pc, model_cfg)
+    shapes = qwen3.param_shapes(model_cfg)
     try:
-        plan.resolve(qwen3.param_shapes(model_cfg), AbstractMesh(pc.mesh))
+        layouts = plan.resolve(shapes, AbstractMesh(pc.mesh))
     except PlanError as err:
         msg = str(err)
         where = f"parallel.mesh.{found[1].axes[0]}" if found is not None and msg.startswith("tp") else "parallel.plan"
         raise ConfigError(f"{where}: {msg}") from None
+    _check_axes_shard(pc, layouts)
+
+
+# What the entries that shard promise to shard over their axis (hsdp: over its second axis only).
+_SHARDS = {"fsdp": "parameters", "zero3": "parameters", "hsdp": "parameters", "zero1": "optimizer state",
+           "zero2": "optimizer state and gradients", "tp": "parameters"}
+
+
+def _check_axes_shard(pc: ParallelConfig, layouts: Mapping[str, Any]) -> None:
+    """A sharding entry whose axis splits no parameter is an error: FSDP over 3 ranks of a model whose
+    dimensions are all even would silently be DDP (every rank holding everything), the opposite of
+    what the config asks for; nothing is lost by refusing before launch."""
+    used: set[str] = set()
+    for lay in layouts.values():
+        for sp in (lay.spec.storage, lay.spec.compute, lay.spec.opt):
+            used.update(sp.axes)
+    for i, e in enumerate(pc.plan):
+        if e.kind not in _SHARDS:
+            continue
+        axis = e.axes[-1]  # hsdp: (replicate, shard)
+        n = pc.mesh[axis]
+        if n == 1 or axis in used:
+            continue
+        dims = sorted({d for lay in layouts.values() for d in lay.shape})
+        sizes = [k for k in range(2, 17) if any(d % k == 0 and d >= k for d in dims)][:4]
+        hint = f"a size that divides some of them ({', '.join(map(str, sizes))}, ...)" if sizes else "size 1"
+        acts = ("every rank of the axis would compute the whole model (no tensor parallelism)" if e.kind == "tp"
+                else f"the {_SHARDS[e.kind]} would stay whole on every rank: the axis would act as ddp")
+        raise ConfigError(
+            f"parallel.mesh.{axis}: {e.kind} (parallel.plan[{i}]) over {n} ranks would shard nothing: no dimension "
+            f"of any parameter of the model divides by {n} (the dimensions are {', '.join(map(str, dims[:8]))}"
+            f"{', ...' if len(dims) > 8 else ''}), so {acts}; choose {hint}"
+            f"{'' if e.kind == 'tp' else ', or use ddp for this axis'}")
 
 
 def describe_plan(cfg: Config, model_cfg: Any) -> str:
@@ -211,10 +246,14 @@ def _defaults(kind: str) -> dict:
 
 @contextlib.contextmanager
 def start_mesh(pc: ParallelConfig) -> Iterator[Any]:
-    """Join the launch's process group (gloo; the trainer runs on CPU) and yield ``hpfunc.Mesh(pc.mesh)``;
-    the process group is destroyed on exit if this call created it."""
+    """Join the launch's process group (gloo; the trainer runs on CPU) with the collective timeout
+    ``parallel.timeout_s`` and yield ``hpfunc.Mesh(pc.mesh)``; the process group is destroyed on exit
+    if this call created it. A collective issued outside hpfunc.lax (a DTensor's ``full_tensor()``)
+    that times out or loses a peer is re-raised as :class:`hpfunc.faults.CollectiveError`, naming
+    the rank and the source line, like those of hpfunc.lax."""
     import torch.distributed as dist
 
+    from hpfunc.faults import translate
     from hpfunc.mesh import Mesh, init_distributed
     from hpfunc.train.launch import in_launched_rank
 
@@ -224,13 +263,19 @@ def start_mesh(pc: ParallelConfig) -> Iterator[Any]:
             f"starts them, or call hpfunc.train.run in every rank of a torchrun launch"
         )
     created = not dist.is_initialized()
-    init_distributed("gloo")
+    init_distributed("gloo", timeout_s=pc.timeout_s)
     try:
         world = dist.get_world_size()
         if world != pc.size:
             raise ConfigError(f"parallel.mesh: {pc.mesh_text} needs {pc.size} processes but this launch has {world} "
                               f"(WORLD_SIZE); launch {pc.size} or change the mesh")
-        yield Mesh(pc.mesh)
+        try:
+            yield Mesh(pc.mesh)
+        except RuntimeError as e:
+            err = translate(e)
+            if err is None or err is e:
+                raise
+            raise err from e
     finally:
         if created and dist.is_initialized():
             dist.destroy_process_group()

@@ -1,9 +1,14 @@
 """The training loop: config -> data, model, optimizer -> steps -> outputs.
 
-``run(cfg)`` does, in order: build and check the model config, read the data, ``init`` the params
-from ``key(seed)``, build the optimizer, then for each step sample a batch (a pure function of seed
-and step), call the pure ``train_step`` and log. It writes into ``output.dir``: ``config.yaml``
-(the resolved config), ``metrics.jsonl``, ``loss.png`` and ``summary.json``.
+``run(cfg)`` does, in order: build and check the model config, claim the output folder
+(:class:`hpfunc.train.output.RunFolder`: a lock held for the run; a folder holding another run is
+refused unless ``overwrite``), read and check the data, ``init`` the params from ``key(seed)``, build
+the optimizer, then for each step sample a batch (a pure function of seed and step), call the pure
+``train_step`` and log. It writes into ``output.dir`` (each file atomically, ``metrics.jsonl`` a whole
+line at a time): ``config.yaml`` (the resolved config), ``metrics.jsonl``, ``sample.txt``, ``loss.png``
+and, last, ``summary.json``. A non-finite loss or gradient norm, a non-finite validation loss, or
+non-finite parameters after the last update stop the run with :class:`TrainingDiverged` naming the
+step (no ``summary.json`` is written: the run did not finish).
 
 With a ``parallel.mesh`` of more than one process, ``run`` is called in every rank of a launch
 (``hpfunc train`` starts them): each rank builds the same global batch, the step is
@@ -24,21 +29,20 @@ Example:
 
 from __future__ import annotations
 
-import json
 import math
 import pathlib
 import time
-from typing import Any, Callable, TextIO
+from typing import Any, Callable, Sequence, TextIO
 
 import attrs
 import torch
 import yaml
 
 from hpfunc import random
-from hpfunc.train.build import build_model_config, build_optimizer, build_schedule, model_dtype
-from hpfunc.train.config import Config, ConfigError, config_to_dict
-from hpfunc.train.data import TokenData, eval_batches, load_data, sample_batch
-from hpfunc.train.output import MetricsWriter, Progress, format_summary, plot_losses
+from hpfunc.train.build import build_optimizer, build_schedule, check_buildable, model_dtype
+from hpfunc.train.config import Config, config_to_dict
+from hpfunc.train.data import check_data, data_inputs, eval_batches, load_data, sample_batch
+from hpfunc.train.output import MetricsWriter, Progress, RunFolder, format_summary, plot_losses
 from hpfunc.train.distributed import is_distributed
 from hpfunc.train.step import TrainState, init_train_state, make_eval_step, make_train_step
 
@@ -46,7 +50,34 @@ __all__ = ["RunResult", "TrainingDiverged", "run", "data_keys"]
 
 
 class TrainingDiverged(RuntimeError):
-    """The loss became NaN or infinite; the metrics logged so far are kept."""
+    """The loss, the gradient norm, the validation loss or the parameters became NaN or infinite; the
+    message names the step. The metrics logged so far are kept."""
+
+
+_DIVERGED_FIX = ("lower optimizer.lr, add warmup (schedule.warmup_steps) or clipping (optimizer.clip_norm); "
+                 "the metrics logged before are kept in metrics.jsonl")
+
+
+def _check_step_finite(step: int, loss: float, metrics: dict[str, Any]) -> None:
+    grad_norm, lr = float(metrics["grad_norm"]), float(metrics["lr"])
+    if math.isfinite(loss) and math.isfinite(grad_norm):
+        return
+    what = (f"the loss is {loss} (grad norm {grad_norm:.3g}" if not math.isfinite(loss)
+            else f"the gradient norm is {grad_norm} while the loss is {loss:.4f} (")
+    raise TrainingDiverged(f"step {step}: {what}{', ' if not math.isfinite(loss) else ''}lr {lr:.3g}); "
+                           f"{_DIVERGED_FIX}")
+
+
+def _first_nonfinite(params: Any) -> tuple[str, int, int] | None:
+    """``(path, non-finite values, values)`` of the first parameter holding NaN or infinity."""
+    from hpfunc import tree
+
+    for path, x in tree.leaves_with_paths(params):
+        if isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex()):
+            bad = int((~torch.isfinite(x)).sum())
+            if bad:
+                return path, bad, x.numel()
+    return None
 
 
 @attrs.frozen
@@ -65,20 +96,19 @@ def data_keys(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return random.fold_in(root, 0), random.fold_in(root, 1), random.fold_in(root, 2)
 
 
-def _check_vocab(data: TokenData, model_cfg: Any) -> None:
-    if data.vocab_size > model_cfg.vocab_size:
-        raise ConfigError(
-            f"model.vocab_size: the data has token ids up to {data.vocab_size - 1} but the model's vocabulary "
-            f"is {model_cfg.vocab_size}; set model.vocab_size: {data.vocab_size} (or more)"
-        )
-
-
 def _expert_stats(load: torch.Tensor) -> dict[str, Any]:
     if load.numel() == 0:
         return {}
     load = load.to(torch.float64)
     imbalance = (load.max(dim=1).values / load.mean(dim=1).clamp_min(1e-12)).mean()
     return {"expert_imbalance": float(imbalance), "expert_load": load.to(torch.int64).tolist()}
+
+
+def _check_val_finite(step: int, val: float, last: dict[str, float]) -> None:
+    if not math.isfinite(val):
+        raise TrainingDiverged(f"step {step}: the validation loss is {val} (the training loss of step {step} was "
+                               f"{last.get('loss', float('nan')):.4f}, lr {last.get('lr', float('nan')):.3g}); "
+                               f"{_DIVERGED_FIX}")
 
 
 def _evaluate(eval_step: Callable, params: Any, batches: list) -> float | None:
@@ -113,6 +143,9 @@ def run(
     out_dir: str | pathlib.Path | None = None,
     stream: TextIO | None = None,
     echo: bool = True,
+    overwrite: bool = False,
+    inputs: Sequence[tuple[str, str | pathlib.Path]] = (),
+    lock_token: str | None = None,
 ) -> RunResult:
     """Train for ``cfg.train.steps`` steps and write the outputs.
 
@@ -124,6 +157,12 @@ def run(
       out_dir: overrides ``cfg.output.dir``.
       stream: where progress and the summary are printed (stdout by default).
       echo: print the start lines and the final summary.
+      overwrite: replace a previous run's files in the output folder (otherwise such a folder is
+        refused with :class:`hpfunc.train.output.OutputError`).
+      inputs: ``(what, path)`` of input files besides the data (``hpfunc train`` passes its config
+        file): the run refuses to write over any of them.
+      lock_token: the token of the output folder's lock when the launching process holds it
+        (``hpfunc train`` on a mesh claims the folder before it starts the ranks).
     """
     threads = torch.get_num_threads()
     if cfg.train.num_threads is not None:
@@ -131,21 +170,35 @@ def run(
         # much faster than oversubscribed ones for a tiny model.
         torch.set_num_threads(cfg.train.num_threads)
     try:
+        claim = {"overwrite": overwrite, "inputs": inputs, "lock_token": lock_token}
         if not is_distributed(cfg.parallel):
-            return _run(cfg, out_dir=out_dir, stream=stream, echo=echo)
+            return _run(cfg, out_dir=out_dir, stream=stream, echo=echo, claim=claim)
         from hpfunc.train.distributed import start_mesh
 
         with start_mesh(cfg.parallel) as mesh:
-            return _run(cfg, out_dir=out_dir, stream=stream, echo=echo, mesh=mesh)
+            return _run(cfg, out_dir=out_dir, stream=stream, echo=echo, mesh=mesh, claim=claim)
     finally:
         torch.set_num_threads(threads)
 
 
 def _run(cfg: Config, *, out_dir: str | pathlib.Path | None, stream: TextIO | None, echo: bool,
-         mesh: Any = None) -> RunResult:
+         mesh: Any = None, claim: dict[str, Any]) -> RunResult:
+    main = mesh is None or torch.distributed.get_rank() == 0  # the rank that prints and writes
+    model_cfg = check_buildable(cfg)  # config errors first: nothing is created for a config that cannot run
+    out = pathlib.Path(cfg.output.dir if out_dir is None else out_dir)
+    if not main:
+        return _train(cfg, model_cfg, out, None, stream=stream, echo=echo, mesh=mesh)
+    folder = RunFolder(out, overwrite=claim["overwrite"], inputs=[*claim["inputs"], *data_inputs(cfg.data)],
+                       inherited=claim["lock_token"])
+    with folder:  # held to the last write; a second run into the folder is refused meanwhile
+        return _train(cfg, model_cfg, out, folder, stream=stream, echo=echo, mesh=mesh)
+
+
+def _train(cfg: Config, model_cfg: Any, out: pathlib.Path, folder: RunFolder | None, *, stream: TextIO | None,
+           echo: bool, mesh: Any) -> RunResult:
     from hpfunc.models import qwen3
 
-    main = mesh is None or torch.distributed.get_rank() == 0  # the rank that prints and writes
+    main = folder is not None  # the rank that prints and writes
     progress_mode = cfg.output.progress if main else "none"
     quiet = not echo or progress_mode == "none"
 
@@ -153,22 +206,16 @@ def _run(cfg: Config, *, out_dir: str | pathlib.Path | None, stream: TextIO | No
         if not quiet:
             print(text, file=stream, flush=True)
 
-    out = pathlib.Path(cfg.output.dir if out_dir is None else out_dir)
-    if main:
-        out.mkdir(parents=True, exist_ok=True)
     tc = cfg.train
 
-    model_cfg = build_model_config(cfg.model)
     if tc.aux_loss_coef is not None:
         model_cfg = attrs.evolve(model_cfg, router_aux_loss_coef=tc.aux_loss_coef)
     factor = build_schedule(cfg.schedule, tc.steps)
     optimizer, lr = build_optimizer(cfg.optimizer, factor)
-    if main:
-        (out / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
 
     t0 = time.perf_counter()
     data = load_data(cfg.data)
-    _check_vocab(data, model_cfg)
+    check_data(data, cfg, model_cfg.vocab_size)  # before the first write: a bad corpus leaves the folder alone
     say(f"data: {data.description} ({data.train.numel():,} train / {data.val.numel():,} val) "
         f"in {time.perf_counter() - t0:.1f} s")
 
@@ -195,6 +242,9 @@ def _run(cfg: Config, *, out_dir: str | pathlib.Path | None, stream: TextIO | No
                                                 model_dtype(cfg.model))
         full_params = gather_params
     eval_step = make_eval_step(model_cfg)
+    if main:  # the first write: a previous run's files go now (with overwrite), not before
+        folder.start()
+        folder.write_text("config.yaml", yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
     val_batches = (
         eval_batches(data.val, val_key, tc.eval_batches, tc.batch_size, tc.seq_len)
         if data.val.numel() > tc.seq_len and tc.eval_batches
@@ -207,9 +257,10 @@ def _run(cfg: Config, *, out_dir: str | pathlib.Path | None, stream: TextIO | No
     train_time = 0.0
     window: list[float] = []
     window_time = 0.0
+    last: dict[str, float] = {}
     progress = Progress(tc.steps, progress_mode, stream)
     try:
-        with MetricsWriter(out / "metrics.jsonl") if main else _NoWriter() as writer:
+        with MetricsWriter(folder.file("metrics.jsonl")) if main else _NoWriter() as writer:
             for step in range(tc.steps):
                 batch = sample_batch(data.train, train_key, step, tc.batch_size, tc.seq_len)
                 t = time.perf_counter()
@@ -217,12 +268,8 @@ def _run(cfg: Config, *, out_dir: str | pathlib.Path | None, stream: TextIO | No
                 if mesh is not None:
                     metrics = _local_metrics(metrics)
                 loss = float(metrics["loss"])  # the host read also ends the step's work
-                if not math.isfinite(loss):
-                    raise TrainingDiverged(
-                        f"step {step + 1}: the loss is {loss} (grad norm {float(metrics['grad_norm']):.3g}, "
-                        f"lr {float(metrics['lr']):.3g}); lower optimizer.lr, add warmup "
-                        f"(schedule.warmup_steps) or clipping (optimizer.clip_norm)"
-                    )
+                _check_step_finite(step + 1, loss, metrics)  # every rank holds the same values
+                last = {"loss": loss, "grad_norm": float(metrics["grad_norm"]), "lr": float(metrics["lr"])}
                 dt = time.perf_counter() - t
                 train_time += dt
                 window_time += dt
@@ -249,14 +296,23 @@ def _run(cfg: Config, *, out_dir: str | pathlib.Path | None, stream: TextIO | No
                     full = full_params(state.params)  # a collective: every rank
                     val = _evaluate(eval_step, full, val_batches) if main else None
                     if val is not None:
+                        _check_val_finite(done, val, last)
                         vrec = {"step": done, "val_loss": val}
                         writer.write(vrec)
                         records.append(vrec)
                         progress.message(f"step {done}: validation loss {val:.4f}")
                 progress.update(done, record)
             final_params = full_params(state.params)  # a collective: every rank
+            bad = _first_nonfinite(final_params)  # the last update has no later loss to show it
+            if bad is not None:
+                path, n_bad, n = bad
+                raise TrainingDiverged(
+                    f"step {tc.steps} (the last): its update left non-finite parameters ({n_bad} of the {n} values "
+                    f"of {path!r} are NaN or infinite) although the step's loss ({last['loss']:.4f}) and gradient "
+                    f"norm ({last['grad_norm']:.3g}) were finite (lr {last['lr']:.3g}); {_DIVERGED_FIX}")
             val = _evaluate(eval_step, final_params, val_batches) if main else None
             if val is not None:
+                _check_val_finite(tc.steps, val, last)
                 vrec = {"step": tc.steps, "val_loss": val}
                 writer.write(vrec)
                 records.append(vrec)
@@ -289,14 +345,14 @@ def _run(cfg: Config, *, out_dir: str | pathlib.Path | None, stream: TextIO | No
 
         text = sample_text(final_params, model_cfg, oc.sample_prompt, oc.sample_tokens,
                            random.fold_in(random.key(cfg.seed), 3), temperature=oc.sample_temperature)
-        (out / "sample.txt").write_text(text)
+        folder.write_text("sample.txt", text)
         summary["sample"] = text
         say(f"sample (temperature {oc.sample_temperature}):\n{'-' * 60}\n{text}\n{'-' * 60}")
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     if cfg.output.plot:
         title = f"{cfg.model.preset} on {cfg.data.source} ({tc.steps} steps, batch {tc.batch_size}x{tc.seq_len})"
         if mesh is not None:
             title += "\nmesh " + " x ".join(f"{a} {n}" for a, n in cfg.parallel.mesh.items())
-        plot_losses(records, out / "loss.png", title=title)
+        plot_losses(records, folder.file("loss.png"), title=title)
+    folder.write_json("summary.json", summary)  # last: its presence means the run finished
     say(format_summary(summary))
     return RunResult(state=state, records=records, summary=summary, out_dir=out)
