@@ -163,3 +163,219 @@ def test_bad_input_errors(pool2, kind, match):
 
 def test_replicated_psum_passes_check(pool2):
     assert pool2.run(run_bad, "ok_psum")[0] == "f32[2,2]"
+
+
+# ---------------------------------------------------------------------------------------------
+# The replication check: the default (checksums, one all-reduce per call), exact, off, per output
+
+
+def _with_check_env(value, fn):
+    """``fn()`` with HPFUNC_CHECK_REP set to ``value`` in this rank (unset for None), then restored."""
+    import os
+
+    old = os.environ.pop("HPFUNC_CHECK_REP", None)
+    try:
+        if value is not None:
+            os.environ["HPFUNC_CHECK_REP"] = value
+        return fn()
+    finally:
+        os.environ.pop("HPFUNC_CHECK_REP", None)
+        if old is not None:
+            os.environ["HPFUNC_CHECK_REP"] = old
+
+
+def _outcome(fn):
+    from hpfunc.transforms.shard_map import ReplicationError
+
+    try:
+        return "ok", fn()
+    except ReplicationError as e:
+        return "ReplicationError", str(e)
+    except ValueError as e:
+        return "ValueError", str(e)
+
+
+def run_rep_check(env, check_rep, kind="broken"):
+    import hpfunc
+    from hpfunc import lax
+
+    mesh = hpfunc.Mesh({"dp": 2})
+    x = torch.arange(8.0).reshape(4, 2)
+
+    def f(x):  # loss is reduced; stats.local is this rank's own sum, promised replicated all the same
+        out = {"loss": lax.psum(x.sum(), "dp"), "stats": {"local": x.sum(), "n": torch.tensor(x.shape[0])}}
+        if kind == "correct":
+            out["stats"]["local"] = lax.pmax(out["stats"]["local"], "dp")
+        return out
+
+    g = hpfunc.shard_map(f, mesh=mesh, in_specs=P("dp"), out_specs=P(), check_rep=check_rep)
+
+    def call():
+        with hpfunc.comm_stats() as stats:
+            out = g(x)
+        return float(out["loss"].full_tensor()), sum(r.name == "check_rep" for r in stats.records)
+
+    return _with_check_env(env, lambda: _outcome(call))
+
+
+def test_default_check_catches_a_broken_replication_promise(pool2):
+    # HPFUNC_CHECK_REP unset: the default, checksums
+    for kind, msg in pool2.run(run_rep_check, None, None):
+        assert kind == "ReplicationError", (kind, msg)
+        assert msg.startswith("shard_map output 'stats.local': out_spec promises replication along mesh axis 'dp', "
+                              "but rank 1 along 'dp' holds a different value than rank 0"), msg
+        assert "sums 22.0 vs 6.0 of 1 vs 1 elements" in msg and "check_rep='checksum'" in msg, msg
+        assert "hpfunc.lax.psum/pmean over 'dp'" in msg, msg
+    # three replicated outputs, one all-reduce (recorded by comm_stats as 'check_rep')
+    assert pool2.run(run_rep_check, None, None, "correct") == [("ok", (28.0, 1))] * 2
+    # the suite's HPFUNC_CHECK_REP=1 is the exact check (no checksum all-reduce)
+    for kind, msg in pool2.run(run_rep_check, "1", None):
+        assert kind == "ReplicationError" and "'stats.local'" in msg and "largest abs difference 16.0" in msg, msg
+    assert pool2.run(run_rep_check, "1", None, "correct") == [("ok", (28.0, 0))] * 2
+
+
+@pytest.mark.parametrize("env", [None, "1", "checksum"])
+def test_check_rep_false_skips_the_check(pool2, env):
+    assert pool2.run(run_rep_check, env, False) == [("ok", (28.0, 0))] * 2
+    # per output: the broken one unchecked, the loss checked as the environment says (by checksum unless exact)
+    assert pool2.run(run_rep_check, env, {"loss": None, "stats": False}) == [("ok", (28.0, int(env != "1")))] * 2
+
+
+def test_check_rep_modes_env_and_errors(pool2):
+    # explicit modes win over the environment; "trusted" is checked (exactly) only when exact checks are asked for
+    assert pool2.run(run_rep_check, "1", "checksum")[0][1].endswith(
+        "or name 'dp' in the out_spec"), "checksum named explicitly must run under HPFUNC_CHECK_REP=1 too"
+    assert "check_rep='checksum'" in pool2.run(run_rep_check, "1", "checksum")[0][1]
+    assert "largest abs difference" in pool2.run(run_rep_check, None, "exact")[0][1]
+    assert pool2.run(run_rep_check, None, "trusted") == [("ok", (28.0, 0))] * 2
+    assert "largest abs difference" in pool2.run(run_rep_check, "exact", "trusted")[0][1]
+    assert pool2.run(run_rep_check, "0", None) == [("ok", (28.0, 0))] * 2
+    kind, msg = pool2.run(run_rep_check, "maybe", None)[0]
+    assert kind == "ValueError" and "HPFUNC_CHECK_REP='maybe'" in msg and "'checksum'" in msg, msg
+    with pytest.raises(ValueError, match=r"check_rep='always'\): expected None"):
+        __import__("hpfunc").shard_map(lambda x: x, in_specs=P(), out_specs=P(), check_rep="always")
+    with pytest.raises(ValueError, match=r"check_rep='sometimes'"):
+        __import__("hpfunc").shard_map(lambda x: x, in_specs=P(), out_specs=P(), check_rep={"a": "sometimes"})
+
+
+def run_rep_check_2d(check_rep):
+    import hpfunc
+    from hpfunc import lax
+
+    mesh = hpfunc.Mesh({"dp": 2, "tp": 2})
+    x = torch.arange(16.0).reshape(4, 4)
+
+    def f(x):
+        dp, tp = mesh.axis_index("dp"), mesh.axis_index("tp")
+        ok_tp = lax.psum(x, "tp")                         # replicated along tp, sharded along dp
+        col = lax.psum(x, "dp") + (1.0 if (dp, tp) == (1, 1) else 0.0)  # differs along dp at tp=1 only
+        return {"ok_all": lax.psum(x.sum(), ("dp", "tp")), "ok_tp": ok_tp, "col": col}
+
+    out_specs = {"ok_all": P(), "ok_tp": P("dp"), "col": P(None, "tp")}
+    return _outcome(lambda: hpfunc.typeof(
+        hpfunc.shard_map(f, mesh=mesh, in_specs=P("dp", "tp"), out_specs=out_specs, check_rep=check_rep)(x)["ok_tp"]))
+
+
+@pytest.mark.parametrize("check_rep", ["checksum", "exact"])
+def test_check_names_the_axis_and_ranks_on_a_2d_mesh(pool4, check_rep):
+    outs = pool4.run(run_rep_check_2d, check_rep)
+    # one decision for the whole union of the replicated axes: every rank raises the same error, those at
+    # tp=0 (where 'col' agrees) too; a rank left out would wait in the next collective for the others
+    assert [kind for kind, _ in outs] == ["ReplicationError"] * 4 and len({msg for _, msg in outs}) == 1, outs
+    msg = outs[0][1]
+    assert msg.startswith("shard_map output 'col': out_spec promises replication along mesh axis 'dp', but rank 1 "
+                          "along 'dp' holds a different value than rank 0 (global ranks 3 vs 1, at tp=1"), msg
+
+
+def run_rep_check_submesh(check_rep):
+    import hpfunc
+
+    sub = hpfunc.Mesh({"dp": 2, "tp": 2}).submesh("tp")  # global ranks (0, 1) or (2, 3)
+    f = hpfunc.shard_map(lambda x: x * 2, mesh=sub, in_specs=P("tp"), out_specs=P(), check_rep=check_rep)
+    return _outcome(lambda: f(torch.arange(4.0)))
+
+
+@pytest.mark.parametrize("check_rep", ["checksum", "exact"])
+def test_check_on_a_submesh_names_global_ranks(pool4, check_rep):
+    outs = pool4.run(run_rep_check_submesh, check_rep)
+    for r, (kind, msg) in enumerate(outs):
+        first = r - r % 2
+        assert kind == "ReplicationError" and msg.startswith(
+            "shard_map output '<root>': out_spec promises replication along mesh axis 'tp', but rank 1 along 'tp' "
+            f"holds a different value than rank 0 (global ranks {first + 1} vs {first}:"), (r, msg)
+
+
+def run_rep_check_values(case, rtol=0.0):
+    import hpfunc
+
+    mesh = hpfunc.Mesh({"dp": 2})
+    r = mesh.axis_index("dp")
+    nan = float("nan")
+    values = {
+        "same_kinds": lambda: {"i": torch.tensor([3, -1]), "b": torch.tensor([True, False]),
+                               "h": torch.tensor([1.5, 2.0], dtype=torch.bfloat16),
+                               "c": torch.tensor([1 + 2j]), "nan": torch.tensor([1.0, nan]), "e": torch.ones(0)},
+        "nan_on_one_rank": lambda: {"v": torch.tensor([1.0, nan if r else 2.0])},
+        "other_length": lambda: {"v": torch.ones(3 + r)},
+        "int_differs": lambda: {"v": torch.tensor([2**40 + r])},
+        "tiny_difference": lambda: {"v": torch.tensor([1.0, 2.0]) * (1 + 1e-6 * r)},
+    }
+    return _outcome(lambda: sorted(hpfunc.shard_map(values[case], mesh=mesh, in_specs=(), out_specs=P(),
+                                                    check_rep="checksum", check_rtol=rtol)()))
+
+
+def test_checksum_check_on_dtypes_nans_lengths_and_tolerance(pool2):
+    assert pool2.run(run_rep_check_values, "same_kinds") == [("ok", ["b", "c", "e", "h", "i", "nan"])] * 2
+    kind, msg = pool2.run(run_rep_check_values, "nan_on_one_rank")[0]
+    assert kind == "ReplicationError" and "'v'" in msg and "nan" not in msg.split("(")[0], msg
+    kind, msg = pool2.run(run_rep_check_values, "other_length")[0]
+    assert kind == "ReplicationError" and "of 4 vs 3 elements" in msg, msg
+    assert pool2.run(run_rep_check_values, "int_differs")[0][0] == "ReplicationError"
+    assert pool2.run(run_rep_check_values, "tiny_difference")[0][0] == "ReplicationError"
+    assert pool2.run(run_rep_check_values, "tiny_difference", 1e-5) == [("ok", ["v"])] * 2
+
+
+def run_parallelize_metric(env, per_rank_metric):
+    import hpfunc
+    from hpfunc import optim
+    from hpfunc.transforms import plans
+
+    tx = optim.adamw(0.1)
+
+    def step(state, batch):
+        loss, g = hpfunc.value_and_grad(lambda p: ((batch @ p["w"]) ** 2).mean())(state["params"])
+        u, opt = tx.update(g, state["opt"], state["params"])
+        metrics = {"loss": loss}
+        if per_rank_metric:
+            metrics["batch_max"] = batch.max()  # this rank's data shard only: not replicated
+        return {"params": optim.apply_updates(state["params"], u), "opt": opt}, metrics
+
+    train_step = hpfunc.parallelize(step, hpfunc.Mesh({"dp": 2}), plans.ddp("dp"))
+    params = train_step.shard_params({"w": torch.ones(3, 2)})
+    state = train_step.init_state(lambda p: {"params": p, "opt": tx.init(p)}, params)
+    batch = torch.arange(12.0).reshape(4, 3) / 12
+
+    def call():
+        with hpfunc.comm_stats() as stats:
+            _, metrics = train_step(state, batch)
+        checks = [r.payload_bytes for r in stats.records if r.name == "check_rep"]
+        return sorted(metrics), checks
+
+    return _with_check_env(env, lambda: _outcome(call))
+
+
+def test_parallelize_trusts_its_outputs_unless_asked(pool2):
+    # default: nothing is checked on the hot path (the state and the metrics are replicated by construction),
+    # so a per-rank metric passes unnoticed -- as the docs say; HPFUNC_CHECK_REP=checksum checks everything
+    # with one all-reduce (the state's leaves and the loss: sum and count, max and min, as float64) and
+    # catches it; the suite's exact mode checks everything exactly (no checksum all-reduce)
+    assert pool2.run(run_parallelize_metric, None, False) == [("ok", (["loss"], []))] * 2
+    assert pool2.run(run_parallelize_metric, None, True) == [("ok", (["batch_max", "loss"], []))] * 2
+    outcome = pool2.run(run_parallelize_metric, "checksum", False)
+    assert all(kind == "ok" and len(checks) == 1 for kind, (_, checks) in outcome), outcome
+    for kind, msg in pool2.run(run_parallelize_metric, "checksum", True):
+        assert kind == "ReplicationError" and msg.startswith(
+            "shard_map output '1.batch_max': out_spec promises replication along mesh axis 'dp'"), msg
+    for kind, msg in pool2.run(run_parallelize_metric, "1", True):
+        assert kind == "ReplicationError" and "'1.batch_max'" in msg, msg
+    assert pool2.run(run_parallelize_metric, "1", False) == [("ok", (["loss"], []))] * 2
