@@ -15,7 +15,6 @@ Usage:  python bench/collectives.py [--sizes 65536,1048576] [--ranks 2,4] [--ite
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -176,7 +175,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['ratio_vs_alloc']:>7.2f}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"rows": rows, "torch": torch.__version__, "cpus": os.cpu_count()}, indent=2))
+    from hpfunc.train.output import to_json  # strict JSON: a non-finite number is written as null
+
+    out.write_text(to_json({"rows": rows, "torch": torch.__version__, "cpus": os.cpu_count()}, where=str(out),
+                           indent=2))
     print(f"wrote {out}")
     return 0
 

@@ -16,7 +16,6 @@ interleaved so machine load hits them alike), with the saved bytes of that run.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -135,8 +134,10 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"memory_qwen3_layer": mem, "step_time_cpu": steps,
               "torch": torch.__version__, "threads": torch.get_num_threads()}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    from hpfunc.train.output import to_json
+
     with open(args.out, "w") as fh:
-        json.dump(result, fh, indent=1)
+        fh.write(to_json(result, where=str(args.out), indent=1))  # strict JSON (no NaN)
     print(f"\nwrote {args.out}")
     return result
 

@@ -13,7 +13,6 @@ uses (cross-entropy + ``router_aux_loss_coef`` x aux loss, ``output_router_logit
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -109,8 +108,10 @@ def main(argv: list[str] | None = None) -> dict:
     print("ms = median wall time; min ms = best wall time; cpu ms = median process CPU time "
           "(robust on a shared machine when --threads 1)")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    from hpfunc.train.output import to_json
+
     with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
+        f.write(to_json(result, where=str(args.out), indent=2))  # strict JSON (no NaN)
     print(f"wrote {args.out}")
     return result
 

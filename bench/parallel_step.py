@@ -47,7 +47,6 @@ Usage:  python bench/parallel_step.py [--ranks 1,2,4] [--iters 10] [--batch 8] [
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -480,7 +479,10 @@ def main(argv=None) -> int:
     print(f"load average (1 min) during the run: {min(load):.1f}-{max(load):.1f} on {os.cpu_count()} cores")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"rows": rows, "load_average": load, "cores": os.cpu_count()}, indent=2))
+        from hpfunc.train.output import to_json  # strict JSON: a non-finite number is written as null
+
+        Path(args.out).write_text(to_json({"rows": rows, "load_average": load, "cores": os.cpu_count()},
+                                          where=args.out, indent=2))
     return 0
 
 

@@ -21,7 +21,6 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
@@ -151,7 +150,9 @@ def main(argv: list[str] | None = None) -> int:
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"costs": {"F": F, "B": B, "W": W}, "rows": rows}, indent=1))
+    from hpfunc.train.output import to_json  # strict JSON: a non-finite number is written as null
+
+    out.write_text(to_json({"costs": {"F": F, "B": B, "W": W}, "rows": rows}, where=str(out), indent=1))
     print(f"wrote {out}")
     if args.plots:
         plots = Path(args.plots)

@@ -266,7 +266,7 @@ def save_pretrained(params: dict, cfg: Qwen3Config, path: str | os.PathLike, *,
     config = cfg.to_hf_dict()
     config["torch_dtype"] = str(params["embed"].dtype).removeprefix("torch.")  # informational, as on the hub
     with open(os.path.join(path, CONFIG_NAME), "w") as f:
-        json.dump(config, f, indent=2, sort_keys=True)
+        json.dump(config, f, indent=2, sort_keys=True, allow_nan=False)  # strict JSON
     for stale in (SINGLE_FILE, INDEX_FILE):
         if os.path.exists(os.path.join(path, stale)):
             os.remove(os.path.join(path, stale))
@@ -282,4 +282,5 @@ def save_pretrained(params: dict, cfg: Qwen3Config, path: str | os.PathLike, *,
             weight_map[name] = fname
             total += t.numel() * t.element_size()
     with open(os.path.join(path, INDEX_FILE), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2, sort_keys=True)
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2, sort_keys=True,
+                  allow_nan=False)
