@@ -15,6 +15,7 @@ buffers ``offload`` copies into; the model itself makes no uint8 tensor) or an *
 from __future__ import annotations
 
 import gc
+import time
 
 import torch
 import torch.nn.functional as F
@@ -161,13 +162,18 @@ class _Probe(torch.autograd.Function):
 
 
 def measured_loss(kind: str, record: dict, spy: bool):
-    """``loss`` with the liveness probe; the probe writes alive bytes by class into ``record``."""
+    """``loss`` with the liveness probe; the probe writes alive bytes by class into ``record``.
+
+    gloo's worker thread lets go of the buffers of the collective it ran last a moment after the caller's
+    wait returns (the last gathered parameter or reduced activation, then, for a few milliseconds): when
+    more bytes of a class are alive than ``record["expect"]`` says, the probe looks again for up to 0.5 s
+    before it counts (a real leak stays)."""
 
     def fn(params, batch):
         births, seen = _Births(), {}  # seen: storages the model read as parameters (weakly: an address is reused)
         p = Spy(params, lambda v: seen.__setitem__(_key(v), StorageWeakRef(v.untyped_storage()))) if spy else params
 
-        def probe():
+        def count():
             gc.collect()
             out = {"param": 0, "host": 0, "activation": 0}
             for k, (ref, nbytes, dtype) in births.born.items():
@@ -176,6 +182,15 @@ def measured_loss(kind: str, record: dict, spy: bool):
                 param = k in seen and not seen[k].expired()  # that very storage, not a later one at its address
                 what = "param" if param else "host" if dtype == torch.uint8 else "activation"
                 out[what] += nbytes
+            return out
+
+        def probe():
+            out, expect = count(), record.get("expect", {})
+            for _ in range(50):
+                if all(out[k] <= expect.get(k, 0) for k in out):
+                    break
+                time.sleep(0.01)
+                out = count()
             record.update(out)
 
         with births:
@@ -205,36 +220,8 @@ def run_case(name: str, kind: str, seed: int = 0, dim: int = 8, hidden: int = 16
     step = parallel_train_step(measured_loss(kind, record, spy=True), opt, mesh, plan, return_grads=True)
     full = init(seed, dim, hidden)
     params = step.shard_params(full)
-    g = torch.Generator().manual_seed(seed + 1)
-    b = {"x": torch.randn(batch, seq, dim, generator=g), "y": torch.randn(batch, seq, dim, generator=g)}
-    opt_state = step.init_opt_state(params)
-    new_params, _, metrics, grads = step(params, opt_state, b)
-
-    # 1. the gradient and the update are the single-device ones (the plain loss: no transform at all)
-    n_data = mesh.axis_size(tuple(a for a in mesh.axis_names if a in plan.data_axes))
-    def ref_loss(p):  # the mean over data shards of the shard means
-        shards = zip(b["x"].chunk(n_data), b["y"].chunk(n_data))
-        return torch.stack([loss(p, {"x": x, "y": y}) for x, y in shards]).mean()
-    value, ref_grads = hpfunc.value_and_grad(ref_loss)(full)
-    assert_trees_close(metrics["loss"], value, rtol=1e-5, atol=1e-6, what=f"{name}/{kind} loss")
-    assert_trees_close(to_full(grads), ref_grads, rtol=1e-5, atol=1e-6, what=f"{name}/{kind} grads")
-    u, _ = opt.update(ref_grads, opt.init(full), full)
-    assert_trees_close(new_params, optim.apply_updates(full, u), rtol=1e-5, atol=1e-6, what=f"{name}/{kind} update")
-
-    # 2. alive after the forward: this rank's activations and host copies are those of the same layers on
-    # one device with this rank's shapes (its batch shard, its tensor-parallel blocks); no parameter is
-    # copied to the host, and gathered parameters stay alive only without reshard after forward
     res = step.resolve(params)
-    tp = mesh.axis_size("tp") if "tp" in axes else 1
-    def block(path, x):  # the shape of this rank's tensor-parallel block (the values do not matter)
-        cut = tuple(slice(0, x.shape[d] // tp) if "tp" in res[path].spec.compute.dim_axes(d) else slice(None)
-                    for d in range(x.ndim))
-        return x[cut].clone().requires_grad_(True)
 
-    local = hpfunc.tree.map_with_path(block, full)
-    mine = {k: v.chunk(n_data)[0] for k, v in b.items()}
-    expect: dict = {}
-    hpfunc.value_and_grad(measured_loss(kind, expect, spy=False))(local, mine)
     def compute_numel(r):  # the block a gathered parameter is used as (its compute spec)
         n = 1
         for d, size in enumerate(r.shape):
@@ -244,6 +231,41 @@ def run_case(name: str, kind: str, seed: int = 0, dim: int = 8, hidden: int = 16
 
     gathered = sum(4 * compute_numel(r) for r in res.values() if r.gather)
     want_param = 0 if plan.reshard_after_forward else gathered
+    g = torch.Generator().manual_seed(seed + 1)
+    b = {"x": torch.randn(batch, seq, dim, generator=g), "y": torch.randn(batch, seq, dim, generator=g)}
+    n_data = mesh.axis_size(tuple(a for a in mesh.axis_names if a in plan.data_axes))
+
+    # what the policy keeps on one device with this rank's shapes (its batch shard, its tensor-parallel blocks)
+    tp = mesh.axis_size("tp") if "tp" in axes else 1
+
+    def block(path, x):  # the shape of this rank's tensor-parallel block (the values do not matter)
+        cut = tuple(slice(0, x.shape[d] // tp) if "tp" in res[path].spec.compute.dim_axes(d) else slice(None)
+                    for d in range(x.ndim))
+        return x[cut].clone().requires_grad_(True)
+
+    local = hpfunc.tree.map_with_path(block, full)
+    mine = {k: v.chunk(n_data)[0] for k, v in b.items()}
+    expect: dict = {}
+    hpfunc.value_and_grad(measured_loss(kind, expect, spy=False))(local, mine)
+    record["expect"] = {"activation": expect["activation"], "host": expect["host"], "param": want_param}
+
+    opt_state = step.init_opt_state(params)
+    new_params, _, metrics, grads = step(params, opt_state, b)
+
+    # 1. the gradient and the update are the single-device ones (the plain loss: no transform at all)
+    def ref_loss(p):  # the mean over data shards of the shard means
+        shards = zip(b["x"].chunk(n_data), b["y"].chunk(n_data))
+        return torch.stack([loss(p, {"x": x, "y": y}) for x, y in shards]).mean()
+
+    value, ref_grads = hpfunc.value_and_grad(ref_loss)(full)
+    assert_trees_close(metrics["loss"], value, rtol=1e-5, atol=1e-6, what=f"{name}/{kind} loss")
+    assert_trees_close(to_full(grads), ref_grads, rtol=1e-5, atol=1e-6, what=f"{name}/{kind} grads")
+    u, _ = opt.update(ref_grads, opt.init(full), full)
+    assert_trees_close(new_params, optim.apply_updates(full, u), rtol=1e-5, atol=1e-6, what=f"{name}/{kind} update")
+
+    # 2. alive after the forward: this rank's activations and host copies are those of the same layers on
+    # one device with this rank's shapes; no parameter is copied to the host, and gathered parameters stay
+    # alive only without reshard after forward
     got = dict(record)
     problems = []
     if (got["activation"], got["host"]) != (expect["activation"], expect["host"]):
