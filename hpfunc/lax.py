@@ -45,6 +45,8 @@ Example (in a 2-rank program)::
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 from typing import Sequence
 
 import torch
@@ -493,8 +495,11 @@ def _a2a(x: torch.Tensor, ax: _Axes, split_dim: int, concat_dim: int, split_size
     out_split = [int(recv_sizes[ax.g2l[g]]) for g in range(n)]
     out = send.new_empty((sum(out_split),) + rest)
     if collectors:
+        # unequal splits: exactly the rows that leave this rank (its own block stays); equal: (n-1)/n
+        row = _nbytes(send) // max(send.shape[0], 1)
+        off = None if even else Fraction((send.shape[0] - rows_per[ax.me]) * row)
         _comm.record(collectors, op="all_to_all", name=name, axes=ax.names, n=n, payload_bytes=_nbytes(send),
-                     phase=_phase())
+                     phase=_phase(), sent_bytes=off)
     try:
         if even:
             dist.all_to_all_single(out, send, group=ax.group)

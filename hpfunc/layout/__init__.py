@@ -19,6 +19,7 @@ What you can ask:
 :func:`local_block` (path, full)     the block of a global value that this rank's block covers
 :func:`gather_block` (path, block)   the global value from this rank's block (a collective)
 :func:`global_sq_norm` (tree)        the squared norm of global tensors from their blocks
+:func:`ep_axis`                      the expert-parallel axis (:mod:`hpfunc.layout.expert_parallel`)
 :func:`tp_axis`, ...                 the tensor-parallel binding (:mod:`hpfunc.layout.tensor_parallel`)
                                      and its building blocks :func:`scatter_sequence`,
                                      :func:`gather_sequence`, :func:`reduce_partial`
@@ -30,7 +31,8 @@ Who uses it: :func:`hpfunc.value_and_grad` hands the differentiation to the boun
 use, reduced gradients); :func:`hpfunc.optim.global_norm` sums over shards; Muon gathers a sharded
 matrix with :func:`gather_block` and cuts its update back with :func:`local_block`; the MoE
 expert-bias update cuts the global load to this rank's experts; Qwen3's parallel hooks
-(``hpfunc.models.qwen3_parallel``) read the tensor-parallel binding.
+(``hpfunc.models.qwen3.parallel_plan``) read the tensor-parallel binding; MoE blocks read the
+expert-parallel one and dispatch tokens to the ranks holding their experts.
 
 A new parallelism is a plan layer plus hooks that read this context; nothing else changes. A layer of
 your own does the same (the one-device run is the reference; ``docs/parallel.md`` runs it on a mesh):
@@ -48,15 +50,17 @@ your own does the same (the one-device run is the reference; ``docs/parallel.md`
 """
 
 from hpfunc.layout.step import (Accumulation, LeafLayout, LeafSpec, PlanError, StepLayout, bind, blocks_sq_norm,
-                                current, data_axes, gather_block, global_sq_norm, leaf, local_block, varying_axes)
+                                current, data_axes, data_parallel, gather_block, global_sq_norm, leaf, local_block, varying_axes)
+from hpfunc.layout.expert_parallel import ep_axis, expert_parallel
 from hpfunc.layout.styles import ColwiseParallel, Replicate, RowwiseParallel, SequenceParallel, Style, VocabParallel
 from hpfunc.layout.tensor_parallel import (check_sequence, gather_sequence, reduce_partial, scatter_sequence,
                                            sequence_parallel, tensor_parallel, tp_axis, vocab_parallel)
 
 __all__ = [
     "StepLayout", "LeafLayout", "LeafSpec", "Accumulation", "PlanError", "current", "bind", "leaf", "data_axes",
+    "data_parallel",
     "varying_axes", "local_block", "gather_block", "global_sq_norm", "blocks_sq_norm",
     "tensor_parallel", "tp_axis", "sequence_parallel", "vocab_parallel", "scatter_sequence", "gather_sequence",
-    "reduce_partial", "check_sequence",
+    "reduce_partial", "check_sequence", "expert_parallel", "ep_axis",
     "Style", "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "VocabParallel", "Replicate",
 ]

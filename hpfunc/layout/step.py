@@ -150,10 +150,33 @@ def leaf(path: str, x: torch.Tensor | None = None, *, where: str = "layout.leaf"
     return None if ctx is None else ctx.leaf(path, x, where)
 
 
+_DATA: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("hpfunc_data_axes", default=())
+
+
+@contextlib.contextmanager
+def data_parallel(axes: tuple[str, ...]) -> Iterator[None]:
+    """Bind the mesh axes the batch is split over for the function being differentiated (where
+    :func:`current` is ``None``): batch statistics that must be those of the whole step's batch (the
+    MoE load) sum over them. ``hpfunc.parallelize`` binds its data axes around the loss."""
+    token = _DATA.set(tuple(axes))
+    try:
+        yield
+    finally:
+        _DATA.reset(token)
+
+
 def data_axes() -> tuple[str, ...]:
-    """The mesh axes the batch is split over in the step running now (``()`` outside one)."""
+    """The mesh axes the batch is split over in the step running now, also inside the function it
+    differentiates (``()`` outside a step).
+
+    >>> data_axes()
+    ()
+    >>> with data_parallel(("dp",)):
+    ...     data_axes()
+    ('dp',)
+    """
     ctx = current()
-    return () if ctx is None else ctx.data_axes()
+    return _DATA.get() if ctx is None else ctx.data_axes()
 
 
 def varying_axes(path: str) -> tuple[str, ...]:

@@ -27,8 +27,9 @@ from typing import Any, NamedTuple, Sequence
 import torch
 import torch.nn.functional as F
 
-from hpfunc import layout
+from hpfunc import lax, layout
 from hpfunc import tree as _tree
+from hpfunc.models.dispatch import AllToAll
 from hpfunc.models.layers import swiglu_mlp
 
 EXPERT_BIAS_SUFFIX = "moe.expert_bias"
@@ -119,13 +120,38 @@ def grouped_experts(
     flat = indices.reshape(-1)
     with torch.no_grad():
         order = torch.argsort(flat, stable=True)
-        sorted_experts = flat[order]
         counts = expert_counts(flat, E)
         token_of = order // k
     combine = weights.reshape(-1)[order].unsqueeze(-1)
-    fake = _is_fake(x)
+    ys = expert_ffn(x[token_of], counts, w_gate, w_up, w_down, scale=combine, impl=impl)
+    return x.new_zeros(T, ys.shape[-1]).index_add(0, token_of, ys)
+
+
+def expert_ffn(
+    xs: torch.Tensor,
+    counts: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    *,
+    scale: torch.Tensor | None = None,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """Each expert's SwiGLU on its own rows: ``xs [N, H]`` grouped by expert (``counts [E]`` rows for
+    expert ``e``, in order), stacked weights as in :func:`grouped_experts`; ``scale [N, 1]`` (the
+    combine weights) multiplies each row's output. Returns ``[N, H_out]`` in the rows' order. The
+    experts' compute alone: token dispatch (:mod:`hpfunc.models.dispatch`) is separate.
+
+    >>> xs, w = torch.randn(5, 8), torch.randn(2, 4, 8)
+    >>> y = expert_ffn(xs, torch.tensor([2, 3]), w, w, torch.randn(2, 8, 4))
+    >>> y.shape
+    torch.Size([5, 8])
+    """
+    N, H = xs.shape
+    E = w_gate.shape[0]
+    fake = _is_fake(xs)
     if impl == "auto":
-        impl = "grouped_mm" if _grouped_mm_supported(x, fake) else "bmm"
+        impl = "grouped_mm" if _grouped_mm_supported(xs, fake) else "bmm"
     if impl == "grouped_mm":
         # The grouped_mm outputs' gradients are always fresh contiguous tensors here (they come
         # through a multiply or the index_add's gather), which grouped_mm's CPU backward needs
@@ -133,33 +159,33 @@ def grouped_experts(
         offs = torch.cumsum(counts, 0).to(torch.int32)
         # torch's shape-only (fake/meta) kernel insists on bf16: dry runs compute in bf16 (values are
         # meaningless there anyway) and cast back.
-        cast = fake and x.dtype != torch.bfloat16
+        cast = fake and xs.dtype != torch.bfloat16
 
         def gmm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
             if cast:
                 return F.grouped_mm(a.bfloat16(), w.transpose(1, 2).bfloat16(), offs=offs).to(a.dtype)
             return F.grouped_mm(a, w.transpose(1, 2), offs=offs)
 
-        xs = x[token_of]
         # One grouped matmul for gate and up: on CPU each grouped_mm is a loop of E small matmuls,
         # and the number of parallel regions, not FLOPs, dominates on a busy machine.
         gate, up = gmm(xs, torch.cat((w_gate, w_up), dim=1)).split(w_gate.shape[1], dim=-1)
+        h = F.silu(gate) * up
         # Scale before the down projection (I <= H in Qwen3: fewer multiplies); equal up to rounding.
-        ys = gmm(F.silu(gate) * up * combine, w_down)
-    elif impl == "bmm":
+        return gmm(h if scale is None else h * scale, w_down)
+    if impl == "bmm":
         with torch.no_grad():
-            cap = int(counts.max()) if flat.numel() else 0
+            cap = int(counts.max()) if N else 0
             starts = torch.cumsum(counts, 0) - counts
-            slot = sorted_experts * cap + (torch.arange(flat.numel(), device=x.device) - starts[sorted_experts])
-            # Padding slots read an extra zero row (index T): a pure gather, whose backward is one index_add.
-            source = torch.full((E * cap,), T, dtype=torch.int64, device=x.device)
-            source[slot] = token_of
-        buf = torch.cat((x, x.new_zeros(1, H)))[source].view(E, cap, H)
+            expert_of = torch.repeat_interleave(torch.arange(E, device=xs.device), counts)
+            slot = expert_of * cap + (torch.arange(N, device=xs.device) - starts[expert_of])
+            # Padding slots read an extra zero row (index N): a pure gather, whose backward is one index_add.
+            source = torch.full((E * cap,), N, dtype=torch.int64, device=xs.device)
+            source[slot] = torch.arange(N, device=xs.device)
+        buf = torch.cat((xs, xs.new_zeros(1, H)))[source].view(E, cap, H)
         h = F.silu(torch.bmm(buf, w_gate.transpose(1, 2))) * torch.bmm(buf, w_up.transpose(1, 2))
-        ys = torch.bmm(h, w_down.transpose(1, 2)).view(E * cap, -1)[slot] * combine
-    else:
-        raise ValueError(f"grouped_experts: impl must be 'auto', 'bmm' or 'grouped_mm', found {impl!r}")
-    return x.new_zeros(T, ys.shape[-1]).index_add(0, token_of, ys)
+        ys = torch.bmm(h, w_down.transpose(1, 2)).view(E * cap, w_down.shape[1])[slot]  # (N may be 0)
+        return ys if scale is None else ys * scale
+    raise ValueError(f"grouped_experts: impl must be 'auto', 'bmm' or 'grouped_mm', found {impl!r}")
 
 
 def _is_fake(t: torch.Tensor) -> bool:
@@ -187,11 +213,17 @@ def moe_block(
     expert_bias: torch.Tensor | None = None,
     shared: dict[str, torch.Tensor] | None = None,
     impl: str = "auto",
+    dispatcher: Any = None,
 ) -> tuple[torch.Tensor, Routing]:
     """Sparse MoE feed-forward ``[..., H] -> [..., H]``; returns the output and the :class:`Routing`.
 
     ``shared`` (Qwen2-MoE style, absent in Qwen3) holds ``w_gate, w_up, w_down`` of an always-on SwiGLU
     expert and ``gate [1, H]``, whose sigmoid scales it.
+
+    Under expert parallelism (an axis bound by the step, :func:`hpfunc.layout.ep_axis`) the expert
+    stacks are this rank's ``E / n`` experts: ``dispatcher`` (default
+    :class:`hpfunc.models.dispatch.AllToAll`, dropless) sends each (token, expert) pair to the rank
+    holding its expert, :func:`expert_ffn` computes the local experts, and the outputs come back.
 
     >>> E, H, I = 4, 8, 4
     >>> y, r = moe_block(torch.randn(2, 3, H), torch.randn(E, H), torch.randn(E, I, H),
@@ -202,7 +234,20 @@ def moe_block(
     shape = x.shape
     flat = x.reshape(-1, shape[-1])
     routing = route_topk(flat, router, top_k=top_k, norm_topk_prob=norm_topk_prob, expert_bias=expert_bias)
-    y = grouped_experts(flat, routing.indices, routing.weights, w_gate, w_up, w_down, impl=impl)
+    axis = layout.ep_axis()
+    if axis is None:
+        y = grouped_experts(flat, routing.indices, routing.weights, w_gate, w_up, w_down, impl=impl)
+    else:  # expert parallel: this rank holds E / n of the experts; the pairs travel to them and back
+        E, n = router.shape[0], lax.axis_size(axis)
+        if w_gate.shape[0] * n != E:
+            raise layout.PlanError(
+                f"moe_block: the router scores {E} experts but this rank holds {w_gate.shape[0]} of them on the "
+                f"expert-parallel axis {axis!r} of size {n}; the expert stacks must be split on dimension 0 over "
+                f"{axis!r} (plans.ep) and the router replicated")
+        dispatcher = AllToAll() if dispatcher is None else dispatcher
+        sent = dispatcher.dispatch(flat, routing.indices, num_experts=E, axis=axis)
+        y = dispatcher.combine(expert_ffn(sent.tokens, sent.counts, w_gate, w_up, w_down, impl=impl), sent,
+                               routing.weights)
     if shared is not None:
         y = y + torch.sigmoid(F.linear(flat, shared["gate"])) * swiglu_mlp(
             flat, shared["w_gate"], shared["w_up"], shared["w_down"])
@@ -217,6 +262,11 @@ def load_balancing_loss(routings: Sequence[Routing], num_experts: int) -> torch.
     the loss is ``E * sum_e f_e P_e``. Only ``P`` carries gradient. ``f`` counts the experts actually
     selected (identical to the reference's unbiased top-k while the expert bias is zero).
 
+    Inside a parallelized step whose batch is split over data axes (:func:`hpfunc.layout.data_axes`),
+    ``f``, ``P`` and ``N`` are those of the whole step's batch, summed over the data shards (two small
+    all-reduces forward, of ``E + 1`` and ``E`` floats, and one of ``E`` backward): the single-device
+    definition, not a per-shard statistic. Every shard then holds the same value.
+
     >>> r = route_topk(torch.randn(5, 8), torch.randn(4, 8), top_k=2, norm_topk_prob=False)
     >>> float(load_balancing_loss([r], 4)) > 0
     True
@@ -225,7 +275,13 @@ def load_balancing_loss(routings: Sequence[Routing], num_experts: int) -> torch.
         raise ValueError("load_balancing_loss: no MoE layer routings given")
     counts = sum(expert_counts(r.indices, num_experts).float() for r in routings)
     prob_sum = sum(r.probs.float().sum(0) for r in routings)
-    rows = sum(r.probs.shape[0] for r in routings)
+    rows = float(sum(r.probs.shape[0] for r in routings))
+    axes = layout.data_axes()
+    if axes:  # inside a parallelized step: the load of the whole step's batch, over every data shard
+        with torch.no_grad():
+            both = lax.psum(torch.cat((counts, counts.new_full((1,), rows))), axes)
+        counts, rows = both[:-1], both[-1]
+        prob_sum = lax.psum(prob_sum, axes)  # transpose psum: each shard's probabilities get the whole gradient
     return num_experts * torch.sum((counts / rows) * (prob_sum / rows))
 
 

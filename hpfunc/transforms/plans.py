@@ -15,12 +15,13 @@ Plans are built from layers that compose left to right on N-D meshes::
     plan = fsdp("fsdp") + tp("tp", qwen3.parallel_plan.tp_styles(cfg))  # FSDP x Megatron TP
     plan = hsdp("dp", "fsdp")                                   # = ddp("dp") + fsdp("fsdp")
     plan = zero2("dp")                                          # params replicated, grads/opt sharded
+    plan = fsdp("fsdp") + ep("ep", qwen3.parallel_plan.ep_experts(cfg))  # experts split over ep
 
 and explicit rules on dotted paths (glob or ``re:``) that override the layers::
 
     plan = fsdp("fsdp").with_rules([("embed", LeafSpec(P("fsdp"), P(), P("fsdp")))])
 
-The batch is split along dimension 0 over the plan's data axes (every ``ddp``/``fsdp``/``zero``
+The batch is split along dimension 0 over the plan's data axes (every ``ddp``/``fsdp``/``zero``/``ep``
 axis, in mesh order). Errors are ``PlanError`` (a ``ValueError``) naming the path, axis or size.
 """
 
@@ -38,7 +39,7 @@ from hpfunc.layout import (ColwiseParallel, LeafLayout, LeafSpec, PlanError, Rep
 from hpfunc.mesh import Mesh
 from hpfunc.sharding import P, _rule_matches
 
-__all__ = ["PlanError", "LeafSpec", "LeafLayout", "Plan", "ddp", "fsdp", "zero1", "zero2", "zero3", "hsdp", "tp",
+__all__ = ["PlanError", "LeafSpec", "LeafLayout", "Plan", "ddp", "fsdp", "zero1", "zero2", "zero3", "hsdp", "tp", "ep",
            "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "VocabParallel", "Replicate", "Style"]
 
 
@@ -59,14 +60,23 @@ def _to_spec(dims: Sequence[tuple[str, ...]]) -> P:
 
 @attrs.frozen
 class _Layer:
-    kind: str  # "ddp" | "fsdp" | "zero" | "tp"
+    kind: str  # "ddp" | "fsdp" | "zero" | "tp" | "ep"
     axis: str
     stage: int = 3  # zero stage for kind == "zero" (1 or 2) / fsdp (3)
     styles: tuple[tuple[str, Style], ...] = ()  # tp: (path pattern, style), first match wins
+    experts: tuple[str, ...] = ()  # ep: path patterns of the expert stacks [E, ...]
 
     @property
     def is_data(self) -> bool:
-        return self.kind in ("ddp", "fsdp", "zero")
+        return self.kind in ("ddp", "fsdp", "zero", "ep")
+
+    def is_expert(self, path: str) -> bool:
+        """ep: ``path`` is an expert stack, split on dimension 0 (in storage and in use)."""
+        return self.kind == "ep" and any(_rule_matches(pat, path) for pat in self.experts)
+
+    def fixes_compute(self, path: str) -> bool:
+        """The layer decides how ``path`` is used (its compute spec), so it applies before the data layers."""
+        return self.kind == "tp" or self.is_expert(path)
 
     @property
     def vocab(self) -> bool:
@@ -110,6 +120,14 @@ def _apply_layer(layer: _Layer, path: str, shape: tuple[int, ...], spec: LeafSpe
     st, cp, op = _dims(spec.storage, nd), _dims(spec.compute, nd), _dims(spec.opt, nd)
     if layer.kind == "ddp" or n == 1:
         return spec
+    if layer.is_expert(path):  # expert parallelism: this rank holds and computes E / n experts
+        if not shape or shape[0] % n:
+            raise PlanError(f"{layer.describe()} splits the experts of {path!r} (dimension 0, "
+                            f"{shape[0] if shape else 0} experts) {n} ways; the number of experts must be a "
+                            f"multiple of the {layer.axis!r} axis size {n}")
+        for dims in (st, cp, op):
+            dims[0] = dims[0] + (layer.axis,)
+        return LeafSpec(_to_spec(st), _to_spec(cp), _to_spec(op))
     if layer.kind == "tp":
         found = layer.style_for(path)
         if found is None:
@@ -137,7 +155,7 @@ def _apply_layer(layer: _Layer, path: str, shape: tuple[int, ...], spec: LeafSpe
     d = _free_dim(shape, op, layer.axis, mesh)
     if d is None:
         return spec  # nothing divides: this leaf stays replicated on the axis (listed by Plan.describe)
-    if layer.kind == "fsdp":
+    if layer.kind in ("fsdp", "ep"):  # ep shards the parameters that are not experts as fsdp does
         if any(a not in st[d] for a in op[d]):
             return spec  # only a zero-sharded dim left: stacking fsdp under it breaks "opt extends storage"
         st[d] = st[d] + (layer.axis,)
@@ -228,6 +246,12 @@ class Plan:
         return axes[0] if axes else None
 
     @property
+    def ep_axis(self) -> str | None:
+        """The expert-parallel axis (experts split over it; it is a data axis too), or ``None``."""
+        axes = [l.axis for l in self.layers if l.kind == "ep"]
+        return axes[0] if axes else None
+
+    @property
     def tp_vocab_parallel(self) -> bool:
         """The embedding and head are split by vocabulary rows over :attr:`tp_axis`."""
         return any(l.kind == "tp" and l.vocab for l in self.layers)
@@ -267,6 +291,10 @@ class Plan:
         if len(tps) > 1:
             raise PlanError(f"a plan takes one tensor-parallel layer; found {', '.join(l.describe() for l in tps)} "
                             f"(options such as vocab_parallel / sequence_parallel go on the one layer)")
+        eps = [l for l in self.layers if l.kind == "ep"]
+        if len(eps) > 1:
+            raise PlanError(f"a plan takes one expert-parallel layer; found {', '.join(l.describe() for l in eps)} "
+                            f"(split the experts over one mesh axis)")
         seen: dict[str, str] = {}
         for l in self.layers:
             if l.axis in seen and seen[l.axis] != l.kind:
@@ -295,14 +323,14 @@ class Plan:
                     break
             if explicit is None:
                 spec = LeafSpec()
-                # tensor parallelism fixes the compute layout first; data layers shard what is left
-                for layer in sorted(self.layers, key=lambda l: l.kind != "tp"):
+                # tensor and expert parallelism fix the compute layout first; data layers shard what is left
+                for layer in sorted(self.layers, key=lambda l: not l.fixes_compute(path)):
                     spec = _apply_layer(layer, path, shape, spec, mesh)
             else:
                 spec = explicit
             out[path] = _check_leaf(path, shape, spec, mesh)
         for layer in self.layers:  # a style pattern that matches nothing is a typo (or the wrong model's table)
-            for pat, _ in layer.styles:
+            for pat in [pat for pat, _ in layer.styles] + list(layer.experts):
                 used.setdefault(pat, any(_rule_matches(pat, p) for p in shapes))
         unused = [pat for pat, u in used.items() if not u]
         if unused:
@@ -431,6 +459,36 @@ def tp(axis: str, styles: Mapping[str, Style] | Sequence[tuple[str, Style]]) -> 
         raise PlanError(f"tp({axis!r}): no styles; pass the model's table, e.g. "
                         f"hpfunc.models.qwen3.parallel_plan.tp_styles(cfg)")
     return Plan((_Layer("tp", axis, styles=tuple(pairs)),))
+
+
+def ep(axis: str = "ep", experts: Sequence[str] = (), *, reshard_after_forward: bool = True) -> Plan:
+    """Expert parallelism over ``axis``: each rank holds and computes ``E / n`` experts of every MoE layer.
+
+    Args:
+        axis: the mesh axis. It borrows its ranks from data parallelism (as torchtitan and Megatron
+            do): the batch is split over it too, and the parameters that are not experts are sharded
+            over it as :func:`fsdp` shards them (all-gathered per use).
+        experts: dotted-path patterns (globs or ``re:``) of the expert stacks ``[E, ...]``, split on
+            dimension 0 in storage and in use; a model ships its own, e.g.
+            ``hpfunc.models.qwen3.parallel_plan.ep_experts(cfg)``. A pattern that matches no parameter
+            is a :class:`PlanError`; ``E`` must be a multiple of the axis size.
+
+    Inside the step the model's MoE blocks read the bound axis (:func:`hpfunc.layout.ep_axis`) and send
+    each (token, expert) pair to the rank holding its expert and back (:mod:`hpfunc.models.dispatch`:
+    two all-to-alls forward, two backward). The gradient of an expert block is summed over the data
+    axes that hold the same experts (the transposes of the all-to-alls bring every rank's contribution
+    to the expert's rank). Composes with ``fsdp`` (experts FSDP-sharded on another dimension) and
+    ``tp`` (expert-tensor parallelism: the experts' hidden features split over ``tp`` too).
+
+    >>> plan = fsdp("fsdp") + ep("ep", ["layers.*.moe.experts.w_*"])
+    >>> plan.ep_axis, plan.data_axes
+    ('ep', ('fsdp', 'ep'))
+    """
+    pats = (experts,) if isinstance(experts, str) else tuple(experts)
+    if not pats or not all(isinstance(p, str) and p for p in pats):
+        raise PlanError(f"ep({axis!r}): experts must name the expert stacks by path patterns, found {experts!r}; "
+                        f"pass the model's, e.g. hpfunc.models.qwen3.parallel_plan.ep_experts(cfg)")
+    return Plan((_Layer("ep", axis, experts=pats),), reshard_after_forward=reshard_after_forward)
 
 
 def total_numel(resolved: Mapping[str, LeafLayout]) -> int:

@@ -5,6 +5,9 @@ torchtitan keeps ``parallelize.py`` next to each ``model.py``); generic code nam
   column-parallel ``wq, wk, wv, w_gate, w_up``, row-parallel ``wo, w_down``, attention split by whole
   heads (``unit=head_dim``), norms and router replicated; optionally sequence-parallel norms and a
   vocabulary-parallel embedding and head.
+* :func:`ep_experts`: the expert stacks that ``plans.ep(axis, ep_experts(cfg))`` splits over the
+  expert-parallel axis (the MoE blocks then dispatch tokens to their experts' ranks,
+  :mod:`hpfunc.models.dispatch`);
 * :func:`apply` / :func:`loss`: :func:`~hpfunc.models.qwen3.model.apply` / ``loss`` with the hooks of
   the layout that the step binds (:mod:`hpfunc.layout`); with no tensor-parallel axis bound they *are*
   the single-device functions.
@@ -52,7 +55,7 @@ from hpfunc.layout import (ColwiseParallel, RowwiseParallel, SequenceParallel, S
 from hpfunc.models.config import Qwen3Config
 from hpfunc.models.qwen3 import model as _model
 
-__all__ = ["tp_styles", "apply", "loss", "adamw_when", "decay_mask"]
+__all__ = ["tp_styles", "ep_experts", "apply", "loss", "adamw_when", "decay_mask"]
 
 
 def tp_styles(cfg: Qwen3Config, *, vocab_parallel: bool = False, sequence_parallel: bool = False) -> dict[str, Style]:
@@ -91,6 +94,20 @@ def tp_styles(cfg: Qwen3Config, *, vocab_parallel: bool = False, sequence_parall
         if not cfg.tie_word_embeddings:
             styles["lm_head"] = VocabParallel()
     return styles
+
+
+def ep_experts(cfg: Qwen3Config) -> tuple[str, ...]:
+    """The expert stacks of a Qwen3-MoE model, for ``plans.ep(axis, ep_experts(cfg))``: the routed
+    experts ``layers.*.moe.experts.{w_gate, w_up, w_down}`` (``[E, ...]``, split on dimension 0). The
+    router, the expert bias and a shared expert are not experts: every rank scores every expert.
+
+    >>> ep_experts(_model.preset("qwen3-moe-tiny"))
+    ('layers.*.moe.experts.w_gate', 'layers.*.moe.experts.w_up', 'layers.*.moe.experts.w_down')
+    """
+    if not cfg.moe_layers:
+        raise layout.PlanError("ep_experts: the model has no MoE layer (config.num_experts = 0 or no sparse "
+                               "layer); expert parallelism needs experts")
+    return tuple(f"layers.*.moe.experts.{w}" for w in ("w_gate", "w_up", "w_down"))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -123,7 +123,8 @@ def value_and_grad(cfg: EngineConfig, blocks: list[torch.Tensor], call: Callable
     reads.ws = ws
     layer.own_blocks(ws)
     with torch.enable_grad(), saved_tensors.layer(layer), layout.tensor_parallel(
-            plan.tp_axis, vocab_parallel=plan.tp_vocab_parallel, sequence_parallel=plan.tp_sequence_parallel):
+            plan.tp_axis, vocab_parallel=plan.tp_vocab_parallel, sequence_parallel=plan.tp_sequence_parallel), \
+            layout.expert_parallel(plan.ep_axis), layout.data_parallel(cfg.data_axes):
         out = call(ws, reads)
     reads.ready.clear()  # gathered with a layer but never read: free now
     if has_aux:

@@ -1,0 +1,99 @@
+"""Token dispatch for expert parallelism: send each (token, expert) pair to the rank holding its expert,
+and its output back. Separate from the experts' compute (:func:`hpfunc.models.moe.expert_ffn`), so
+another dispatcher (all-gather + reduce-scatter, a ring of experts, a fixed-size buffer) can replace it.
+
+:class:`AllToAll` is dropless: every pair is computed, whatever the routing (an expert with no token,
+a rank that receives none, every token on one expert). With ``n`` ranks on the expert-parallel axis
+and ``E`` experts, rank ``r`` holds experts ``[r E/n, (r+1) E/n)``. For ``T`` tokens routed top-``k``:
+
+1. **permute**: the ``T k`` pairs sorted by expert id (so by destination rank, then local expert);
+2. **count exchange**: one all-to-all of the per-expert counts (``E`` int64 per rank), then one host
+   read of the split sizes (the only device-to-host sync of the layer);
+3. **dispatch**: one all-to-all of the permuted token rows with unequal splits; the received rows are
+   grouped by source rank, and are regrouped by local expert for the grouped compute;
+4. **combine**: the inverse regrouping and the reverse all-to-all bring each pair's output back to
+   its token's rank in the permuted order; the outputs are weighted by the router's combine weights
+   and summed per token (the combine weights never travel: their gradient stays on the token's rank).
+
+The backward is the transpose: two all-to-alls more (the gradient of the combine, then of the
+dispatch), so four all-to-alls of ``k h`` elements per token per MoE layer per step, of which the
+fraction ``(n - 1) / n`` leaves the rank under uniform routing.
+
+    >>> import torch
+    >>> d = AllToAll()
+    >>> x, idx, w = torch.randn(3, 4), torch.tensor([[0, 1], [1, 1], [0, 0]]), torch.rand(3, 2)
+    >>> sent = d.dispatch(x, idx, num_experts=2, axis=None)   # no axis: one rank holds every expert
+    >>> sent.counts.tolist(), tuple(sent.tokens.shape)         # rows per local expert, grouped
+    ([3, 3], (6, 4))
+    >>> y = d.combine(sent.tokens * 2.0, sent, w)               # an "expert" doubling its rows
+    >>> bool(torch.allclose(y, 2.0 * x * w.sum(-1, keepdim=True)))
+    True
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import attrs
+import torch
+
+from hpfunc import lax
+from hpfunc.layout import PlanError
+
+__all__ = ["AllToAll", "Dispatched"]
+
+
+class Dispatched(NamedTuple):
+    """What :meth:`AllToAll.dispatch` hands to the experts (``tokens``, ``counts``) and keeps for
+    :meth:`AllToAll.combine` (the rest)."""
+
+    tokens: torch.Tensor       # [N, H] the received rows, grouped by local expert
+    counts: torch.Tensor       # [E_local] int64: rows per local expert (sums to N)
+    order: torch.Tensor        # [T k] the permutation of the (token, slot) pairs, sorted by expert id
+    regroup: torch.Tensor      # [N] received (by source rank) -> grouped by local expert
+    send_sizes: tuple[int, ...]  # rows sent to each rank of the axis
+    recv_sizes: tuple[int, ...]  # rows received from each rank
+    k: int
+    axis: str | None
+
+
+@attrs.frozen
+class AllToAll:
+    """Dropless all-to-all token dispatch over an expert-parallel mesh axis (see the module docstring)."""
+
+    def dispatch(self, x: torch.Tensor, indices: torch.Tensor, *, num_experts: int, axis: str | None) -> Dispatched:
+        """Send the rows of ``x [T, H]`` to the ranks of ``axis`` holding the experts ``indices [T, k]``
+        (global ids in ``[0, num_experts)``); ``axis=None``: this rank holds every expert."""
+        T, k = indices.shape
+        n = lax.axis_size(axis) if axis is not None else 1
+        if num_experts % n:
+            raise PlanError(f"expert parallelism over {axis!r}: {num_experts} experts do not split over {n} ranks; "
+                            f"the number of experts must be a multiple of the axis size")
+        local = num_experts // n
+        flat = indices.reshape(-1)
+        with torch.no_grad():
+            order = torch.argsort(flat, stable=True)
+            counts = torch.bincount(flat, minlength=num_experts).view(n, local)  # [dest rank, its expert]
+            # recv[j, e]: rows rank j sends for this rank's local expert e (one all-to-all of E int64)
+            recv = lax.all_to_all(counts, axis, 0, 0) if n > 1 else counts
+            sizes = torch.cat((counts.sum(1), recv.sum(1))).tolist()  # the layer's one host read
+            send_sizes, recv_sizes = tuple(sizes[:n]), tuple(sizes[n:])
+            expert_of = torch.repeat_interleave(torch.arange(local, device=x.device).repeat(n), recv.reshape(-1))
+            regroup = torch.argsort(expert_of, stable=True)
+        rows = x[order // k]
+        if n > 1:
+            rows = lax.all_to_all(rows, axis, 0, 0, split_sizes=send_sizes, recv_sizes=recv_sizes)
+        return Dispatched(rows[regroup], recv.sum(0), order, regroup, send_sizes, recv_sizes, k, axis)
+
+    def combine(self, y: torch.Tensor, sent: Dispatched, weights: torch.Tensor) -> torch.Tensor:
+        """``out[t] = sum_j weights[t, j] * (output of pair (t, j))`` for the experts' outputs ``y [N, H']``
+        (rows as :meth:`dispatch` grouped them); ``[T, H']``."""
+        with torch.no_grad():
+            back = torch.empty_like(sent.regroup)
+            back[sent.regroup] = torch.arange(sent.regroup.numel(), device=sent.regroup.device)
+        rows = y[back]  # grouped by source rank again
+        if sent.axis is not None and len(sent.send_sizes) > 1:
+            rows = lax.all_to_all(rows, sent.axis, 0, 0, split_sizes=sent.recv_sizes, recv_sizes=sent.send_sizes)
+        w = weights.reshape(-1)[sent.order].unsqueeze(-1).to(rows.dtype)
+        T = weights.shape[0]
+        return rows.new_zeros(T, rows.shape[-1]).index_add(0, sent.order // sent.k, rows * w)

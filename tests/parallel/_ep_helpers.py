@@ -1,0 +1,114 @@
+"""Rank-side helpers for the expert-parallel tests: a Qwen3-MoE step under ``plans.ep`` (alone, with fsdp,
+with tp) against single-device training on the same global batch, with skewed routings."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+LR = 1e-3
+ADAM_EPS = 1e-5
+
+# how the expert bias (selection only) skews the routing; n = ep ranks, E = experts
+SKEWS = ("none", "one_expert", "one_rank", "idle_expert")
+
+
+def skew_bias(kind: str, E: int, n: int) -> torch.Tensor:
+    """An expert bias that forces a routing: ``one_expert`` every token picks expert 0 first;
+    ``one_rank`` every pick falls on rank 0's experts (the other ranks receive no token; needs
+    top-k <= E / n); ``idle_expert`` expert E - 1 never gets a token; ``none`` the router decides."""
+    b = torch.zeros(E)
+    if kind == "one_expert":
+        b[0] = 10.0
+    elif kind == "one_rank":
+        b[: E // n] = 10.0
+    elif kind == "idle_expert":
+        b[-1] = -10.0
+    return b
+
+
+def plan_of(cfg, mesh_shape: dict, roles: list[str]):
+    from hpfunc.models.qwen3 import parallel_plan
+    from hpfunc.transforms import plans
+
+    plan = plans.Plan()
+    for axis, role in zip(mesh_shape, roles):
+        plan = plan + {"ep": lambda a: plans.ep(a, parallel_plan.ep_experts(cfg)),
+                       "fsdp": lambda a: plans.fsdp(a), "ddp": lambda a: plans.ddp(a),
+                       "tp": lambda a: plans.tp(a, parallel_plan.tp_styles(cfg))}[role](axis)
+    return plan
+
+
+def run_ep_parity(mesh_shape: dict, roles: list[str], *, top_k: int = 2, experts: int = 8, skew: str = "none",
+                  seed: int = 0, steps: int = 2, batch: int = 4, seq: int = 8, count_comm: bool = False) -> dict:
+    """``steps`` AdamW steps of qwen3-moe-tiny (``experts``, ``top_k``, aux coefficient 0.1) under the plan,
+    and on one device: loss, aux loss, expert load, gradients, updates and the independent trajectory
+    agree (fp32, rtol 1e-5). Returns the per-rank facts the tests assert on (bytes, received rows)."""
+    import hpfunc
+    from hpfunc import optim
+    from hpfunc.models import qwen3
+    from hpfunc.models.qwen3 import parallel_plan
+    from hpfunc.testing import assert_trees_close, to_full
+    from hpfunc.transforms.parallelize import parallel_train_step
+
+    cfg = qwen3.preset("qwen3-moe-tiny", num_experts=experts, num_experts_per_tok=top_k,
+                       router_aux_loss_coef=0.1)
+    mesh = hpfunc.Mesh(mesh_shape)
+    plan = plan_of(cfg, mesh_shape, roles)
+    n_ep = mesh.axis_size(plan.ep_axis) if plan.ep_axis else 1
+    key = hpfunc.random.key(seed)
+    full = qwen3.init(key, cfg)
+    bias = skew_bias(skew, experts, n_ep)
+    for layer in full["layers"]:
+        if "moe" in layer:
+            layer["moe"]["expert_bias"] = bias.clone()
+
+    def loss_fn(p, b):
+        value, aux = parallel_plan.loss(p, b, cfg)
+        return value, {"aux_loss": aux["aux_loss"], "expert_load": aux["expert_load"]}
+
+    def ref_loss(p, b):  # the single-device step on the whole global batch
+        value, aux = qwen3.loss(p, b, cfg)
+        return value, {"aux_loss": aux["aux_loss"], "expert_load": aux["expert_load"]}
+
+    opt = optim.adamw(LR, eps=ADAM_EPS)
+    step = parallel_train_step(loss_fn, opt, mesh, plan, has_aux=True, return_grads=True)
+    params = step.shard_params(full)
+    state = step.init_opt_state(params)
+    ref_params, ref_state = full, opt.init(full)
+    g = torch.Generator().manual_seed(seed + 1)
+    out = {"bytes": None}
+    for i in range(steps):
+        b = {"tokens": torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)}
+        at, at_state = to_full(params), to_full(state)
+        if count_comm and i == 0:
+            with hpfunc.comm_stats() as stats:
+                params, state, metrics, grads = step(params, state, b)
+            out["records"] = [(r.op, r.name, r.axes, r.payload_bytes, r.phase, float(r.sent_bytes))
+                              for r in stats.records]
+        else:
+            params, state, metrics, grads = step(params, state, b)
+        (value, aux), ref_grads = hpfunc.value_and_grad(ref_loss, has_aux=True)(at, b)
+        what = f"{mesh_shape} {roles} top{top_k} E{experts} {skew} step {i}"
+        assert_trees_close(metrics["loss"], value, rtol=1e-5, atol=1e-6, what=f"{what} loss")
+        assert_trees_close(metrics["aux_loss"], aux["aux_loss"], rtol=1e-5, atol=1e-7, what=f"{what} aux loss")
+        assert torch.equal(to_full(metrics["expert_load"]), aux["expert_load"]), f"{what} expert load"
+        for (path, gr), r in zip(hpfunc.tree.leaves_with_paths(to_full(grads)), hpfunc.tree.leaves(ref_grads)):
+            scale = float(r.abs().max()) or 1.0
+            assert_trees_close(gr, r, rtol=1e-5, atol=1e-5 * scale, what=f"{what} grad {path}")
+        u, _ = opt.update(to_full(grads), at_state, at)
+        assert_trees_close(params, optim.apply_updates(at, u), rtol=1e-5, atol=1e-7, what=f"{what} update")
+        _, tgrads = hpfunc.value_and_grad(ref_loss, has_aux=True)(ref_params, b)
+        updates, ref_state = opt.update(tgrads, ref_state, ref_params)
+        ref_params = optim.apply_updates(ref_params, updates)
+        assert_trees_close(params, ref_params, rtol=1e-5, atol=0.05 * LR * (i + 1), what=f"{what} params")
+        if i == 0:
+            out["load"] = aux["expert_load"].tolist()
+    # the experts are split: this rank holds E / n of them
+    w = hpfunc.tree.leaves_with_paths(params)
+    expert = dict(w)["layers.1.moe.experts.w_gate"] if "layers.1.moe.experts.w_gate" in dict(w) else None
+    if expert is not None:
+        out["local_experts"] = expert.to_local().shape[0]
+    out["loss"] = float(to_full(metrics["loss"]))
+    return out

@@ -1,0 +1,225 @@
+"""Expert parallelism (``plans.ep``): dropless all-to-all dispatch, global load balancing, parity with one
+device through ``hpfunc.parallelize`` (ep alone on 2 and 4 ranks, with fsdp, with tp), the all-to-all
+count and bytes against the formula, and the plan's errors before any communication.
+
+Multi-rank model runs cost a few hundred ms per step on 2 shared cores: the fixed cases cover every
+skew and composition once, the property tests run a handful of examples.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import _ep_helpers as H
+from hpfunc.train.distributed import AbstractMesh
+from hpfunc.transforms import plans
+
+pytestmark = pytest.mark.multirank
+
+
+# ---- the dispatcher alone: any routing, every token's output and gradient as on one device
+
+
+def run_dispatch(world: int, tokens: list[int], k: int, E: int, pattern: str, seed: int) -> list[str]:
+    """Every rank routes its own tokens (``tokens[rank]`` of them, possibly 0) by ``pattern``; the expert
+    outputs through ``AllToAll`` and the local experts equal ``grouped_experts`` over all the tokens on
+    one device, and so do the gradients of the tokens, the combine weights and the expert weights."""
+    import hpfunc
+    from hpfunc import lax
+    from hpfunc.models.dispatch import AllToAll
+    from hpfunc.models.moe import expert_ffn, grouped_experts
+    from hpfunc.testing import assert_trees_close
+
+    mesh = hpfunc.Mesh({"ep": world})
+    g = torch.Generator().manual_seed(seed)
+    H_, I = 6, 4
+    T = sum(tokens)
+    x = torch.randn(T, H_, generator=g, dtype=torch.float64)
+    if pattern == "random":
+        idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]) if T else torch.zeros(0, k, dtype=torch.long)
+    elif pattern == "one_expert":  # every token's first pick is expert 0, the rest on rank 0's experts too
+        idx = torch.stack([torch.arange(k) for _ in range(T)]) if T else torch.zeros(0, k, dtype=torch.long)
+    else:  # "last_rank": every pick on the last rank's experts (the others receive nothing)
+        local = E // world
+        idx = (torch.stack([torch.randperm(local, generator=g)[:k] for _ in range(T)]) + E - local
+               if T else torch.zeros(0, k, dtype=torch.long))
+    w = torch.rand(T, k, generator=g, dtype=torch.float64)
+    wg, wu, wd = (torch.randn(E, I, H_, generator=g, dtype=torch.float64),
+                  torch.randn(E, I, H_, generator=g, dtype=torch.float64),
+                  torch.randn(E, H_, I, generator=g, dtype=torch.float64))
+    ref_in = [t.clone().requires_grad_(True) for t in (x, w, wg, wu, wd)]
+    ref = grouped_experts(ref_in[0], idx, ref_in[1], *ref_in[2:], impl="bmm")
+    cot = torch.randn(ref.shape, generator=g, dtype=torch.float64)
+    ref_grads = torch.autograd.grad((ref * cot).sum(), ref_in)
+
+    with mesh:
+        r = lax.axis_index("ep")
+        lo, hi = sum(tokens[:r]), sum(tokens[: r + 1])
+        local = E // world
+        mine = [t.clone().requires_grad_(True) for t in (x[lo:hi], w[lo:hi], wg[r * local:(r + 1) * local],
+                                                          wu[r * local:(r + 1) * local], wd[r * local:(r + 1) * local])]
+        d = AllToAll()
+        sent = d.dispatch(mine[0], idx[lo:hi], num_experts=E, axis="ep")
+        out = d.combine(expert_ffn(sent.tokens, sent.counts, *mine[2:], impl="bmm"), sent, mine[1])
+        got = torch.autograd.grad((out * cot[lo:hi]).sum(), mine, allow_unused=True)
+    what = f"world {world} tokens {tokens} top{k} E{E} {pattern}"
+    assert_trees_close(out, ref[lo:hi], rtol=1e-10, atol=1e-12, what=f"{what} output")
+    names = ["x", "weights", "w_gate", "w_up", "w_down"]
+    for name, a, b in zip(names[:2], got[:2], ref_grads[:2]):
+        assert_trees_close(a, b[lo:hi], rtol=1e-10, atol=1e-12, what=f"{what} grad {name}")
+    for name, a, b in zip(names[2:], got[2:], ref_grads[2:]):  # summed over every rank's tokens
+        b = b[r * local:(r + 1) * local]
+        assert_trees_close(torch.zeros_like(b) if a is None else a, b, rtol=1e-10, atol=1e-12, what=f"{what} grad {name}")
+    return [what, str(sent.counts.tolist())]
+
+
+@settings(max_examples=12, deadline=None)
+@given(data=st.data())
+def test_dispatch_is_dropless_for_any_routing(pools, data):
+    world = data.draw(st.sampled_from([2, 4]), label="world")
+    E = data.draw(st.sampled_from([world, 2 * world, 4 * world]), label="experts")
+    k = data.draw(st.integers(1, min(4, E // world)), label="top_k")
+    tokens = data.draw(st.lists(st.integers(0, 5), min_size=world, max_size=world), label="tokens per rank")
+    pattern = data.draw(st.sampled_from(["random", "one_expert", "last_rank"]), label="pattern")
+    pools(world).run(run_dispatch, world, tokens, k, E, pattern, data.draw(st.integers(0, 2**16), label="seed"))
+
+
+def test_dispatch_with_no_token_anywhere(pools):
+    pools(2).run(run_dispatch, 2, [0, 0], 2, 4, "random", 0)
+
+
+# ---- the whole model through hpfunc.parallelize
+
+
+@pytest.mark.parametrize("skew,top_k", [("none", 2), ("one_expert", 1), ("one_expert", 3), ("one_rank", 4),
+                                        ("idle_expert", 2)])
+def test_ep2_matches_single_device_under_skewed_routing(pools, skew, top_k):
+    out = pools(2).run(H.run_ep_parity, {"ep": 2}, ["ep"], top_k=top_k, skew=skew)
+    assert out[0]["local_experts"] == 4  # 8 experts split 2 ways
+    if skew == "one_rank":  # rank 1's experts get no token: it computes no expert row and still matches
+        assert all(load[4:] == [0, 0, 0, 0] for load in out[0]["load"])
+    if skew == "idle_expert":
+        assert all(load[-1] == 0 for load in out[0]["load"])
+
+
+@pytest.mark.parametrize("mesh,roles", [({"ep": 4}, ["ep"]), ({"fsdp": 2, "ep": 2}, ["fsdp", "ep"]),
+                                        ({"ep": 2, "fsdp": 2}, ["ep", "fsdp"]), ({"ep": 2, "tp": 2}, ["ep", "tp"])])
+def test_ep_composes_and_matches_single_device(pools, mesh, roles):
+    out = pools(4).run(H.run_ep_parity, mesh, roles, top_k=2, skew="none", seed=3)
+    assert out[0]["local_experts"] == 8 // mesh["ep"]
+
+
+@settings(max_examples=4, deadline=None)
+@given(case=st.sampled_from([({"ep": 2}, ["ep"]), ({"ep": 4}, ["ep"]), ({"fsdp": 2, "ep": 2}, ["fsdp", "ep"]),
+                             ({"ep": 2, "tp": 2}, ["ep", "tp"])]),
+       top_k=st.integers(1, 2), skew=st.sampled_from(H.SKEWS), seed=st.integers(0, 2**16))
+def test_random_ep_plans_routings_seeds(pools, case, top_k, skew, seed):
+    mesh, roles = case
+    world = 1
+    for s in mesh.values():
+        world *= s
+    pools(world).run(H.run_ep_parity, mesh, roles, top_k=top_k, skew=skew, seed=seed, steps=1)
+
+
+# ---- the counter: four all-to-alls per MoE layer per step, and the count exchange
+
+
+def run_ep_comm(world: int, top_k: int = 2) -> dict:
+    """One step on {ep: world} under the comm counter, and this rank's routing on one device (the same
+    params, its shard of the batch): the pairs whose expert lives on another rank, per layer."""
+    import hpfunc
+    from hpfunc.models import qwen3
+
+    out = H.run_ep_parity({"ep": world}, ["ep"], top_k=top_k, steps=1, count_comm=True)
+    cfg = qwen3.preset("qwen3-moe-tiny", num_experts=8, num_experts_per_tok=top_k, router_aux_loss_coef=0.1)
+    tokens = torch.randint(0, cfg.vocab_size, (4, 8), generator=torch.Generator().manual_seed(1))  # the helper's batch
+    r = torch.distributed.get_rank()
+    mine = tokens.chunk(world)[r]
+    _, aux = qwen3.apply(qwen3.init(hpfunc.random.key(0), cfg), mine, cfg, return_aux=True)
+    per = 8 // world
+    others = [e for e in range(8) if e // per != r]
+    return {"records": out["records"], "pairs": mine.numel() * top_k, "hidden": cfg.hidden_size,
+            "off_rank_rows": [int(aux["expert_load"][l, others].sum()) for l in range(aux["expert_load"].shape[0])]}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ep_all_to_all_count_and_bytes_follow_the_formula(pools, world):
+    res = pools(world).run(run_ep_comm, world)
+    h = res[0]["hidden"]
+    layers = len(res[0]["off_rank_rows"])
+    dispatched, combined = [0] * layers, [0] * layers
+    for r in res:  # records: (op, name, axes, payload bytes, phase, sent bytes)
+        a2a = [rec for rec in r["records"] if rec[0] == "all_to_all"]
+        counts = [rec for rec in a2a if rec[3] == 8 * 8]  # the count exchange: E int64 per rank
+        rows = [rec for rec in a2a if rec[3] != 8 * 8]
+        assert len(counts) == layers and all(rec[4] == "forward" for rec in counts), a2a  # one per MoE layer
+        fwd = [rec for rec in rows if rec[4] == "forward"]
+        bwd = [rec for rec in rows if rec[4] == "backward"]
+        assert len(fwd) == 2 * layers and len(bwd) == 2 * layers, a2a  # 4 all-to-alls per MoE layer per step
+        # the dispatch moves every pair of this rank's tokens (tokens x top-k x hidden x 4 bytes), and
+        # exactly the pairs whose expert lives on another rank leave it
+        assert [rec[3] for rec in fwd[0::2]] == [r["pairs"] * h * 4] * layers
+        assert [rec[5] for rec in fwd[0::2]] == [n * h * 4 for n in r["off_rank_rows"]]
+        for layer in range(layers):
+            dispatched[layer] += fwd[2 * layer][3]
+            combined[layer] += fwd[2 * layer + 1][3]
+        # the backward runs the same two exchanges reversed, with the same sizes
+        assert sorted(rec[3] for rec in bwd) == sorted(rec[3] for rec in fwd)
+    # dropless: every dispatched pair comes back, over all ranks T x k x h x 4 bytes per layer
+    assert dispatched == combined == [world * res[0]["pairs"] * h * 4] * layers
+
+
+# ---- errors before any communication
+
+
+def _moe_shapes(E: int = 8):
+    from hpfunc.models import qwen3
+
+    cfg = qwen3.preset("qwen3-moe-tiny", num_experts=E)
+    return cfg, {p: torch.empty(s) for p, s in __import__("hpfunc").tree.leaves_with_paths(
+        qwen3.param_shapes(cfg), is_leaf=lambda x: isinstance(x, torch.Size))}
+
+
+def test_experts_that_do_not_split_over_ep_are_a_plan_error():
+    from hpfunc.models.qwen3 import parallel_plan
+
+    cfg, shapes = _moe_shapes(6)
+    with pytest.raises(plans.PlanError, match=r"layers\.0\.moe\.experts\.w_\w+.*6 experts.*multiple of the 'ep' axis size 4"):
+        plans.ep("ep", parallel_plan.ep_experts(cfg)).resolve(shapes, AbstractMesh({"ep": 4}))
+
+
+def test_an_ep_axis_missing_from_the_mesh_is_a_plan_error():
+    from hpfunc.models.qwen3 import parallel_plan
+
+    cfg, shapes = _moe_shapes()
+    with pytest.raises(plans.PlanError, match=r"ep\('ep'\) names mesh axis 'ep', which the mesh does not have"):
+        (plans.fsdp("fsdp") + plans.ep("ep", parallel_plan.ep_experts(cfg))).resolve(shapes, AbstractMesh({"fsdp": 2}))
+
+
+def test_ep_needs_the_experts_and_they_must_exist():
+    cfg, shapes = _moe_shapes()
+    with pytest.raises(plans.PlanError, match="experts must name the expert stacks"):
+        plans.ep("ep")
+    with pytest.raises(plans.PlanError, match="matches no parameter path"):
+        plans.ep("ep", ["layers.*.moe.expert.w_up"]).resolve(shapes, AbstractMesh({"ep": 2}))
+    from hpfunc.models.qwen3 import parallel_plan
+
+    with pytest.raises(plans.PlanError, match="no MoE layer"):
+        parallel_plan.ep_experts(parallel_plan._model.preset("qwen3-dense-tiny"))
+
+
+def test_ep_layout_experts_split_everything_else_sharded_like_fsdp():
+    from hpfunc.models.qwen3 import parallel_plan
+
+    cfg, shapes = _moe_shapes()
+    res = (plans.fsdp("fsdp") + plans.ep("ep", parallel_plan.ep_experts(cfg))).resolve(
+        shapes, AbstractMesh({"fsdp": 2, "ep": 2}))
+    w = res["layers.0.moe.experts.w_gate"].spec  # [E, I, H]: experts over ep (in use too), FSDP on the next dim
+    assert (w.storage, w.compute, w.opt) == (plans.P("ep", "fsdp"), plans.P("ep"), plans.P("ep", "fsdp"))
+    a = res["layers.0.attn.wq"].spec  # attention: FSDP-sharded over both axes, gathered for use
+    assert set(a.storage.axes) == {"fsdp", "ep"} and a.compute == plans.P()
+    r = res["layers.0.moe.router"].spec  # the router scores every expert on every rank
+    assert r.compute == plans.P()
