@@ -185,8 +185,8 @@ def measured_loss(kind: str, record: dict, spy: bool):
             return out
 
         def probe():
-            out, expect = count(), record.get("expect", {})
-            for _ in range(50):
+            out, expect = count(), record.get("expect")
+            for _ in range(50 if expect is not None else 0):  # the one-device reference counts once
                 if all(out[k] <= expect.get(k, 0) for k in out):
                     break
                 time.sleep(0.01)
