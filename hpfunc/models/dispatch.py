@@ -32,7 +32,8 @@ fraction ``(n - 1) / n`` leaves the rank under uniform routing.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import math
+from typing import Any, NamedTuple
 
 import attrs
 import torch
@@ -55,11 +56,31 @@ class Dispatched(NamedTuple):
     recv_sizes: tuple[int, ...]  # rows received from each rank
     k: int
     axis: str | None
+    dropped: torch.Tensor | None = None  # pairs over capacity (0-d int64), with a capacity factor
+
+
+def _check_factor(_self: Any, _attr: Any, value: float | None) -> None:
+    if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+        raise ValueError(f"AllToAll: capacity_factor must be a finite number > 0 or None (dropless), found {value!r}")
 
 
 @attrs.frozen
 class AllToAll:
-    """Dropless all-to-all token dispatch over an expert-parallel mesh axis (see the module docstring)."""
+    """All-to-all token dispatch over an expert-parallel mesh axis (see the module docstring).
+
+    ``capacity_factor=None`` (default): dropless. A number ``c > 0``: each expert takes at most
+    ``C = ceil(c * T * k / E)`` of the ``T k`` pairs of each source rank's ``T`` tokens, the first ones in
+    token order (deterministic); the others are dropped (they contribute nothing to their token's output,
+    which keeps its residual) and counted in :attr:`Dispatched.dropped`. The capacity is per source rank,
+    so a run on one device (``T`` = every token) drops differently from the same batch split over ranks.
+
+    >>> d = AllToAll(capacity_factor=0.5)   # C = ceil(0.5 * 4 * 1 / 2) = 1 pair per expert
+    >>> sent = d.dispatch(torch.ones(4, 2), torch.tensor([[0], [0], [0], [1]]), num_experts=2, axis=None)
+    >>> sent.counts.tolist(), int(sent.dropped)
+    ([1, 1], 2)
+    """
+
+    capacity_factor: float | None = attrs.field(default=None, validator=_check_factor)
 
     def dispatch(self, x: torch.Tensor, indices: torch.Tensor, *, num_experts: int, axis: str | None) -> Dispatched:
         """Send the rows of ``x [T, H]`` to the ranks of ``axis`` holding the experts ``indices [T, k]``
@@ -73,7 +94,17 @@ class AllToAll:
         flat = indices.reshape(-1)
         with torch.no_grad():
             order = torch.argsort(flat, stable=True)
-            counts = torch.bincount(flat, minlength=num_experts).view(n, local)  # [dest rank, its expert]
+            counts = torch.bincount(flat, minlength=num_experts)
+            dropped = None
+            if self.capacity_factor is not None:  # keep the first C pairs of each expert (token order)
+                cap = math.ceil(self.capacity_factor * T * k / num_experts)
+                starts = torch.cumsum(counts, 0) - counts
+                pos = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]
+                keep = pos < cap
+                dropped = (~keep).sum()
+                order = order[keep]
+                counts = counts.clamp(max=cap)
+            counts = counts.view(n, local)  # [dest rank, its expert]
             # recv[j, e]: rows rank j sends for this rank's local expert e (one all-to-all of E int64)
             recv = lax.all_to_all(counts, axis, 0, 0) if n > 1 else counts
             sizes = torch.cat((counts.sum(1), recv.sum(1))).tolist()  # the layer's one host read
@@ -83,7 +114,7 @@ class AllToAll:
         rows = x[order // k]
         if n > 1:
             rows = lax.all_to_all(rows, axis, 0, 0, split_sizes=send_sizes, recv_sizes=recv_sizes)
-        return Dispatched(rows[regroup], recv.sum(0), order, regroup, send_sizes, recv_sizes, k, axis)
+        return Dispatched(rows[regroup], recv.sum(0), order, regroup, send_sizes, recv_sizes, k, axis, dropped)
 
     def combine(self, y: torch.Tensor, sent: Dispatched, weights: torch.Tensor) -> torch.Tensor:
         """``out[t] = sum_j weights[t, j] * (output of pair (t, j))`` for the experts' outputs ``y [N, H']``

@@ -142,8 +142,9 @@ PLAN_KINDS: dict[str, tuple[int, dict[str, Any]]] = {
     "zero3": (1, {"reshard_after_forward": True}),
     "hsdp": (2, {"reshard_after_forward": True}),  # (replicate axis, shard axis)
     "tp": (1, {"vocab_parallel": False, "sequence_parallel": False}),
+    "ep": (1, {"reshard_after_forward": True}),  # experts split; a data axis, the rest sharded as fsdp
 }
-_DATA_KINDS = ("ddp", "fsdp", "zero1", "zero2", "zero3", "hsdp")
+_DATA_KINDS = ("ddp", "fsdp", "zero1", "zero2", "zero3", "hsdp", "ep")
 
 
 @attrs.frozen
@@ -185,7 +186,7 @@ class ParallelConfig:
 
     @property
     def data_axes(self) -> tuple[str, ...]:
-        """The mesh axes that split the batch (every ddp / fsdp / zero / hsdp axis), in mesh order."""
+        """The mesh axes that split the batch (every ddp / fsdp / zero / hsdp / ep axis), in mesh order."""
         axes = {a for e in self.plan if e.kind in _DATA_KINDS for a in e.axes}
         return tuple(a for a in self.mesh if a in axes)
 
@@ -597,9 +598,11 @@ def _bind_axes(parsed: list, mesh: Mapping[str, int], path: str) -> tuple[PlanEn
         if mesh[a] > 1:
             raise ConfigError(f"{path}.mesh.{a}: the axis has size {mesh[a]} but no entry of {path}.plan runs "
                               f"over it; add one (one entry per mesh axis, in mesh order) or set its size to 1")
-    tps = [i for i, e in enumerate(entries) if e.kind == "tp"]
-    if len(tps) > 1:
-        raise ConfigError(f"{path}.plan[{tps[1]}]: a second tp entry; tensor parallelism runs over one mesh axis")
+    for kind, what in (("tp", "tensor"), ("ep", "expert")):
+        found = [i for i, e in enumerate(entries) if e.kind == kind]
+        if len(found) > 1:
+            raise ConfigError(f"{path}.plan[{found[1]}]: a second {kind} entry; {what} parallelism runs over one "
+                              f"mesh axis")
     return tuple(entries)
 
 

@@ -98,6 +98,8 @@ def _entry_plan(e: PlanEntry, model_cfg: Any) -> Any:
     if e.kind == "tp":
         return plans.tp(e.axes[0], parallel_plan.tp_styles(model_cfg, vocab_parallel=o["vocab_parallel"],
                                                            sequence_parallel=o["sequence_parallel"]))
+    if e.kind == "ep":
+        return plans.ep(e.axes[0], parallel_plan.ep_experts(model_cfg), reshard_after_forward=o["reshard_after_forward"])
     return getattr(plans, e.kind)(e.axes[0])  # ddp, zero1, zero2
 
 
@@ -125,7 +127,8 @@ def check_parallel(cfg: Config, model_cfg: Any) -> None:
 
     Checked: the global batch (``train.batch_size``) splits evenly over the data-parallel ranks; the
     tensor-parallel degree divides the attention heads, the key/value heads, the MLP / expert hidden
-    features (and the vocabulary with ``vocab_parallel``, the sequence with ``sequence_parallel``);
+    features (and the vocabulary with ``vocab_parallel``, the sequence with ``sequence_parallel``); an
+    expert-parallel entry has an MoE model whose ``num_experts`` its degree divides;
     then the whole plan resolves on every parameter of the model (:meth:`Plan.resolve`), and every
     axis of a sharding entry (fsdp, zero*, the shard axis of hsdp, tp) shards at least one of them.
     """
@@ -159,6 +162,18 @@ def check_parallel(cfg: Config, model_cfg: Any) -> None:
         if e.options.get("sequence_parallel") and cfg.train.seq_len % n:
             raise ConfigError(f"train.seq_len: sequence parallelism (parallel.plan[{i}]) splits the sequence of "
                               f"{cfg.train.seq_len} over {n} ranks; use a multiple of {n}")
+    for i, e in enumerate(pc.plan):
+        if e.kind != "ep":
+            continue
+        axis = e.axes[0]
+        n, E = pc.mesh[axis], model_cfg.num_experts
+        if not model_cfg.moe_layers:
+            raise ConfigError(f"parallel.plan[{i}]: ep (expert parallelism over {axis!r}) needs a mixture-of-experts "
+                              f"model, but the model has no MoE layer (model.num_experts: {E}); use fsdp or ddp for "
+                              f"this axis, or an MoE model (e.g. model.preset: qwen3-moe-tiny)")
+        if E % n:
+            raise ConfigError(f"parallel.mesh.{axis}: expert parallelism over {n} ranks must divide the {E} experts of "
+                              f"the model (model.num_experts); choose an ep size that divides {E}")
     plan = build_plan(pc, model_cfg)
     shapes = qwen3.param_shapes(model_cfg)
     try:
@@ -172,7 +187,7 @@ def check_parallel(cfg: Config, model_cfg: Any) -> None:
 
 # What the entries that shard promise to shard over their axis (hsdp: over its second axis only).
 _SHARDS = {"fsdp": "parameters", "zero3": "parameters", "hsdp": "parameters", "zero1": "optimizer state",
-           "zero2": "optimizer state and gradients", "tp": "parameters"}
+           "zero2": "optimizer state and gradients", "tp": "parameters", "ep": "experts"}
 
 
 def _check_axes_shard(pc: ParallelConfig, layouts: Mapping[str, Any]) -> None:
@@ -302,11 +317,21 @@ def build_parallel_step(cfg: Config, model_cfg: Any, optimizer: Any, lr: Callabl
 
 def gather_params(params: Any) -> Any:
     """Full tensors of (sharded) parameters, on every rank: a collective, so every rank must call it."""
+    import logging
+
     from torch.distributed.tensor import DTensor
 
     from hpfunc import tree as _tree
 
-    return _tree.tree_map(lambda x: x.full_tensor() if isinstance(x, DTensor) else x, params)
+    # A dimension split over two axes (fsdp x ep) gathers in two steps; DTensor warns (once per rank) that
+    # the reduction order may differ between ranks, which cannot happen here: a gather reduces nothing.
+    log = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        return _tree.tree_map(lambda x: x.full_tensor() if isinstance(x, DTensor) else x, params)
+    finally:
+        log.setLevel(level)
 
 
 def parallel_summary(cfg: Config) -> str:

@@ -96,12 +96,26 @@ def data_keys(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return random.fold_in(root, 0), random.fold_in(root, 1), random.fold_in(root, 2)
 
 
-def _expert_stats(load: torch.Tensor) -> dict[str, Any]:
+def _expert_stats(load: torch.Tensor, ep_size: int = 1) -> dict[str, Any]:
+    """The step's MoE load (the whole batch): per layer the max / mean expert load, its mean over the
+    layers, and with expert parallelism over ``ep_size`` ranks the pairs each rank's experts received
+    per layer and their max / mean.
+
+    >>> s = _expert_stats(torch.tensor([[4, 0, 2, 2]]), ep_size=2)
+    >>> s["expert_imbalance_per_layer"], s["ep_rank_load"], s["ep_imbalance_per_layer"]
+    ([2.0], [[4, 4]], [1.0])
+    """
     if load.numel() == 0:
         return {}
     load = load.to(torch.float64)
-    imbalance = (load.max(dim=1).values / load.mean(dim=1).clamp_min(1e-12)).mean()
-    return {"expert_imbalance": float(imbalance), "expert_load": load.to(torch.int64).tolist()}
+    per_layer = load.max(dim=1).values / load.mean(dim=1).clamp_min(1e-12)
+    out = {"expert_imbalance": float(per_layer.mean()), "expert_imbalance_per_layer": per_layer.tolist(),
+           "expert_load": load.to(torch.int64).tolist()}
+    if ep_size > 1 and load.shape[1] % ep_size == 0:
+        ranks = load.view(load.shape[0], ep_size, -1).sum(-1)  # rank r holds experts [r E/n, (r+1) E/n)
+        out["ep_rank_load"] = ranks.to(torch.int64).tolist()
+        out["ep_imbalance_per_layer"] = (ranks.max(dim=1).values / ranks.mean(dim=1).clamp_min(1e-12)).tolist()
+    return out
 
 
 def _check_val_finite(step: int, val: float, last: dict[str, float]) -> None:
@@ -251,6 +265,7 @@ def _train(cfg: Config, model_cfg: Any, out: pathlib.Path, folder: RunFolder | N
         else []
     )
 
+    ep_size = next((cfg.parallel.mesh[e.axes[0]] for e in cfg.parallel.plan if e.kind == "ep"), 1)
     records: list[dict[str, Any]] = []
     losses: list[float] = []
     tokens_per_step = tc.batch_size * tc.seq_len
@@ -287,7 +302,7 @@ def _train(cfg: Config, model_cfg: Any, out: pathlib.Path, folder: RunFolder | N
                         "lr": float(metrics["lr"]),
                         "tokens_per_s": tokens_per_step * len(window) / max(window_time, 1e-9),
                         "elapsed_s": train_time,
-                        **(_expert_stats(metrics["expert_load"]) if "expert_load" in metrics else {}),
+                        **(_expert_stats(metrics["expert_load"], ep_size) if "expert_load" in metrics else {}),
                     }
                     writer.write(record)
                     records.append(record)

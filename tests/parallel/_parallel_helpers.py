@@ -109,10 +109,10 @@ def run_parity(name: str, model: str, seed: int, steps: int = 2, clip_norm: floa
     loss_fn = model_loss(cfg, plan)
 
     def ref_loss(p, b):
-        # the step's loss: the mean over data shards of the per-shard loss (equal to the full-batch loss
-        # for dense models; MoE's load-balancing term is a per-shard statistic, as in every DP trainer)
-        parts = [qwen3.loss(p, {"tokens": t}, cfg)[0] for t in b["tokens"].chunk(n_data)]
-        return torch.stack(parts).mean()
+        # the single-device loss of the whole global batch: the mean over data shards of the per-shard
+        # cross-entropy (equal targets per shard) plus MoE's load-balancing term, which the step computes
+        # from the load of the whole batch (summed over the data shards), as on one device
+        return qwen3.loss(p, b, cfg)[0]
 
     # eps 1e-5 (not 1e-8) bounds the slope of Adam's g / (sqrt(v) + eps) for the trajectory check below
     opt = optim.adamw(LR, eps=ADAM_EPS)

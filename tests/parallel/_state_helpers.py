@@ -23,18 +23,14 @@ def optimizer(name: str, clip: float | None):
 
 
 def _sharded_loss(n_data: int):
-    """The single-device twin of the sharded loss: the mean over data shards of the per-shard loss;
-    aux floats averaged, integers (token and expert counts) summed."""
+    """The single-device twin of the sharded loss: the mean over data shards of the per-shard
+    cross-entropy (equal targets per shard), and MoE's load-balancing term from the load of the whole
+    batch (the step sums it over the data shards); aux floats averaged, integers (token and expert
+    counts) summed: for the whole batch, the single-device ``qwen3.loss``."""
     from hpfunc.models import qwen3
 
     def loss_fn(params, batch, cfg):
-        parts = [qwen3.loss(params, {"tokens": t}, cfg) for t in batch["tokens"].chunk(n_data)]
-        loss = torch.stack([p[0] for p in parts]).mean()
-        aux = {}
-        for k in parts[0][1]:
-            vals = torch.stack([p[1][k] for p in parts])
-            aux[k] = vals.float().mean(0) if vals.is_floating_point() else vals.sum(0)
-        return loss, aux
+        return qwen3.loss(params, batch, cfg)
 
     return loss_fn
 

@@ -91,6 +91,62 @@ def test_dispatch_with_no_token_anywhere(pools):
     pools(2).run(run_dispatch, 2, [0, 0], 2, 4, "random", 0)
 
 
+def run_capacity(world: int, T: int, k: int, E: int, factor: float, seed: int) -> tuple[int, int]:
+    """With a capacity factor each rank drops, per expert, the pairs past the first ``C = ceil(f T k / E)``
+    in token order: the dropped count equals the count by hand, and the output equals one device's
+    ``grouped_experts`` with the dropped pairs' weights set to zero."""
+    import math
+
+    import hpfunc
+    from hpfunc import lax
+    from hpfunc.models.dispatch import AllToAll
+    from hpfunc.models.moe import expert_ffn, grouped_experts
+    from hpfunc.testing import assert_trees_close
+
+    mesh = hpfunc.Mesh({"ep": world})
+    with mesh:
+        r = lax.axis_index("ep")
+    g = torch.Generator().manual_seed(seed * 100 + r)  # each rank its own tokens and routing
+    x = torch.randn(T, 4, generator=g, dtype=torch.float64)
+    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    idx[: T // 2, 0] = 0  # expert 0 is hot: it overflows
+    w = torch.rand(T, k, generator=g, dtype=torch.float64)
+    wts = [torch.randn(E, 3, 4, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) for _ in range(2)]
+    wd = torch.randn(E, 4, 3, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64)
+    cap = math.ceil(factor * T * k / E)
+    seen, mask, by_hand = [0] * E, torch.ones(T, k, dtype=torch.float64), 0
+    for t in range(T):  # by hand: the first `cap` pairs of each expert in (token, slot) order are kept
+        for j in range(k):
+            e = int(idx[t, j])
+            seen[e] += 1
+            if seen[e] > cap:
+                mask[t, j], by_hand = 0.0, by_hand + 1
+    local = E // world
+    mine = slice(r * local, (r + 1) * local)
+    with mesh:
+        d = AllToAll(capacity_factor=factor)
+        sent = d.dispatch(x, idx, num_experts=E, axis="ep")
+        out = d.combine(expert_ffn(sent.tokens, sent.counts, wts[0][mine], wts[1][mine], wd[mine], impl="bmm"), sent, w)
+    ref = grouped_experts(x, idx, w * mask, wts[0], wts[1], wd, impl="bmm")
+    assert int(sent.dropped) == by_hand, (int(sent.dropped), by_hand)
+    assert_trees_close(out, ref, rtol=1e-10, atol=1e-12, what=f"capacity {factor} output")
+    return int(sent.dropped), by_hand
+
+
+@pytest.mark.parametrize("world,factor", [(2, 1.0), (2, 0.5), (4, 1.25)])
+def test_capacity_factor_drops_the_count_computed_by_hand(pools, world, factor):
+    got = pools(world).run(run_capacity, world, 8, 2, 2 * world, factor, 7)
+    assert any(d > 0 for d, _ in got), got  # the hot expert overflowed somewhere
+
+
+def test_capacity_factor_must_be_positive():
+    from hpfunc.models.dispatch import AllToAll
+
+    for bad in (0, -1.0, float("nan"), "1"):
+        with pytest.raises(ValueError, match="capacity_factor must be a finite number > 0"):
+            AllToAll(capacity_factor=bad)
+
+
 # ---- the whole model through hpfunc.parallelize
 
 
