@@ -45,7 +45,21 @@ def run_mixed_parity(name: str, model: str, seed: int, reduce_dtype=torch.float3
         # one bf16 cast per data shard, as each rank makes: the shards' gradients then meet in fp32 (one
         # shared cast would sum them in bf16 inside autograd, a rounding the sharded step does not make)
         cast = lambda: hpfunc.tree.tree_map(lambda x: x.to(BF16), p)  # noqa: E731
-        return torch.stack([qwen3.loss(cast(), {"tokens": t}, cfg)[0] for t in b["tokens"].chunk(n_data)]).mean()
+        shards = b["tokens"].chunk(n_data)
+        if not cfg.moe_layers:
+            return torch.stack([qwen3.loss(cast(), {"tokens": t}, cfg)[0] for t in shards]).mean()
+        # MoE: the load-balancing term of the whole batch (the step sums counts, rows and router
+        # probabilities over the data shards), its probabilities from each shard's own cast
+        ce, counts, probs, rows = [], 0, 0, 0
+        for t in shards:
+            logits, aux = qwen3.apply(cast(), t, cfg, return_aux=True)
+            ce.append(torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                                                        qwen3.shift_labels(t).reshape(-1), ignore_index=-100))
+            counts = counts + aux["expert_load"].sum(0).float()
+            probs = probs + sum(torch.softmax(lg, dim=-1, dtype=torch.float32).sum(0) for lg in aux["router_logits"])
+            rows = rows + sum(lg.shape[0] for lg in aux["router_logits"])
+        lb = cfg.num_experts * torch.sum((counts / rows) * (probs / rows))
+        return torch.stack(ce).mean() + cfg.router_aux_loss_coef * lb
 
     value, ref_grads = hpfunc.value_and_grad(ref_loss)(full)
     new_params, state, metrics, grads = step(params, step.init_opt_state(params), b)
