@@ -123,10 +123,11 @@ class ActivationSwap(saved_tensors.Layer):
         """Copy the slots' storages to host and drop the device references (``keep``: storages left in place).
 
         Raises:
-            RuntimeError: the region is swapped out already.
+            ValueError: the region is swapped out already.
         """
         if self.swapped:
-            raise RuntimeError("ActivationSwap.swap_out: these activations are on host already (SWAP_OUT twice)")
+            raise ValueError("ActivationSwap.swap_out: expected activations on the device, found them on host "
+                             "already (a second SWAP_OUT without a SWAP_IN between)")
         kept = {storage_key(t) for t in keep if isinstance(t, torch.Tensor)}
         index: dict[int, int] = {}
         sources: list[torch.Tensor] = []
@@ -159,10 +160,11 @@ class ActivationSwap(saved_tensors.Layer):
         """Bring the slots on host back into fresh device storages and hand them outward again.
 
         Raises:
-            RuntimeError: the region is not swapped out.
+            ValueError: the region is not swapped out.
         """
         if not self.swapped:
-            raise RuntimeError("ActivationSwap.swap_in: these activations are on the device (SWAP_IN without SWAP_OUT)")
+            raise ValueError("ActivationSwap.swap_in: expected activations on host, found them on the device "
+                             "(a SWAP_IN without a SWAP_OUT before it)")
         back: dict[int, tuple[torch.Tensor, Any]] = {}
         for k, buf in enumerate(self.buffers):
             back[k] = _to_device(buf, self.stream)

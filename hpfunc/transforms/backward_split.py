@@ -260,10 +260,11 @@ def backward_weight(state: BackwardState) -> list[torch.Tensor | None]:
     """``W``: the gradient of each parameter given to :func:`backward_input` (``None`` where unused).
 
     Raises:
-        RuntimeError: called twice on one state (its kept gradients are released by the first call).
+        ValueError: called twice on one state (its kept gradients are released by the first call).
     """
     if state.params is None:
-        raise RuntimeError("backward_weight: this state was used already; run backward_input again for a new W")
+        raise ValueError("backward_weight: expected the state of a backward_input whose W has not run; found one "
+                         "whose W ran already (its kept gradients are released); run backward_input again for a new W")
     params = state.params
     out: list[torch.Tensor | None] = [None] * len(params)
 

@@ -6,16 +6,26 @@ a :class:`~hpfunc.schedules.Schedule` and a :class:`~hpfunc.Mesh`; the step walk
 
 ==============  ==========================================================================
 ``F``           ``y = stage_fns[s](params[s], x)``; on the last stage ``loss_fn(y, microbatch)``
-``B``           input gradient: ``torch.autograd.grad(y, inputs=[x], retain_graph=True)``
-``W``           weight gradient: ``torch.autograd.grad(y, inputs=params[s])``, accumulated
-``BW``          both in one call
+``B``           input gradient (:func:`~hpfunc.transforms.backward_split.backward_input`): ``dx``, keeping
+                the gradient flowing into each parameter's use site (the matmul with the weight)
+``W``           weight gradient only (:func:`~hpfunc.transforms.backward_split.backward_weight`): re-runs
+                the use sites towards the parameters from what ``B`` kept; accumulated
+``BW``          both in one ``torch.autograd.grad`` call
 ``SEND_*``      posted asynchronously (``dist.batch_isend_irecv``); waited for at the end
 ``RECV_*``      received (and waited for) right where the schedule puts it
 ``UNSHARD``     all-gather the stage's parameter shards over the FSDP axis
 ``RESHARD``     drop the gathered parameters (graphs still pending keep what they saved)
 ``REDUCE_GRAD`` reduce the stage's accumulated gradients over the FSDP axis, keep this rank's shard
-``SWAP_*``      accepted and ignored (activations stay where they are)
+``SWAP_OUT``    move the stage-microbatch's saved activations to host memory
+                (:class:`~hpfunc.transforms.activation_swap.ActivationSwap` on the saved-tensor stack)
+``SWAP_IN``     bring them back into device memory (before the backward that needs them)
 ==============  ==========================================================================
+
+A microbatch's graph (every tensor it saved) stays until its ``W`` or ``BW``: the weight side of a
+split backward needs the saved layer inputs. :attr:`SimResult.peak_resident_until_w
+<hpfunc.schedules.SimResult>` counts exactly that (minus what is swapped out); the activation bytes
+resident per rank, measured by storage liveness, equal it times the bytes of one stage-microbatch
+(``tests/pipeline/test_pipeline_swaps.py``).
 
 Stages placed on the same rank (the turn of a V, or interleaved stages) hand activations and
 gradients to each other in memory. The loss returned is the mean over microbatches (equal to the
