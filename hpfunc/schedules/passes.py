@@ -211,6 +211,9 @@ def insert_swaps(schedule: Schedule, *, max_resident: int, prefetch: int = 1) ->
     the copy can overlap the compute in between. At any moment at most ``max_resident + 1 +
     prefetch`` activations are resident (the kept ones, the one just computed until its
     ``SWAP_OUT``, and those prefetched); ``simulate(...).peak_resident`` measures it.
+    :func:`~hpfunc.transforms.pipeline.pipeline_map` executes the swaps; it keeps a microbatch until
+    its ``W`` (not its ``B``), which ``simulate(...).peak_resident_until_w`` counts (equal to
+    ``peak_resident`` for fused ``BW`` schedules).
 
     Example:
         >>> from hpfunc.schedules import gpipe

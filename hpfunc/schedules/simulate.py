@@ -19,6 +19,16 @@ Measures, per rank:
   microbatches of a full rank's worth of layers (what the schedule tables quote for interleaved
   and V schedules). ``peak_resident`` is the same count minus activations swapped out to host.
   ``peak_until_w`` counts until the ``W`` (or ``BW``) instead: what a split backward keeps alive.
+  ``peak_resident_until_w`` is ``peak_until_w`` minus swapped-out activations: what
+  :func:`hpfunc.transforms.pipeline.pipeline_map` keeps on the device, since its ``B`` retains the
+  microbatch's graph (the ``W`` re-runs the weight side of it) and only ``W``/``BW`` frees it. For
+  schedules without a ``B``/``W`` split it equals ``peak_resident``.
+
+Costs: the defaults (``F = B = W = 1``, ``BW = B + W``) describe ``pipeline_map``'s split, whose
+``W`` computes the weight gradients only (a matmul's ``dw``; measured with torch's flop counter:
+``B + W`` equals the fused backward's FLOPs on an MLP and on Qwen3 stages). One case costs more: a
+parameter used twice in a chain inside one stage (``(x @ w) @ w``) has its ``W`` taken from the
+stage outputs again; price such a stage with ``costs`` (e.g. ``{"W": 2}``).
 
 Example:
     >>> from hpfunc.schedules import one_f_one_b, simulate
@@ -106,6 +116,7 @@ class SimResult:
     peak_inflight_mb: dict[int, float]
     peak_resident: dict[int, int]
     peak_until_w: dict[int, int]
+    peak_resident_until_w: dict[int, int]
 
     @property
     def max_bubble_ratio(self) -> float:
@@ -231,21 +242,28 @@ def simulate(
     events.sort(key=lambda e: (e.rank, e.step))
     makespan = max((e.end for e in events), default=0.0)
 
-    useful, idle, ratio, steady, peak, peak_mb, resident, until_w = {}, {}, {}, {}, {}, {}, {}, {}
+    useful, idle, ratio, steady, peak, peak_mb, resident, until_w, res_until_w = {}, {}, {}, {}, {}, {}, {}, {}, {}
     spans = {}
     for r in schedule.ranks:
         mine = [e for e in events if e.rank == r]
         useful[r] = sum(e.end - e.start for e in mine if e.action.is_compute)
         idle[r] = makespan - useful[r]
         spans[r] = (max(e.end for e in mine) - min(e.start for e in mine)) if mine else 0.0
-        held = best = on_device = most_on_device = stash = most_stash = 0
+        held = best = on_device = most_on_device = stash = most_stash = kept = most_kept = 0
         for e in mine:  # in step order: F adds an activation, the first backward frees it
             kind = e.action.kind
             if kind is K.F:
                 stash += 1
+                kept += 1
             elif kind in (K.W, K.BW):
                 stash -= 1
+                kept -= 1
+            elif kind is K.SWAP_OUT:
+                kept -= 1
+            elif kind is K.SWAP_IN:
+                kept += 1
             most_stash = max(most_stash, stash)
+            most_kept = max(most_kept, kept)
             if kind is K.F:
                 held += 1
                 on_device += 1
@@ -261,9 +279,11 @@ def simulate(
         peak[r] = best
         resident[r] = most_on_device
         until_w[r] = most_stash
+        res_until_w[r] = most_kept
         peak_mb[r] = best / max(1, len(schedule.stages_of(r)))
     period = max(spans.values(), default=0.0)
     for r in schedule.ranks:
         ratio[r] = idle[r] / useful[r] if useful[r] else math.inf
         steady[r] = (period - useful[r]) / useful[r] if useful[r] else math.inf
-    return SimResult(schedule, tuple(events), makespan, useful, idle, ratio, steady, peak, peak_mb, resident, until_w)
+    return SimResult(schedule, tuple(events), makespan, useful, idle, ratio, steady, peak, peak_mb, resident, until_w,
+                     res_until_w)

@@ -6,16 +6,26 @@ a :class:`~hpfunc.schedules.Schedule` and a :class:`~hpfunc.Mesh`; the step walk
 
 ==============  ==========================================================================
 ``F``           ``y = stage_fns[s](params[s], x)``; on the last stage ``loss_fn(y, microbatch)``
-``B``           input gradient: ``torch.autograd.grad(y, inputs=[x], retain_graph=True)``
-``W``           weight gradient: ``torch.autograd.grad(y, inputs=params[s])``, accumulated
-``BW``          both in one call
+``B``           input gradient (:func:`~hpfunc.transforms.backward_split.backward_input`): ``dx``, keeping
+                the gradient flowing into each parameter's use site (the matmul with the weight)
+``W``           weight gradient only (:func:`~hpfunc.transforms.backward_split.backward_weight`): re-runs
+                the use sites towards the parameters from what ``B`` kept; accumulated
+``BW``          both in one ``torch.autograd.grad`` call
 ``SEND_*``      posted asynchronously (``dist.batch_isend_irecv``); waited for at the end
 ``RECV_*``      received (and waited for) right where the schedule puts it
 ``UNSHARD``     all-gather the stage's parameter shards over the FSDP axis
 ``RESHARD``     drop the gathered parameters (graphs still pending keep what they saved)
 ``REDUCE_GRAD`` reduce the stage's accumulated gradients over the FSDP axis, keep this rank's shard
-``SWAP_*``      accepted and ignored (activations stay where they are)
+``SWAP_OUT``    move the stage-microbatch's saved activations to host memory
+                (:class:`~hpfunc.transforms.activation_swap.ActivationSwap` on the saved-tensor stack)
+``SWAP_IN``     bring them back into device memory (before the backward that needs them)
 ==============  ==========================================================================
+
+A microbatch's graph (every tensor it saved) stays until its ``W`` or ``BW``: the weight side of a
+split backward needs the saved layer inputs. :attr:`SimResult.peak_resident_until_w
+<hpfunc.schedules.SimResult>` counts exactly that (minus what is swapped out); the activation bytes
+resident per rank, measured by storage liveness, equal it times the bytes of one stage-microbatch
+(``tests/pipeline/test_pipeline_swaps.py``).
 
 Stages placed on the same rank (the turn of a V, or interleaved stages) hand activations and
 gradients to each other in memory. The loss returned is the mean over microbatches (equal to the
@@ -39,15 +49,19 @@ Example (2 ranks, run under ``hpfunc launch --nproc 2``)::
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from hpfunc import saved_tensors
 from hpfunc import tree as _tree
 from hpfunc.mesh import Mesh
 from hpfunc.schedules import ActionKind, Schedule, insert_comms, validate
+from hpfunc.transforms.activation_swap import ActivationSwap
+from hpfunc.transforms.backward_split import BackwardState, backward_input, backward_weight
 
 __all__ = ["PipelineError", "PipelineStep", "pipeline_map", "shard_stage_params", "split_microbatches",
            "unshard_stage_grads"]
@@ -138,14 +152,17 @@ def unshard_stage_grads(grads: Any, mesh: Mesh, axis: str) -> Any:
 class _Saved:
     """What a stage's forward on one microbatch leaves for its backward."""
 
-    __slots__ = ("inputs", "outputs", "params", "out_grads", "done_b")
+    __slots__ = ("inputs", "outputs", "params", "out_grads", "done_b", "weight_state", "swap")
 
-    def __init__(self, inputs: list[torch.Tensor], outputs: list[torch.Tensor], params: list[torch.Tensor]):
+    def __init__(self, inputs: list[torch.Tensor], outputs: list[torch.Tensor], params: list[torch.Tensor],
+                 swap: ActivationSwap | None = None):
         self.inputs = inputs        # differentiable inputs (requires_grad leaves), [] for stage 0
         self.outputs = outputs      # differentiable outputs, or [scaled loss] on the last stage
         self.params = params        # the parameter leaves this forward used
         self.out_grads: list[torch.Tensor] | None = None
         self.done_b = False
+        self.weight_state: BackwardState | None = None  # what B kept for W (the gradients at the use sites)
+        self.swap = swap            # the saved tensors, when the schedule swaps this stage-microbatch
 
 
 class PipelineStep:
@@ -203,6 +220,7 @@ class PipelineStep:
         self.pp_index = mesh.axis_index(axis)
         self.local_stages = schedule.stages_of(self.pp_index)
         self.actions = schedule.actions[self.pp_index]
+        self._swapped = {(a.stage, a.microbatch) for a in self.actions if a.kind is K.SWAP_OUT}
         self._pp_group = mesh.group(axis)
 
     # -- helpers ----------------------------------------------------------------------------------
@@ -325,13 +343,19 @@ class PipelineStep:
                     outs.append(y)
                     gouts.append(None if sv.out_grads is None else sv.out_grads[k])
             dx_inputs = [x for x in sv.inputs] if want_dx else []
-            p_inputs = [t for t in sv.params if isinstance(t, torch.Tensor) and t.requires_grad] if want_dw else []
-            targets = dx_inputs + p_inputs
-            got: Sequence[torch.Tensor | None] = ()
-            if outs and targets:
-                got = torch.autograd.grad(outs, targets, grad_outputs=gouts, retain_graph=not want_dw,
-                                          allow_unused=True)
-            dx, dw = list(got[:len(dx_inputs)]), got[len(dx_inputs):]
+            p_inputs = [t for t in sv.params if isinstance(t, torch.Tensor) and t.requires_grad]
+            dx: list[torch.Tensor | None] = []
+            dw: Sequence[torch.Tensor | None] = []
+            if want_dx and want_dw:  # BW: one pass
+                targets = dx_inputs + p_inputs
+                if outs and targets:
+                    got = torch.autograd.grad(outs, targets, grad_outputs=gouts, allow_unused=True)
+                    dx, dw = list(got[:len(dx_inputs)]), got[len(dx_inputs):]
+            elif want_dx:  # B: dx, keeping the gradients at the parameters' use sites for W
+                dx, sv.weight_state = backward_input(outs, gouts, dx_inputs, p_inputs)
+            elif sv.weight_state is not None:  # W: weight gradients only, from what B kept
+                dw = backward_weight(sv.weight_state)
+                sv.weight_state = None
             if want_dx and s > 0:
                 dx = [torch.zeros_like(x) if g is None else g for x, g in zip(sv.inputs, dx)]
                 if sched.stage_to_rank[s - 1] == self.pp_index:
@@ -350,39 +374,49 @@ class PipelineStep:
             else:
                 sv.done_b = True
 
+        def forward(s: int, i: int, where: str) -> None:
+            # A function, so that no local (the outputs, the inputs) outlives the action: a
+            # loop variable would keep this microbatch's graph alive until the next forward.
+            if s not in live:
+                raise PipelineError(f"{where}: stage {s} is used while its parameters are not gathered (UNSHARD)")
+            if s == 0:
+                x = mbs[i] if self.first_input is None else self.first_input(mbs[i])
+                diff_inputs: list[torch.Tensor] = []
+            else:
+                raw = inputs.pop((s, i))
+                xs = tuple(t.detach().requires_grad_(_is_diff(t)) for t in raw)
+                diff_inputs = [t for t in xs if _is_diff(t)]
+                x = xs[0] if len(xs) == 1 else xs
+            p_tree = _tree.unflatten(specs[s], live[s])
+            swap = None
+            if (s, i) in self._swapped:
+                # Parameters, the batch and the stage inputs are held by the step: never copied.
+                swap = ActivationSwap(list(live[s]) + _tree.leaves(mbs[i]) +
+                                      (list(xs) if s > 0 else []))
+            with torch.enable_grad(), (saved_tensors.layer(swap) if swap is not None else contextlib.nullcontext()):
+                y = self.stage_fns[s](p_tree, x)
+                if s == last:
+                    value = self.loss_fn(y, mbs[i])
+                    if not isinstance(value, torch.Tensor) or value.numel() != 1:
+                        raise PipelineError(f"{where}: loss_fn must return a scalar tensor, found "
+                                            f"{type(value).__name__}")
+                    value = value.reshape(())
+                    losses.append(value.detach())
+                    outs = [value / m]
+            if s != last:
+                ys = _as_tuple(y, where)
+                outs = [t for t in ys if _is_diff(t)]
+                if sched.stage_to_rank[s + 1] == self.pp_index:
+                    inputs[(s + 1, i)] = tuple(t.detach() for t in ys)
+                else:
+                    outbox[(K.SEND_F, s, i)] = [t.detach() for t in ys]
+            saved[(s, i)] = _Saved(diff_inputs, outs, live[s], swap)
+
         for step, a in enumerate(self.actions):
             kind, s, i = a.kind, a.stage, a.microbatch
             where = f"pp rank {self.pp_index} step {step} ({a})"
             if kind is K.F:
-                if s not in live:
-                    raise PipelineError(f"{where}: stage {s} is used while its parameters are not gathered (UNSHARD)")
-                if s == 0:
-                    x = mbs[i] if self.first_input is None else self.first_input(mbs[i])
-                    diff_inputs: list[torch.Tensor] = []
-                else:
-                    raw = inputs.pop((s, i))
-                    xs = tuple(t.detach().requires_grad_(_is_diff(t)) for t in raw)
-                    diff_inputs = [t for t in xs if _is_diff(t)]
-                    x = xs[0] if len(xs) == 1 else xs
-                p_tree = _tree.unflatten(specs[s], live[s])
-                with torch.enable_grad():
-                    y = self.stage_fns[s](p_tree, x)
-                    if s == last:
-                        value = self.loss_fn(y, mbs[i])
-                        if not isinstance(value, torch.Tensor) or value.numel() != 1:
-                            raise PipelineError(f"{where}: loss_fn must return a scalar tensor, found "
-                                                f"{type(value).__name__}")
-                        value = value.reshape(())
-                        losses.append(value.detach())
-                        outs = [value / m]
-                if s != last:
-                    ys = _as_tuple(y, where)
-                    outs = [t for t in ys if _is_diff(t)]
-                    if sched.stage_to_rank[s + 1] == self.pp_index:
-                        inputs[(s + 1, i)] = tuple(t.detach() for t in ys)
-                    else:
-                        outbox[(K.SEND_F, s, i)] = [t.detach() for t in ys]
-                saved[(s, i)] = _Saved(diff_inputs, outs, live[s])
+                forward(s, i, where)
             elif kind is K.SEND_F:
                 self._send(outbox.pop((K.SEND_F, s, i)), a, pending, header=True)
             elif kind is K.RECV_F:
@@ -390,15 +424,14 @@ class PipelineStep:
             elif kind is K.SEND_B:
                 self._send(outbox.pop((K.SEND_B, s, i)), a, pending, header=False)
             elif kind is K.RECV_B:
-                sv = saved[(s, i)]
-                sv.out_grads = self._recv(a, sv.outputs)
+                saved[(s, i)].out_grads = self._recv(a, saved[(s, i)].outputs)
             elif kind is K.B:
                 if saved[(s, i)].done_b:
                     raise PipelineError(f"{where}: second B for stage {s} microbatch {i}")
                 backward(s, i, want_dx=True, want_dw=False)
             elif kind is K.W:
-                sv = saved.get((s, i))
-                if sv is None or not sv.done_b:
+                # (no local names the record: it would keep the graph alive after W deletes it)
+                if (s, i) not in saved or not saved[(s, i)].done_b:
                     raise PipelineError(f"{where}: W before the B of stage {s} microbatch {i}")
                 backward(s, i, want_dx=False, want_dw=True)
             elif kind is K.BW:
@@ -413,7 +446,16 @@ class PipelineStep:
                 grads[s] = [None if g is None else self._reduce_grad_shard(g) for g in grads[s]]
                 reduced.add(s)
             elif kind in (K.SWAP_OUT, K.SWAP_IN):
-                pass  # activations stay in place on this executor
+                rec = saved.get((s, i))
+                if rec is None or rec.swap is None:
+                    raise PipelineError(f"{where}: nothing to swap: stage {s} microbatch {i} has no forward pending "
+                                        f"on this rank (SWAP_OUT/SWAP_IN go between F and its backward)")
+                if kind is K.SWAP_OUT:
+                    # The outputs stay: the step holds them (backward roots, send buffers) anyway.
+                    rec.swap.swap_out(keep=rec.outputs)
+                else:
+                    rec.swap.swap_in()
+                del rec
             else:  # pragma: no cover - every kind is handled above
                 raise PipelineError(f"{where}: unsupported action kind {kind}")
         for w in pending:

@@ -115,3 +115,19 @@ def test_two_stages_on_one_rank() -> None:
     r = simulate(s)
     assert r.makespan == 6 and r.bubble_ratio[0] == 0
     assert r.peak_inflight[0] == 2 and r.peak_inflight_mb[0] == 1
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb_h1", "zbv", "dualpipev"])
+def test_peak_resident_until_w(name) -> None:
+    # What pipeline_map keeps on the device: F until W (or BW), minus swapped out.
+    from hpfunc.schedules import GENERATORS, insert_comms, insert_swaps, merge_backward
+
+    base = insert_comms(GENERATORS[name](2, 6))
+    plain, swapped = simulate(base), simulate(insert_swaps(base, max_resident=1, prefetch=1))
+    assert plain.peak_resident_until_w == plain.peak_until_w                 # nothing swapped
+    fused = simulate(merge_backward(base))
+    assert fused.peak_resident_until_w == fused.peak_resident                # BW frees where B did
+    for r in (0, 1):
+        assert swapped.peak_resident[r] <= swapped.peak_resident_until_w[r] <= plain.peak_until_w[r]
+    if name == "zbv":  # the numbers tests/pipeline/test_pipeline_swaps.py measures in bytes
+        assert (plain.peak_until_w, swapped.peak_resident_until_w) == ({0: 4, 1: 4}, {0: 2, 1: 3})
