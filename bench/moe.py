@@ -99,6 +99,7 @@ def rank_bench(args: dict) -> dict:
             idx = torch.cat([torch.zeros(0, k, dtype=torch.long)] + received[-1:])
             counts = torch.bincount(idx.reshape(-1), minlength=E).float()
             torch.distributed.all_reduce(counts)
+            counts /= axes.get("tp", 1)  # the tp ranks of an ETP group route the same tokens
             per_rank = counts.view(n_ep, -1).sum(1) if n_ep > 1 else counts.sum(0, keepdim=True)
             # saved activation bytes of the forward, in the layout the step uses (local blocks)
             my_x = batch["x"].chunk(world)[rank] if "tp" not in axes else batch["x"].chunk(2)[rank // 2]
@@ -117,7 +118,7 @@ def rank_bench(args: dict) -> dict:
                 gathered = {p: (v.chunk(n_ep)[e_rank] if p != "router" else v) for p, v in gathered.items()}
             report = saved_activations(fwd, {p: v.requires_grad_(True) for p, v in gathered.items()},
                                        my_x.requires_grad_(True), state_argnums=(0,))
-            n_rows = int(per_rank[rank // axes.get("tp", 1)] if n_ep > 1 else counts.sum())
+            n_rows = int(per_rank[rank // axes.get("tp", 1)]) if n_ep > 1 else my_x.shape[0] * k  # rows computed here
             i_local = gathered["w_gate"].shape[1]
             # the backward needs the experts' input rows, their gate and up outputs and the hidden product
             # (for the three weight gradients and SwiGLU's derivative), the layer input (router gradient)
