@@ -35,7 +35,7 @@ def test_kill_9_at_random_moments_never_leaves_an_incomplete_latest(tmp_path):
     root = tmp_path / "run"
     rng = random.Random(int.from_bytes(os.urandom(4), "little"))
     last = -1
-    for kill in range(4):
+    for kill in range(3):
         proc = subprocess.Popen([sys.executable, str(WRITER), str(root)], stdout=subprocess.PIPE, text=True,
                                 env={**os.environ, "PYTHONWARNINGS": "ignore"})
         try:
