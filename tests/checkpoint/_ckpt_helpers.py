@@ -169,3 +169,16 @@ def corrupt_is_named_on_every_rank(path: str) -> str:
     except checkpoint.CorruptCheckpointError as e:
         return str(e)
     return "loaded"
+
+
+def save_failure_is_every_ranks(path: str) -> str:
+    """Rank 0 cannot create the folder: every rank raises the same error (none waits forever)."""
+    import hpfunc
+    from hpfunc import P, checkpoint
+
+    mesh = hpfunc.Mesh({"fsdp": 2})
+    try:
+        checkpoint.save(path, {"w": hpfunc.shard(torch.arange(4.0), mesh, P("fsdp"))}, step=1)
+    except checkpoint.CheckpointError as e:
+        return str(e)
+    return "saved"

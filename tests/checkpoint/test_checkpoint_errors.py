@@ -127,3 +127,12 @@ def test_resave_of_a_step_replaces_it_whole(saved):
 def test_a_corrupt_file_is_the_error_of_every_rank(pools, tmp_path):
     msgs = pools(2).run(H.corrupt_is_named_on_every_rank, str(tmp_path / "c"))
     assert msgs[0] == msgs[1] and "__1_0.distcp: checksum mismatch" in msgs[0], msgs
+
+
+@pytest.mark.multirank
+def test_a_save_rank_0_cannot_start_fails_on_every_rank(pools, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    msgs = pools(2).run(H.save_failure_is_every_ranks, str(blocker / "step_1"))
+    assert msgs[0] == msgs[1] and msgs[0].startswith("save: rank 0 failed: NotADirectoryError"), msgs
+    assert blocker.read_text() == "not a folder"
