@@ -76,6 +76,7 @@ _LAZY_ATTRS = {
 
 _LAZY_SUBMODULES = frozenset({
     "optim", "models", "schedules", "transforms", "train", "testing", "launch", "memory", "layout", "saved_tensors",
+    "checkpoint",
 })
 
 

@@ -10,9 +10,12 @@ as ``model.layers.N.mlp.gate.e_score_correction_bias`` (transformers ignores it 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import pathlib
 import re
+import shutil
 from typing import Any
 
 import torch
@@ -24,6 +27,7 @@ from hpfunc.models.qwen3.model import _is_shape, param_shapes
 CONFIG_NAME = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+_SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 _EXPERT_PROJ = {"w_gate": "gate_proj", "w_up": "up_proj", "w_down": "down_proj"}
 _ATTN = {"wq": "q_proj.weight", "wk": "k_proj.weight", "wv": "v_proj.weight", "wo": "o_proj.weight",
          "bq": "q_proj.bias", "bk": "k_proj.bias", "bv": "v_proj.bias", "bo": "o_proj.bias",
@@ -242,17 +246,25 @@ def _parse_size(size: int | str) -> int:
     return int(float(m.group(1)) * mult)
 
 
-def save_pretrained(params: dict, cfg: Qwen3Config, path: str | os.PathLike, *,
-                    max_shard_size: int | str = "5GB") -> None:
-    """Write ``config.json`` and safetensors (sharded with an index when larger than ``max_shard_size``).
+def _fsync(path: pathlib.Path) -> None:
+    fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if path.is_dir() else 0))
+    try:
+        os.fsync(fd)
+    except OSError:  # a folder on a file system that cannot sync one
+        if not path.is_dir():
+            raise
+    finally:
+        os.close(fd)
 
-    Tensors are written in parameter order (all of a layer together); a tensor larger than the limit gets
-    a shard of its own. The exact inverse of :func:`from_pretrained`.
-    """
+
+def _is_model_file(name: str) -> bool:
+    """The files save_pretrained owns in a folder (everything else there, a tokenizer say, is kept)."""
+    return name in (CONFIG_NAME, SINGLE_FILE, INDEX_FILE) or _SHARD_FILE.fullmatch(name) is not None
+
+
+def _write_files(params: dict, cfg: Qwen3Config, folder: pathlib.Path, limit: int) -> None:
     from safetensors.torch import save_file
 
-    limit = _parse_size(max_shard_size)
-    os.makedirs(path, exist_ok=True)
     state = to_hf_state_dict(params, cfg)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
@@ -265,22 +277,76 @@ def save_pretrained(params: dict, cfg: Qwen3Config, path: str | os.PathLike, *,
         size += nbytes
     config = cfg.to_hf_dict()
     config["torch_dtype"] = str(params["embed"].dtype).removeprefix("torch.")  # informational, as on the hub
-    with open(os.path.join(path, CONFIG_NAME), "w") as f:
+    written = [folder / CONFIG_NAME]
+    with open(written[0], "w") as f:
         json.dump(config, f, indent=2, sort_keys=True, allow_nan=False)  # strict JSON
-    for stale in (SINGLE_FILE, INDEX_FILE):
-        if os.path.exists(os.path.join(path, stale)):
-            os.remove(os.path.join(path, stale))
     if len(shards) == 1:
-        save_file(shards[0], os.path.join(path, SINGLE_FILE), metadata={"format": "pt"})
-        return
-    weight_map = {}
-    total = 0
-    for i, shard in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, os.path.join(path, fname), metadata={"format": "pt"})
-        for name, t in shard.items():
-            weight_map[name] = fname
-            total += t.numel() * t.element_size()
-    with open(os.path.join(path, INDEX_FILE), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2, sort_keys=True,
-                  allow_nan=False)
+        save_file(shards[0], os.fspath(folder / SINGLE_FILE), metadata={"format": "pt"})
+        written.append(folder / SINGLE_FILE)
+    else:
+        weight_map = {}
+        total = 0
+        for i, shard in enumerate(shards):
+            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, os.fspath(folder / fname), metadata={"format": "pt"})
+            written.append(folder / fname)
+            for name, t in shard.items():
+                weight_map[name] = fname
+                total += t.numel() * t.element_size()
+        with open(folder / INDEX_FILE, "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2, sort_keys=True,
+                      allow_nan=False)
+        written.append(folder / INDEX_FILE)
+    for file in written:
+        _fsync(file)
+
+
+def save_pretrained(params: dict, cfg: Qwen3Config, path: str | os.PathLike, *,
+                    max_shard_size: int | str = "5GB") -> None:
+    """Write ``config.json`` and safetensors (sharded with an index when larger than ``max_shard_size``).
+
+    Tensors are written in parameter order (all of a layer together); a tensor larger than the limit gets
+    a shard of its own. The exact inverse of :func:`from_pretrained`.
+
+    Atomic: the files are written and synced in a hidden sibling folder ``.NAME.partial-PID``, which
+    then takes the place of ``path`` (the old folder is renamed aside and removed). A write that fails
+    (a full disk, an exception, a kill) leaves ``path`` as it was, never a mix of old and new files; the
+    other files of an existing folder (a tokenizer, a README) are carried over, and stale shards of an
+    older save are not.
+    """
+    limit = _parse_size(max_shard_size)
+    final = pathlib.Path(path).absolute()
+    if final.exists() and not final.is_dir():
+        raise NotADirectoryError(f"save_pretrained: {os.fspath(path)!r} exists and is not a folder")
+    tmp = final.with_name(f".{final.name}.partial-{os.getpid()}")
+    old = final.with_name(f".{final.name}.old-{os.getpid()}")
+    for leftover in (tmp, old):
+        if leftover.exists():
+            shutil.rmtree(leftover)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp.mkdir()
+    try:
+        _write_files(params, cfg, tmp, limit)
+        if final.exists():
+            for entry in final.iterdir():
+                if _is_model_file(entry.name):
+                    continue
+                if entry.is_dir():
+                    shutil.copytree(entry, tmp / entry.name, symlinks=True)
+                else:
+                    try:
+                        os.link(entry, tmp / entry.name, follow_symlinks=False)
+                    except OSError:
+                        shutil.copy2(entry, tmp / entry.name, follow_symlinks=False)
+        _fsync(tmp)
+        if final.exists():
+            os.replace(final, old)
+        os.replace(tmp, final)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            if old.exists() and not final.exists():
+                os.replace(old, final)  # a failure between the two renames: the old folder comes back
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _fsync(final.parent)
+    shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,147 @@
+"""Asynchronous saves: the state is staged into host copies while the caller waits, then written through
+DCP by a background thread while training goes on.
+
+At most one save is in flight: a new save first waits for the previous one (that wait counts as time
+the caller was blocked). :attr:`PendingSave.blocked_s` is what the training loop paid for the save
+(waiting for the previous one plus staging); :meth:`PendingSave.wait` returns the finished
+:class:`~hpfunc.checkpoint.dcp_io.SaveResult` and re-raises an error of the write.
+
+The background write talks to the other ranks over a process group of its own (created by
+:class:`AsyncSaver`, a collective call every rank makes), never the one training uses, so its
+collectives cannot interleave with the step's.
+
+>>> import tempfile, pathlib, torch
+>>> saver = AsyncSaver()
+>>> pending = saver.save(pathlib.Path(tempfile.mkdtemp()) / "step_1", {"w": torch.ones(2)}, step=1)
+>>> pending.blocked_s >= 0 and pending.wait().step
+1
+>>> saver.close()
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from hpfunc.checkpoint import _ranks
+from hpfunc.checkpoint.dcp_io import SaveResult, check_metadata, flatten_state, write_flat
+
+__all__ = ["AsyncSaver", "PendingSave", "stage"]
+
+
+def _copy(x: Any) -> Any:
+    if isinstance(x, DTensor):
+        local = x.to_local()
+        host = torch.empty(local.shape, dtype=local.dtype, device="cpu").copy_(local)
+        return DTensor.from_local(host, x.device_mesh, x.placements, run_check=False, shape=x.shape,
+                                  stride=x.stride())
+    if isinstance(x, torch.Tensor):
+        return torch.empty(x.shape, dtype=x.dtype, device="cpu").copy_(x)
+    return x
+
+
+def stage(flat: dict[str, Any]) -> dict[str, Any]:
+    """Host copies of this rank's blocks (DTensors keep their layout): the values the write will see,
+    whatever the caller does to its state afterwards.
+
+    >>> import torch
+    >>> w = torch.ones(2); staged = stage({"w": w}); _ = w.add_(1)
+    >>> staged["w"].tolist()
+    [1.0, 1.0]
+    """
+    return {k: _copy(v) for k, v in flat.items()}
+
+
+class PendingSave:
+    """A save in flight: :meth:`wait` for it; :attr:`blocked_s` is how long the caller was held."""
+
+    def __init__(self, path: os.PathLike, step: int) -> None:
+        self.path, self.step = path, step
+        self.blocked_s = 0.0
+        self._done = threading.Event()
+        self._result: SaveResult | None = None
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._reported = False  # the error was raised to the caller once
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self) -> SaveResult:
+        """Block until the write finished; its result, or its error raised here."""
+        self._done.wait()
+        if self._thread is not None:
+            self._thread.join()
+        if self._error is not None:
+            self._reported = True
+            raise self._error
+        assert self._result is not None
+        return self._result
+
+    def _run(self, write: Callable[[], SaveResult]) -> None:
+        try:
+            self._result = write()
+        except BaseException as e:  # noqa: BLE001 - re-raised by wait()
+            self._error = e
+        finally:
+            self._done.set()
+
+
+class AsyncSaver:
+    """Saves in the background, one at a time (see the module docstring).
+
+    Args:
+        after_save: called in the background thread with each finished :class:`SaveResult` (a
+            :class:`~hpfunc.checkpoint.manager.CheckpointManager` prunes old checkpoints there).
+    """
+
+    def __init__(self, *, after_save: Callable[[SaveResult], None] | None = None) -> None:
+        # a group of its own for the background thread's collectives (every rank creates it, in order)
+        self._group = dist.new_group(backend="gloo") if _ranks.active() and _ranks.world(None) > 1 else None
+        self._after_save = after_save
+        self._pending: PendingSave | None = None
+
+    def save(self, path: str | os.PathLike, state: Any, *, step: int, metadata: Any = None) -> PendingSave:
+        """Stage ``state`` and start writing it to ``path`` (after the previous save finished); every rank calls it."""
+        start = time.perf_counter()
+        check_metadata(metadata)
+        flat = flatten_state(state)
+        self.wait()  # at most one in flight; an error of the previous save is raised here
+        staged = stage(flat)
+        pending = PendingSave(path, step)
+        group, after = self._group, self._after_save
+
+        def write() -> SaveResult:
+            result = write_flat(path, staged, step=step, metadata=metadata, group=group)
+            if after is not None:
+                after(result)
+            return result
+
+        pending._thread = threading.Thread(target=pending._run, args=(write,), name=f"hpfunc-ckpt-save-{step}")
+        self._pending = pending
+        pending._thread.start()
+        pending.blocked_s = time.perf_counter() - start
+        return pending
+
+    def wait(self) -> SaveResult | None:
+        """Wait for the save in flight, if any; its result (its error raised here, unless the caller already
+        had it from :meth:`PendingSave.wait`)."""
+        pending, self._pending = self._pending, None
+        if pending is None or (pending.done() and pending._reported):
+            return None
+        return pending.wait()
+
+    def close(self) -> None:
+        """Finish the save in flight and let the process group go."""
+        try:
+            self.wait()
+        finally:
+            if self._group is not None:
+                dist.destroy_process_group(self._group)
+                self._group = None
