@@ -291,6 +291,10 @@ def start_mesh(pc: ParallelConfig) -> Iterator[Any]:
             if err is None or err is e:
                 raise
             raise err from e
+        # a finished run: the ranks leave together (rank 0 still writes its outputs), so that no rank
+        # tears its process group down while a peer's gloo connection to it is still in use (seen once
+        # under load: a rank aborting in teardown with "terminate called without an active exception")
+        dist.barrier()
     finally:
         if created and dist.is_initialized():
             dist.destroy_process_group()

@@ -37,13 +37,7 @@ linux_only = pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads p
 # Processes, from /proc
 
 
-def _stat(pid: int) -> tuple[str, int] | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return fields[0], int(fields[1])
-    except (OSError, IndexError, ValueError):
-        return None
+from hpfunc.faults import _stat  # (state letter, parent pid) from /proc, or None
 
 
 def _children(pid: int) -> list[int]:
