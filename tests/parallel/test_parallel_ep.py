@@ -147,6 +147,79 @@ def test_capacity_factor_must_be_positive():
             AllToAll(capacity_factor=bad)
 
 
+def run_padded(world: int, T: int, k: int, E: int, factor: float, seed: int) -> tuple[int, int]:
+    """``PaddedAllToAll``: forward and backward make no device-to-host read (no ``aten._local_scalar_dense``,
+    the op behind ``.item()`` / ``.tolist()``); pairs past ``B = ceil(f T k / n)`` per destination (in expert
+    order) are dropped and counted; the output and the gradients equal one device's ``grouped_experts``
+    with the dropped pairs' weights zeroed (all of them kept when nothing overflows)."""
+    import math
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import hpfunc
+    from hpfunc import lax
+    from hpfunc.models.dispatch import PaddedAllToAll
+    from hpfunc.models.moe import expert_ffn, grouped_experts
+    from hpfunc.testing import assert_trees_close
+
+    class NoHostRead(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default):
+                raise AssertionError(f"a device-to-host read: {func}")
+            return func(*args, **(kwargs or {}))
+
+    mesh = hpfunc.Mesh({"ep": world})
+    with mesh:
+        r = lax.axis_index("ep")
+    g = torch.Generator().manual_seed(seed * 100 + r)
+    x = torch.randn(T, 8, generator=g, dtype=torch.float32)
+    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    idx[: T // 2, 0] = 0  # rank 0's first expert is hot
+    w = torch.rand(T, k, generator=g)
+    gw = torch.Generator().manual_seed(seed)
+    wg, wu, wd = (torch.randn(E, 4, 8, generator=gw), torch.randn(E, 4, 8, generator=gw), torch.randn(E, 8, 4, generator=gw))
+    local, B = E // world, max(1, math.ceil(factor * T * k / world))
+    pairs = sorted((int(idx[t, j]), t * k + j) for t in range(T) for j in range(k))  # the stable sort by expert
+    mask, seen, by_hand = torch.ones(T, k), [0] * world, 0
+    for e, tj in pairs:
+        d = e // local
+        seen[d] += 1
+        if seen[d] > B:
+            mask[tj // k, tj % k], by_hand = 0.0, by_hand + 1
+    mine = slice(r * local, (r + 1) * local)
+    ins = [t.clone().requires_grad_(True) for t in (x, w, wg[mine], wu[mine], wd[mine])]
+    cot = torch.randn(T, 8, generator=g)
+    with mesh, NoHostRead():
+        d = PaddedAllToAll(buffer_factor=factor)
+        sent = d.dispatch(ins[0], idx, num_experts=E, axis="ep")
+        out = d.combine(expert_ffn(sent.tokens, sent.counts, *ins[2:], impl="grouped_mm"), sent, ins[1])
+        grads = torch.autograd.grad((out * cot).sum(), ins[:2])
+    ref_in = [t.clone().requires_grad_(True) for t in (x, w)]
+    ref = grouped_experts(ref_in[0], idx, ref_in[1] * mask, wg, wu, wd, impl="bmm")
+    ref_grads = torch.autograd.grad((ref * cot).sum(), ref_in)
+    assert int(sent.overflow) == by_hand, (int(sent.overflow), by_hand)
+    assert_trees_close(out, ref, rtol=1e-5, atol=1e-5, what=f"padded {factor} output")
+    assert_trees_close(list(grads), list(ref_grads), rtol=1e-5, atol=1e-5, what=f"padded {factor} grads")
+    return int(sent.overflow), by_hand
+
+
+@pytest.mark.parametrize("world,factor", [(2, 4.0), (2, 0.5), (4, 1.0)])
+def test_padded_dispatch_never_reads_the_host_and_counts_its_overflow(pools, world, factor):
+    got = pools(world).run(run_padded, world, 8, 2, 2 * world, factor, 3)
+    if factor >= world:  # a buffer as large as all of a rank's pairs: nothing can overflow
+        assert all(o == 0 for o, _ in got), got
+    if factor == 0.5:
+        assert any(o > 0 for o, _ in got), got
+
+
+def test_buffer_factor_must_be_positive():
+    from hpfunc.models.dispatch import PaddedAllToAll
+
+    for bad in (0, -2.0, float("inf")):
+        with pytest.raises(ValueError, match="buffer_factor must be a finite number > 0"):
+            PaddedAllToAll(buffer_factor=bad)
+
+
 # ---- the whole model through hpfunc.parallelize
 
 
