@@ -166,9 +166,10 @@ def expert_ffn(
                 return F.grouped_mm(a.bfloat16(), w.transpose(1, 2).bfloat16(), offs=offs).to(a.dtype)
             return F.grouped_mm(a, w.transpose(1, 2), offs=offs)
 
-        # One grouped matmul for gate and up: on CPU each grouped_mm is a loop of E small matmuls,
-        # and the number of parallel regions, not FLOPs, dominates on a busy machine.
-        gate, up = gmm(xs, torch.cat((w_gate, w_up), dim=1)).split(w_gate.shape[1], dim=-1)
+        # Two grouped matmuls, not one over torch.cat((w_gate, w_up), 1): the concatenated weight would be
+        # a new tensor the backward keeps, a copy of both weights per MoE layer (38.6 GB of bf16 over the
+        # 48 layers of Qwen3-30B-A3B without expert parallelism). The fused one was 3-5% faster on CPU.
+        gate, up = gmm(xs, w_gate), gmm(xs, w_up)
         h = F.silu(gate) * up
         # Scale before the down projection (I <= H in Qwen3: fewer multiplies); equal up to rounding.
         return gmm(h if scale is None else h * scale, w_down)
