@@ -44,6 +44,15 @@ from hpfunc.layout import PlanError
 __all__ = ["AllToAll", "Dispatched", "PaddedAllToAll", "PaddedDispatched"]
 
 
+def _split_experts(num_experts: int, axis: str | None) -> tuple[int, int]:
+    """``(ranks on the axis, experts per rank)``; :class:`PlanError` unless the experts split evenly."""
+    n = lax.axis_size(axis) if axis is not None else 1
+    if num_experts % n:
+        raise PlanError(f"expert parallelism over {axis!r}: {num_experts} experts do not split over {n} ranks; "
+                        f"the number of experts must be a multiple of the axis size")
+    return n, num_experts // n
+
+
 class Dispatched(NamedTuple):
     """What :meth:`AllToAll.dispatch` hands to the experts (``tokens``, ``counts``) and keeps for
     :meth:`AllToAll.combine` (the rest)."""
@@ -86,11 +95,7 @@ class AllToAll:
         """Send the rows of ``x [T, H]`` to the ranks of ``axis`` holding the experts ``indices [T, k]``
         (global ids in ``[0, num_experts)``); ``axis=None``: this rank holds every expert."""
         T, k = indices.shape
-        n = lax.axis_size(axis) if axis is not None else 1
-        if num_experts % n:
-            raise PlanError(f"expert parallelism over {axis!r}: {num_experts} experts do not split over {n} ranks; "
-                            f"the number of experts must be a multiple of the axis size")
-        local = num_experts // n
+        n, local = _split_experts(num_experts, axis)
         flat = indices.reshape(-1)
         with torch.no_grad():
             order = torch.argsort(flat, stable=True)
@@ -180,11 +185,7 @@ class PaddedAllToAll:
                  axis: str | None) -> PaddedDispatched:
         """As :meth:`AllToAll.dispatch`, into fixed-size buffers of ``B`` rows per destination rank."""
         T, k = indices.shape
-        n = lax.axis_size(axis) if axis is not None else 1
-        if num_experts % n:
-            raise PlanError(f"expert parallelism over {axis!r}: {num_experts} experts do not split over {n} ranks; "
-                            f"the number of experts must be a multiple of the axis size")
-        local = num_experts // n
+        n, local = _split_experts(num_experts, axis)
         B = max(1, math.ceil(self.buffer_factor * T * k / n))
         flat = indices.reshape(-1)
         dev = flat.device
