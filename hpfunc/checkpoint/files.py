@@ -1,4 +1,4 @@
-"""Durable files and folders: fsync, checksums, and folders that appear whole or not at all.
+"""Folders that appear whole or not at all, and checksums (the fsync of files and folders is :mod:`hpfunc.durable`).
 
 A checkpoint folder is written under a hidden temporary sibling name, synced, and renamed into place
 (:func:`publish`); an old one is removed by renaming it to a hidden name first (:func:`remove_dir`), so
@@ -18,37 +18,18 @@ that a folder with a checkpoint's name is always a whole one, whatever moment th
 
 from __future__ import annotations
 
-import contextlib
 import os
 import pathlib
 import shutil
 import zlib
 
-__all__ = ["fsync_file", "fsync_dir", "file_crc32", "publish", "remove_dir", "partial_name", "is_partial"]
+from hpfunc.durable import fsync_dir
+
+__all__ = ["file_crc32", "publish", "remove_dir", "partial_name", "is_partial"]
 
 _CHUNK = 8 << 20
 PARTIAL = ".partial"
 _TRASH = ".removing"
-
-
-def fsync_file(path: str | os.PathLike) -> None:
-    """Flush a file's bytes to the disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_dir(path: str | os.PathLike) -> None:
-    """Make the entries of a folder (files created or renamed in it) durable; a no-op where the file
-    system does not allow syncing a folder."""
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 def file_crc32(path: str | os.PathLike) -> str:

@@ -26,7 +26,8 @@ from typing import Any, Iterable
 import torch
 
 from hpfunc.checkpoint.errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
-from hpfunc.checkpoint.files import file_crc32, fsync_dir, fsync_file
+from hpfunc.checkpoint.files import file_crc32
+from hpfunc.durable import fsync_dir, fsync_file
 
 __all__ = ["MARKER", "FORMAT", "build", "write", "read", "describe_files", "check_files", "key_entry",
            "dtype_name", "parse_dtype"]

@@ -53,6 +53,20 @@ def _split_experts(num_experts: int, axis: str | None) -> tuple[int, int]:
     return n, num_experts // n
 
 
+def _inverse(perm: torch.Tensor) -> torch.Tensor:
+    """The inverse of a permutation (no gradient: indices)."""
+    with torch.no_grad():
+        inv = torch.empty_like(perm)
+        inv[perm] = torch.arange(perm.numel(), device=perm.device)
+    return inv
+
+
+def _weighted_sum(rows: torch.Tensor, order: torch.Tensor, k: int, weights: torch.Tensor) -> torch.Tensor:
+    """``out[t] = sum_j weights[t, j] * rows[pair (t, j)]`` for ``rows`` in the pairs' sorted ``order``."""
+    w = weights.reshape(-1)[order].unsqueeze(-1).to(rows.dtype)
+    return rows.new_zeros(weights.shape[0], rows.shape[-1]).index_add(0, order // k, rows * w)
+
+
 class Dispatched(NamedTuple):
     """What :meth:`AllToAll.dispatch` hands to the experts (``tokens``, ``counts``) and keeps for
     :meth:`AllToAll.combine` (the rest)."""
@@ -124,15 +138,10 @@ class AllToAll:
     def combine(self, y: torch.Tensor, sent: Dispatched, weights: torch.Tensor) -> torch.Tensor:
         """``out[t] = sum_j weights[t, j] * (output of pair (t, j))`` for the experts' outputs ``y [N, H']``
         (rows as :meth:`dispatch` grouped them); ``[T, H']``."""
-        with torch.no_grad():
-            back = torch.empty_like(sent.regroup)
-            back[sent.regroup] = torch.arange(sent.regroup.numel(), device=sent.regroup.device)
-        rows = y[back]  # grouped by source rank again
+        rows = y[_inverse(sent.regroup)]  # grouped by source rank again
         if sent.axis is not None and len(sent.send_sizes) > 1:
             rows = lax.all_to_all(rows, sent.axis, 0, 0, split_sizes=sent.recv_sizes, recv_sizes=sent.send_sizes)
-        w = weights.reshape(-1)[sent.order].unsqueeze(-1).to(rows.dtype)
-        T = weights.shape[0]
-        return rows.new_zeros(T, rows.shape[-1]).index_add(0, sent.order // sent.k, rows * w)
+        return _weighted_sum(rows, sent.order, sent.k, weights)
 
 
 class PaddedDispatched(NamedTuple):
@@ -213,13 +222,8 @@ class PaddedAllToAll:
 
     def combine(self, y: torch.Tensor, sent: PaddedDispatched, weights: torch.Tensor) -> torch.Tensor:
         """As :meth:`AllToAll.combine`; the empty slots' rows (never computed) are zeroed first."""
-        y = torch.where(sent.valid.unsqueeze(-1), y, 0.0)
-        with torch.no_grad():
-            back = torch.empty_like(sent.regroup)
-            back[sent.regroup] = torch.arange(sent.regroup.numel(), device=sent.regroup.device)
-        buf = y[back]
+        buf = torch.where(sent.valid.unsqueeze(-1), y, 0.0)[_inverse(sent.regroup)]
         if sent.axis is not None and lax.axis_size(sent.axis) > 1:
             buf = lax.all_to_all(buf, sent.axis, 0, 0)
         rows = torch.cat((buf, buf.new_zeros(1, buf.shape[-1])))[sent.slot]  # a pair that did not fit: 0
-        w = weights.reshape(-1)[sent.order].unsqueeze(-1).to(rows.dtype)
-        return rows.new_zeros(weights.shape[0], rows.shape[-1]).index_add(0, sent.order // sent.k, rows * w)
+        return _weighted_sum(rows, sent.order, sent.k, weights)

@@ -47,6 +47,7 @@ import sys
 import warnings
 from typing import Any, Iterable, Sequence, TextIO
 
+from hpfunc.durable import fsync_dir
 from hpfunc.train.config import ConfigError
 
 __all__ = [
@@ -148,16 +149,6 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[n:]
 
 
-def _fsync_dir(folder: pathlib.Path) -> None:
-    # the rename itself is durable only once the folder is synced; not every file system allows it
-    with contextlib.suppress(OSError):
-        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
 def write_atomic(path: str | pathlib.Path, data: bytes | str) -> pathlib.Path:
     """Write ``data`` to ``path`` so that the file is either the old one, or the new one complete.
 
@@ -186,7 +177,7 @@ def write_atomic(path: str | pathlib.Path, data: bytes | str) -> pathlib.Path:
         old = "the previous file is unchanged" if path.exists() else "it was not created"
         raise OutputWriteError(f"cannot write {path}: {_why(e)}; {old} (the files written before are intact); "
                                f"free space or choose another output.dir", path) from None
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     return path
 
 

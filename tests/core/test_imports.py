@@ -21,7 +21,7 @@ from _source_modules import PACKAGE, SourceModule, source_modules
 
 # The layers below the transforms and the trainer.
 CORE = ("hpfunc.tree", "hpfunc.mesh", "hpfunc.sharding", "hpfunc.lax", "hpfunc.random", "hpfunc.autodiff",
-        "hpfunc.comm", "hpfunc.microbatch", "hpfunc.saved_tensors")
+        "hpfunc.comm", "hpfunc.microbatch", "hpfunc.saved_tensors", "hpfunc.durable")
 CORE_PACKAGES = ("hpfunc.layout", "hpfunc.models", "hpfunc.optim")  # and all their submodules
 UPPER_PACKAGES = ("hpfunc.transforms", "hpfunc.train")
 

@@ -106,9 +106,6 @@ def run_ep_parity(mesh_shape: dict, roles: list[str], *, top_k: int = 2, experts
         if i == 0:
             out["load"] = aux["expert_load"].tolist()
     # the experts are split: this rank holds E / n of them
-    w = hpfunc.tree.leaves_with_paths(params)
-    expert = dict(w)["layers.1.moe.experts.w_gate"] if "layers.1.moe.experts.w_gate" in dict(w) else None
-    if expert is not None:
-        out["local_experts"] = expert.to_local().shape[0]
+    out["local_experts"] = params["layers"][1]["moe"]["experts"]["w_gate"].to_local().shape[0]
     out["loss"] = float(to_full(metrics["loss"]))
     return out

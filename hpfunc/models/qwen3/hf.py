@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from hpfunc import tree as _tree
+from hpfunc.durable import fsync_dir, fsync_file
 from hpfunc.models.config import ConfigError, Qwen3Config
 from hpfunc.models.qwen3.model import _is_shape, param_shapes
 
@@ -246,17 +247,6 @@ def _parse_size(size: int | str) -> int:
     return int(float(m.group(1)) * mult)
 
 
-def _fsync(path: pathlib.Path) -> None:
-    fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if path.is_dir() else 0))
-    try:
-        os.fsync(fd)
-    except OSError:  # a folder on a file system that cannot sync one
-        if not path.is_dir():
-            raise
-    finally:
-        os.close(fd)
-
-
 def _is_model_file(name: str) -> bool:
     """The files save_pretrained owns in a folder (everything else there, a tokenizer say, is kept)."""
     return name in (CONFIG_NAME, SINGLE_FILE, INDEX_FILE) or _SHARD_FILE.fullmatch(name) is not None
@@ -298,7 +288,7 @@ def _write_files(params: dict, cfg: Qwen3Config, folder: pathlib.Path, limit: in
                       allow_nan=False)
         written.append(folder / INDEX_FILE)
     for file in written:
-        _fsync(file)
+        fsync_file(file)
 
 
 def save_pretrained(params: dict, cfg: Qwen3Config, path: str | os.PathLike, *,
@@ -338,7 +328,7 @@ def save_pretrained(params: dict, cfg: Qwen3Config, path: str | os.PathLike, *,
                         os.link(entry, tmp / entry.name, follow_symlinks=False)
                     except OSError:
                         shutil.copy2(entry, tmp / entry.name, follow_symlinks=False)
-        _fsync(tmp)
+        fsync_dir(tmp)
         if final.exists():
             os.replace(final, old)
         os.replace(tmp, final)
@@ -348,5 +338,5 @@ def save_pretrained(params: dict, cfg: Qwen3Config, path: str | os.PathLike, *,
                 os.replace(old, final)  # a failure between the two renames: the old folder comes back
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _fsync(final.parent)
+    fsync_dir(final.parent)
     shutil.rmtree(old, ignore_errors=True)
