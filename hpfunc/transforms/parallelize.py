@@ -141,7 +141,8 @@ class ParallelizedStep:
             storage, treedef = _tree.flatten(params)
             ctx = RankStep(planned.cfg, planned.paths, storage)
             user_state = replace_path(state, pp, _tree.unflatten(treedef, ctx.opt_blocks))
-            with layout.bind(ctx):
+            model_paths = None if self.plan.pipeline is None else self.plan.pipeline.stages.paths
+            with layout.bind(ctx), layout.model_parameter_paths(model_paths):
                 new_state, *extra = fn(user_state, *rest)
             new_leaves, new_def = _tree.flatten(get_path(new_state, pp))
             if new_def != treedef:
@@ -192,9 +193,11 @@ class ParallelizedStep:
         return self._run(first, first_state, planned, (), (), (out_specs,))[0]
 
     def shard_params(self, params: Any) -> Any:
-        """Full parameters (identical on every rank) -> DTensors with the plan's storage specs."""
+        """Full parameters (identical on every rank) -> DTensors with the plan's storage specs (under a
+        ``pp`` layer: those of this rank's stages; the others become ``None``)."""
+        params = self.plan.local_params(params, self.mesh)
         res = self.plan.resolve(params, self.mesh)
-        return shard(params, self.mesh, _tree.map_with_path(lambda p, x: res[p].spec.storage, params))
+        return shard(params, self.mesh, lambda p, x: res[p].spec.storage)
 
     def __call__(self, state: Any, batch: Any) -> tuple[Any, Any]:
         self._check_context()
@@ -300,7 +303,9 @@ def init_sharded(init_fn: Callable, mesh: Mesh, plan: Plan, key: torch.Tensor, *
     each leaf with the :class:`~hpfunc.sharding.NamedSharding` given for it (a tree shaped like
     ``shapes``); with counter-based :mod:`hpfunc.random` each rank samples only its block, and the
     values equal the unsharded ``init_fn(key)`` (``functools.partial(qwen3.init, cfg=cfg)`` does this).
+    Under a ``pp`` layer the leaves of other pipeline ranks' stages get ``None`` and must come back ``None``.
     """
+    shapes = plan.local_params(shapes, mesh)  # a pipeline rank creates only its stages' parameters
     res = plan.resolve(shapes, mesh)
     shardings = _tree.map_with_path(lambda p, s: NamedSharding(mesh, res[p].spec.storage), shapes,
                                     is_leaf=lambda x: isinstance(x, torch.Size))

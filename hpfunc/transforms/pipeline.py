@@ -50,13 +50,14 @@ Example (2 ranks, run under ``hpfunc launch --nproc 2``)::
 from __future__ import annotations
 
 import contextlib
+from fractions import Fraction
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from hpfunc import saved_tensors
+from hpfunc import comm, saved_tensors
 from hpfunc import tree as _tree
 from hpfunc.mesh import Mesh
 from hpfunc.schedules import ActionKind, Schedule, insert_comms, validate
@@ -176,7 +177,7 @@ class PipelineStep:
 
     def __init__(self, stage_fns: Sequence[Callable], schedule: Schedule, mesh: Mesh, *, axis: str,
                  loss_fn: Callable, data_axis: str | None, fsdp_axis: str | None, first_input: Callable | None,
-                 check: bool):
+                 check: bool, with_microbatch: bool = False, loss_scale: float = 1.0):
         if not isinstance(schedule, Schedule):
             raise TypeError(f"pipeline_map: schedule must be an hpfunc.schedules.Schedule, found {type(schedule).__name__}")
         stage_fns = list(stage_fns)
@@ -217,6 +218,10 @@ class PipelineStep:
         # runtime for stages that are not FSDP-wrapped; torch's own lowering always contains them.
         self.fsdp = has_fsdp_actions and fsdp_axis is not None
         self.first_input = first_input
+        # the front door's mode (hpfunc.parallelize with a pp layer): stage_fns[s](params, x, microbatch),
+        # loss_fn(params, y, microbatch) -> (loss, aux), the last stage's loss seeded with loss_scale / m
+        self.with_microbatch = with_microbatch
+        self.loss_scale = float(loss_scale)
         self.pp_index = mesh.axis_index(axis)
         self.local_stages = schedule.stages_of(self.pp_index)
         self.actions = schedule.actions[self.pp_index]
@@ -256,6 +261,16 @@ class PipelineStep:
         for j, t in enumerate(tensors):
             ops.append(dist.P2POp(dist.isend, t.contiguous(), peer, self._pp_group,
                                   self._tag(action.kind, action.stage, action.microbatch, j + 1)))
+        collectors = comm.active()
+        if collectors:  # the counter sees pipeline traffic: each message's bytes (the header apart)
+            phase = "forward" if action.kind is K.SEND_F else "backward"
+            n = self.mesh.axis_size(self.axis)
+            if header:
+                comm.record(collectors, op="send", name="pipeline_header", axes=(self.axis,), n=n,
+                            payload_bytes=_HEADER * 8, phase=phase, tag="header", sent_bytes=Fraction(_HEADER * 8))
+            nbytes = sum(t.numel() * t.element_size() for t in tensors)
+            comm.record(collectors, op="send", name="pipeline_" + ("activations" if phase == "forward" else "grads"),
+                        axes=(self.axis,), n=n, payload_bytes=nbytes, phase=phase, sent_bytes=Fraction(nbytes))
         if ops:
             pending.extend(dist.batch_isend_irecv(ops))
 
@@ -299,6 +314,22 @@ class PipelineStep:
 
     # -- the step ------------------------------------------------------------------------------------
     def __call__(self, params: Mapping[int, Any], batch: Any) -> tuple[torch.Tensor, dict[int, Any]]:
+        losses, _, out = self.execute(params, batch)
+        # The loss lives on the last stage's rank; every rank returns it.
+        sched = self.schedule
+        loss = torch.stack(losses).mean() if losses else torch.zeros((), dtype=torch.float32)
+        loss = loss.detach().to(torch.float32).clone()
+        holder = sched.stage_to_rank[sched.num_stages - 1]
+        dist.broadcast(loss, src=self._global(holder), group=self._pp_group)
+        if self.data_axis is not None:
+            dist.all_reduce(loss, group=self.mesh.group(self.data_axis))
+            loss.div_(self.mesh.axis_size(self.data_axis))
+        return loss, out
+
+    def execute(self, params: Mapping[int, Any], batch: Any) -> tuple[list[torch.Tensor], list[Any], dict[int, Any]]:
+        """Run this rank's actions: ``(losses, auxes, grads)`` -- the last stage's loss (and, in the
+        microbatch mode, its aux) per microbatch on the rank holding it (empty lists elsewhere), and the
+        gradients of the local stages' parameters (see :meth:`__call__`)."""
         sched = self.schedule
         m = sched.num_microbatches
         last = sched.num_stages - 1
@@ -333,6 +364,7 @@ class PipelineStep:
         outbox: dict[tuple[ActionKind, int, int], list[torch.Tensor]] = {}
         saved: dict[tuple[int, int], _Saved] = {}
         losses: list[torch.Tensor] = []
+        auxes: list[Any] = []
         pending: list = []
 
         def backward(s: int, i: int, *, want_dx: bool, want_dw: bool) -> None:
@@ -394,15 +426,22 @@ class PipelineStep:
                 swap = ActivationSwap(list(live[s]) + _tree.leaves(mbs[i]) +
                                       (list(xs) if s > 0 else []))
             with torch.enable_grad(), (saved_tensors.layer(swap) if swap is not None else contextlib.nullcontext()):
-                y = self.stage_fns[s](p_tree, x)
+                if self.with_microbatch:
+                    y = self.stage_fns[s](p_tree, None if s == 0 else x, mbs[i])
+                else:
+                    y = self.stage_fns[s](p_tree, x)
                 if s == last:
-                    value = self.loss_fn(y, mbs[i])
+                    if self.with_microbatch:
+                        value, aux = self.loss_fn(p_tree, y, mbs[i])
+                        auxes.append(aux)
+                    else:
+                        value = self.loss_fn(y, mbs[i])
                     if not isinstance(value, torch.Tensor) or value.numel() != 1:
                         raise PipelineError(f"{where}: loss_fn must return a scalar tensor, found "
                                             f"{type(value).__name__}")
                     value = value.reshape(())
                     losses.append(value.detach())
-                    outs = [value / m]
+                    outs = [value * (self.loss_scale / m)]
             if s != last:
                 ys = _as_tuple(y, where)
                 outs = [t for t in ys if _is_diff(t)]
@@ -483,16 +522,7 @@ class PipelineStep:
                     g.div_(self.mesh.axis_size(self.data_axis))
                 gs.append(g)
             out[s] = _tree.unflatten(specs[s], gs)
-
-        # The loss lives on the last stage's rank; every rank returns it.
-        loss = torch.stack(losses).mean() if losses else torch.zeros((), dtype=torch.float32)
-        loss = loss.detach().to(torch.float32).clone()
-        holder = sched.stage_to_rank[last]
-        dist.broadcast(loss, src=self._global(holder), group=self._pp_group)
-        if self.data_axis is not None:
-            dist.all_reduce(loss, group=self.mesh.group(self.data_axis))
-            loss.div_(self.mesh.axis_size(self.data_axis))
-        return loss, out
+        return losses, auxes, out
 
 
 def pipeline_map(stage_fns: Sequence[Callable], schedule: Schedule, mesh: Mesh, *, axis: str = "pp",

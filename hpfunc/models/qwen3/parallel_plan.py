@@ -8,6 +8,8 @@ torchtitan keeps ``parallelize.py`` next to each ``model.py``); generic code nam
 * :func:`ep_experts`: the expert stacks that ``plans.ep(axis, ep_experts(cfg))`` splits over the
   expert-parallel axis (the MoE blocks then dispatch tokens to their experts' ranks,
   :mod:`hpfunc.models.dispatch`);
+* :func:`pipeline_stages`: the model split into pipeline stages for ``plans.pp(axis, pipeline_stages(cfg, n))``
+  (:mod:`hpfunc.models.qwen3.stages`);
 * :func:`apply` / :func:`loss`: :func:`~hpfunc.models.qwen3.model.apply` / ``loss`` with the hooks of
   the layout that the step binds (:mod:`hpfunc.layout`); with no tensor-parallel axis bound they *are*
   the single-device functions.
@@ -54,8 +56,10 @@ from hpfunc.layout import (ColwiseParallel, RowwiseParallel, SequenceParallel, S
                            gather_sequence, reduce_partial, scatter_sequence)
 from hpfunc.models.config import Qwen3Config
 from hpfunc.models.qwen3 import model as _model
+from hpfunc.models.qwen3.stages import layers_per_stage, pipeline_stages
 
-__all__ = ["tp_styles", "ep_experts", "apply", "loss", "adamw_when", "decay_mask"]
+__all__ = ["tp_styles", "ep_experts", "pipeline_stages", "layers_per_stage", "apply", "loss", "adamw_when",
+           "decay_mask"]
 
 
 def tp_styles(cfg: Qwen3Config, *, vocab_parallel: bool = False, sequence_parallel: bool = False) -> dict[str, Style]:
@@ -190,7 +194,11 @@ def apply(params: dict, tokens: torch.Tensor, cfg: Qwen3Config, *, return_aux: b
 
 def loss(params: dict, batch: dict, cfg: Qwen3Config, *, moe_impl: str = "auto") -> tuple[torch.Tensor, dict]:
     """:func:`qwen3.loss <hpfunc.models.qwen3.model.loss>` in the bound layout (identical without a bound
-    axis); the value is the same on every rank of the axis."""
+    axis); the value is the same on every rank of the axis. Under a ``pp`` plan layer the loss runs
+    pipelined through the plan's stages (:func:`pipeline_stages` of this config)."""
+    pipe = layout.runner()
+    if pipe is not None:
+        return pipe.run(params, batch, owner=cfg)
     hooks = _hooks(cfg, batch)
     if hooks:
         hooks["cross_entropy"] = functools.partial(_cross_entropy, cfg=cfg)
