@@ -78,7 +78,6 @@ def run_pp_parity(mesh_shape: dict, roles: list[str], *, schedule: str = "1f1b",
     step = parallel_train_step(loss_fn, opt, mesh, plan, has_aux=True, return_grads=True)
     params = step.shard_params(full)
     state = step.init_opt_state(params)
-    local = plan.local_params(full, mesh)
     ref_params, ref_state = full, opt.init(full)
     g = torch.Generator().manual_seed(seed + 1)
     out: dict = {"local_paths": [p for p, _ in hpfunc.tree.leaves_with_paths(params)]}
@@ -112,6 +111,6 @@ def run_pp_parity(mesh_shape: dict, roles: list[str], *, schedule: str = "1f1b",
                            atol=0.05 * LR * (i + 1), what=f"{what} params")
         out["grad_norm"] = float(to_full(metrics["grad_norm"]))
         out["ref_grad_norm"] = float(optim.global_norm(ref_grads))
-    del local
+        assert abs(out["grad_norm"] - out["ref_grad_norm"]) <= 1e-5 * out["ref_grad_norm"], f"{what} grad norm"
     out["loss"] = float(to_full(metrics["loss"]))
     return out

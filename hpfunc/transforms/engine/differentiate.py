@@ -135,7 +135,7 @@ def value_and_grad(cfg: EngineConfig, blocks: list[torch.Tensor], call: Callable
     if plan.pipeline is not None:
         from hpfunc.transforms.engine.pipelined import StagePipeline
 
-        pipe = StagePipeline(cfg)
+        pipe = StagePipeline(cfg, layer)
     with torch.enable_grad(), saved_tensors.layer(layer), layout.tensor_parallel(
             plan.tp_axis, vocab_parallel=plan.tp_vocab_parallel, sequence_parallel=plan.tp_sequence_parallel), \
             layout.expert_parallel(plan.ep_axis), layout.data_parallel(cfg.data_axes), layout.pipeline(pipe):

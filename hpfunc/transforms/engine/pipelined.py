@@ -85,7 +85,8 @@ def build_executor(cfg: Any) -> Any:
 class StagePipeline:
     """The pipeline runner of one differentiation (see the module docstring)."""
 
-    def __init__(self, cfg: Any):
+    def __init__(self, cfg: Any, params_layer: Any):
+        self.params_layer = params_layer  # the step's saved-tensor layer (gather.ParamLayer)
         self.layer = cfg.plan.pipeline
         self.axis, self.stages = self.layer.axis, self.layer.stages
         self.seed = cfg.seed_scale
@@ -107,7 +108,8 @@ class StagePipeline:
         # per local stage: the leaves it uses (the others None), so each stage differentiates its own
         trees = {s: _tree.map_with_path(lambda path, x, s=s: x if s in stages.stage_of(path) else None, full)
                  for s in self.local_stages}
-        losses, auxes, grads = self.executor.execute(trees, batch)
+        with self.params_layer.keeping_gathered():
+            losses, auxes, grads = self.executor.execute(trees, batch)
         # the gradient of every leaf this rank holds, summed over its local stages (a leaf shared by
         # stages on several pipeline ranks is a replica over the pipeline axis: the engine sums it there)
         by_path: dict[str, torch.Tensor] = {}
