@@ -77,6 +77,7 @@ class _Planned:
     paths: list[str]
     cfg: EngineConfig
     placements: list[tuple]  # the storage placements of the parameters, in flattening order
+    checks: Any = "trusted"  # the replication check of the state's leaves (a tree under a pp layer)
 
 
 @attrs.frozen(eq=False)
@@ -118,7 +119,14 @@ class ParallelizedStep:
         cfg = EngineConfig(self.mesh, self.plan, [res[p] for p in paths], [x.dtype for _, x in pairs])
         placements = [tuple(spec_to_placements(res[p].spec.storage, self.mesh, len(res[p].shape), where=p))
                       for p in paths]
-        hit = self._cache[key] = _Planned(res, specs, paths, cfg, placements)
+        checks: Any = "trusted"
+        if self.plan.pipeline is not None:
+            # a leaf of one pipeline stage exists on that stage's ranks only: nothing to compare across
+            # the pipeline axis (the replication check runs over whole axes), so it is not checked
+            checks = _tree.unflatten(treedef, [
+                False if _stage_local(path, k, is_param, paths, res) else "trusted"
+                for k, (path, _) in enumerate(_tree.leaves_with_paths(state))])
+        hit = self._cache[key] = _Planned(res, specs, paths, cfg, placements, checks)
         return hit
 
     def _metrics_specs(self, metrics: Any, res: Mapping[str, LeafLayout]) -> Any:
@@ -133,7 +141,7 @@ class ParallelizedStep:
 
     # -- running ----------------------------------------------------------------------------------
     def _run(self, fn: Callable, state_in: Any, planned: _Planned, args: tuple, arg_specs: tuple,
-             out_specs: Any) -> Any:
+             out_specs: Any, state_checks: Any = "trusted") -> Any:
         mesh, pp = self.mesh, self.params
 
         def body(state: Any, *rest: Any) -> Any:
@@ -154,8 +162,17 @@ class ParallelizedStep:
         # replicated by construction (the state: reduced gradients, identical updates; the metrics: the
         # engine's reductions): checked only when HPFUNC_CHECK_REP asks (the test suite: exact), so that the
         # hot path pays no collective for it
+        if isinstance(state_checks, str):
+            check: Any = "trusted"
+        else:  # a pipeline: neither state nor metrics leaves of one stage (its gradients) are compared over it
+
+            def check(out: Any) -> tuple:
+                rest = [_tree.map_with_path(lambda path, x: False if _stage_local(path, -1, {}, planned.paths,
+                                                                                   planned.res) else "trusted", o)
+                        for o in out[1:]]
+                return (state_checks, *rest)
         return shard_map(body, mesh=mesh, in_specs=(planned.specs, *arg_specs), out_specs=out_specs,
-                         check_rep="trusted")(state_in, *args)
+                         check_rep=check)(state_in, *args)
 
     def _check_context(self) -> None:
         """Refuse orders of transforms that cannot make sense, naming both."""
@@ -183,14 +200,15 @@ class ParallelizedStep:
                               if isinstance(x, torch.Tensor) else x, params)
         abstract = init_fn(meta)
         get_path(abstract, pp)  # the state must hold the parameters where `params=` says
-        out_specs = self._planned(abstract).specs
+        out_planned = self._planned(abstract)
+        out_specs = out_planned.specs
         first_state = holder(pp, params)
         planned = self._planned(first_state)
 
         def first(state: Any) -> tuple:
             return (init_fn(get_path(state, pp)),)
 
-        return self._run(first, first_state, planned, (), (), (out_specs,))[0]
+        return self._run(first, first_state, planned, (), (), (out_specs,), out_planned.checks)[0]
 
     def shard_params(self, params: Any) -> Any:
         """Full parameters (identical on every rank) -> DTensors with the plan's storage specs (under a
@@ -213,7 +231,17 @@ class ParallelizedStep:
             return out
 
         return self._run(fn, state, planned, (batch,), (batch_spec,),
-                         lambda out: (planned.specs, self._metrics_specs(out[1], planned.res)))
+                         lambda out: (planned.specs, self._metrics_specs(out[1], planned.res)), planned.checks)
+
+
+def _stage_local(path: str, k: int, is_param: Mapping[int, int], paths: list[str],
+                 res: Mapping[str, LeafLayout]) -> bool:
+    """Whether state leaf ``k`` (at ``path``) belongs to one pipeline stage: a parameter of one stage, or
+    a leaf laid out like one (its optimizer state)."""
+    if k in is_param:
+        return res[paths[is_param[k]]].stage_axis is not None
+    suffix = param_suffix(path, res)
+    return suffix is not None and res[suffix].stage_axis is not None
 
 
 def _state_leaf_spec(path: str, x: Any, res: Mapping[str, LeafLayout]) -> P:

@@ -353,6 +353,8 @@ class Plan:
         self.check_mesh(mesh)
         shapes = {p: tuple(x.shape if isinstance(x, torch.Tensor) else x)
                   for p, x in _tree.leaves_with_paths(params, is_leaf=lambda x: isinstance(x, torch.Size))}
+        if self.pipeline is not None:
+            self.pipeline.check_paths(list(shapes))
         used = {pat: False for pat, _ in self.rules}
         out = {}
         for path, shape in shapes.items():
@@ -376,8 +378,7 @@ class Plan:
                 pa = self.pipeline.axis
                 out[path] = attrs.evolve(out[path], stage_axis=pa,
                                          replicated=tuple(a for a in out[path].replicated if a != pa))
-        if self.pipeline is not None:
-            self.pipeline.check_paths(list(shapes))
+
         for layer in self.layers:  # a style pattern that matches nothing is a typo (or the wrong model's table)
             for pat in [pat for pat, _ in layer.styles] + list(layer.experts):
                 used.setdefault(pat, any(_rule_matches(pat, p) for p in shapes))
