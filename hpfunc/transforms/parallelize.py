@@ -217,6 +217,25 @@ class ParallelizedStep:
         res = self.plan.resolve(params, self.mesh)
         return shard(params, self.mesh, lambda p, x: res[p].spec.storage)
 
+    def full_params(self, params: Any) -> Any:
+        """Full tensors of the (sharded) parameters on every rank: a collective, every rank calls it.
+        Under a ``pp`` layer every leaf comes from the pipeline rank that holds it (a broadcast over the
+        pipeline axis), so each rank gets the whole model."""
+        import logging
+
+        # a dimension split over two axes (fsdp x ep) gathers in two steps; DTensor warns (once per rank)
+        # that the reduction order may differ between ranks, which cannot happen here: a gather reduces nothing
+        log = logging.getLogger("torch.distributed.tensor._redistribute")
+        level = log.level
+        log.setLevel(logging.ERROR)
+        try:
+            local = _tree.tree_map(lambda x: x.full_tensor() if isinstance(x, DTensor) else x, params)
+        finally:
+            log.setLevel(level)
+        if self.plan.pipeline is None:
+            return local
+        return _broadcast_stages(local, self.plan, self.mesh)
+
     def __call__(self, state: Any, batch: Any) -> tuple[Any, Any]:
         self._check_context()
         planned = self._planned(state)
@@ -232,6 +251,28 @@ class ParallelizedStep:
 
         return self._run(fn, state, planned, (batch,), (batch_spec,),
                          lambda out: (planned.specs, self._metrics_specs(out[1], planned.res)), planned.checks)
+
+
+def _broadcast_stages(local: Any, plan: Plan, mesh: Mesh) -> Any:
+    """Every pipeline rank's full parameters, from the tree of this rank's (``None`` for other stages')."""
+    import torch.distributed as dist
+
+    layer = plan.pipeline
+    sched = plan.pipeline_schedule(mesh)
+    group = mesh.group(layer.axis)
+    held = dict(_tree.leaves_with_paths(local))
+    metas: list = [None] * mesh.axis_size(layer.axis)
+    dist.all_gather_object(metas, {p: (tuple(x.shape), str(x.dtype).removeprefix("torch.")) for p, x in held.items()},
+                           group=group)
+    found = {}
+    for path in layer.stages.paths:
+        owner = sched.stage_to_rank[layer.stages.stage_of(path)[0]]
+        shape, dtype = metas[owner][path]
+        x = held[path] if path in held else torch.empty(shape, dtype=getattr(torch, dtype))
+        x = x.contiguous()
+        dist.broadcast(x, src=dist.get_global_rank(group, owner), group=group)
+        found[path] = x
+    return _tree.map_with_path(lambda path, x: found[path], local, none_is_leaf=True)
 
 
 def _stage_local(path: str, k: int, is_param: Mapping[int, int], paths: list[str],
