@@ -50,8 +50,10 @@ Example (2 ranks, run under ``hpfunc launch --nproc 2``)::
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from fractions import Fraction
-from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -64,8 +66,8 @@ from hpfunc.schedules import ActionKind, Schedule, insert_comms, validate
 from hpfunc.transforms.activation_swap import ActivationSwap
 from hpfunc.transforms.backward_split import BackwardState, backward_input, backward_weight
 
-__all__ = ["PipelineError", "PipelineStep", "pipeline_map", "shard_stage_params", "split_microbatches",
-           "unshard_stage_grads"]
+__all__ = ["PipelineError", "PipelineStep", "pipeline_map", "record_timeline", "shard_stage_params",
+           "split_microbatches", "unshard_stage_grads"]
 
 K = ActionKind
 
@@ -166,6 +168,79 @@ class _Saved:
         self.swap = swap            # the saved tensors, when the schedule swaps this stage-microbatch
 
 
+_TIMELINE: contextvars.ContextVar[list | None] = contextvars.ContextVar("hpfunc_pipeline_timeline", default=None)
+
+
+@contextlib.contextmanager
+def record_timeline() -> Iterator[list]:
+    """Record this rank's pipeline events while inside: a list of ``(what, action text, seconds)``
+    with ``what`` one of ``"start"``/``"end"`` (a compute action: F, B, W, BW), ``"post"`` (a receive
+    posted), ``"arrived"`` (a receive waited for and complete) and ``"send"`` (a send posted); times
+    from ``time.perf_counter()``. ``bench/pipeline.py`` draws the timelines and measures the bubble
+    from them; the tests check that receives are posted ahead of the compute that waits for them."""
+    events: list = []
+    token = _TIMELINE.set(events)
+    try:
+        yield events
+    finally:
+        _TIMELINE.reset(token)
+
+
+def _event(what: str, action: Any) -> None:
+    events = _TIMELINE.get()
+    if events is not None:
+        events.append((what, str(action), time.perf_counter()))
+
+
+class _PendingRecv:
+    """A posted receive: its header (forward messages name their shapes) and payload works."""
+
+    __slots__ = ("step", "action", "peer", "header", "header_ops", "works", "bufs")
+
+    def __init__(self, step: "PipelineStep", action: Any, peer: int):
+        self.step, self.action, self.peer = step, action, peer
+        self.header: torch.Tensor | None = None
+        self.header_ops: list = []
+        self.works: list = []
+        self.bufs: list[torch.Tensor] | None = None
+
+    def post_payload(self, bufs: list[torch.Tensor]) -> None:
+        a, st = self.action, self.step
+        self.bufs = bufs
+        ops = self.header_ops + [dist.P2POp(dist.irecv, b, self.peer, st._pp_group,
+                                            st._tag(a.kind, a.stage, a.microbatch, j + 1)) for j, b in enumerate(bufs)]
+        self.header_ops = []
+        if ops:
+            self.works += dist.batch_isend_irecv(ops)
+
+    def wait(self) -> list[torch.Tensor]:
+        for w in self.works:
+            w.wait()
+        self.works = []
+        if self.bufs is None:  # the header told the shapes: receive the payload now
+            h = self.header
+            bufs = []
+            for j in range(int(h[0])):
+                base = 1 + j * (2 + _MAX_NDIM)
+                nd = int(h[base + 1])
+                bufs.append(torch.empty(tuple(int(d) for d in h[base + 2: base + 2 + nd]), dtype=_DTYPES[int(h[base])]))
+            self.post_payload(bufs)
+            for w in self.works:
+                w.wait()
+            self.works = []
+        elif self.header is not None:  # posted early with the first microbatch's shapes: the header must agree
+            h = self.header
+            for j, b in enumerate(self.bufs):
+                base = 1 + j * (2 + _MAX_NDIM)
+                shape = tuple(int(d) for d in h[base + 2: base + 2 + int(h[base + 1])])
+                if int(h[0]) != len(self.bufs) or shape != tuple(b.shape) or _DTYPES[int(h[base])] != b.dtype:
+                    raise PipelineError(f"{self.action}: stage input {j} arrived as {shape} but the first "
+                                        f"microbatch's was {tuple(b.shape)}; microbatches of one step must "
+                                        f"give every stage inputs of one shape")
+        _event("arrived", self.action)
+        return self.bufs
+
+
 class PipelineStep:
     """The step built by :func:`pipeline_map`; call it as ``step(params, batch) -> (loss, grads)``.
 
@@ -261,6 +336,7 @@ class PipelineStep:
         for j, t in enumerate(tensors):
             ops.append(dist.P2POp(dist.isend, t.contiguous(), peer, self._pp_group,
                                   self._tag(action.kind, action.stage, action.microbatch, j + 1)))
+        _event("send", action)
         collectors = comm.active()
         if collectors:  # the counter sees pipeline traffic: each message's bytes (the header apart)
             phase = "forward" if action.kind is K.SEND_F else "backward"
@@ -274,25 +350,29 @@ class PipelineStep:
         if ops:
             pending.extend(dist.batch_isend_irecv(ops))
 
-    def _recv(self, action: Any, like: Sequence[torch.Tensor] | None) -> list[torch.Tensor]:
+    def _post_recv(self, action: Any, like: Sequence[Any] | None) -> "_PendingRecv":
+        """Post the receive of ``action`` now (non-blocking): the payload into buffers shaped like
+        ``like`` (tensors, or ``(shape, dtype)`` pairs), or, with ``like=None``, its header first (then
+        the payload is posted once the header has arrived, at :meth:`_PendingRecv.wait`)."""
         peer = self._global(action.peer)
         kind, s, i = action.kind, action.stage, action.microbatch
+        pending = _PendingRecv(self, action, peer)
         if like is None:
-            h = torch.empty(_HEADER, dtype=torch.int64)
-            for w in dist.batch_isend_irecv([dist.P2POp(dist.irecv, h, peer, self._pp_group, self._tag(kind, s, i, 0))]):
-                w.wait()
-            bufs = []
-            for j in range(int(h[0])):
-                base = 1 + j * (2 + _MAX_NDIM)
-                nd = int(h[base + 1])
-                bufs.append(torch.empty(tuple(int(d) for d in h[base + 2: base + 2 + nd]), dtype=_DTYPES[int(h[base])]))
+            pending.header = torch.empty(_HEADER, dtype=torch.int64)
+            pending.works = dist.batch_isend_irecv(
+                [dist.P2POp(dist.irecv, pending.header, peer, self._pp_group, self._tag(kind, s, i, 0))])
         else:
-            bufs = [torch.empty_like(t) for t in like]
-        if bufs:
-            ops = [dist.P2POp(dist.irecv, b, peer, self._pp_group, self._tag(kind, s, i, j + 1)) for j, b in enumerate(bufs)]
-            for w in dist.batch_isend_irecv(ops):
-                w.wait()
-        return bufs
+            if self.with_microbatch and kind is K.RECV_F:  # the sender's header still comes: take it too
+                pending.header = torch.empty(_HEADER, dtype=torch.int64)
+                pending.header_ops = [dist.P2POp(dist.irecv, pending.header, peer, self._pp_group,
+                                                 self._tag(kind, s, i, 0))]
+            pending.post_payload([torch.empty_like(t) if isinstance(t, torch.Tensor) else torch.empty(t[0], dtype=t[1])
+                                  for t in like])
+        _event("post", action)
+        return pending
+
+    def _recv(self, action: Any, like: Sequence[torch.Tensor] | None) -> list[torch.Tensor]:
+        return self._post_recv(action, like).wait()
 
     # -- FSDP ----------------------------------------------------------------------------------------
     def _unshard(self, shards: Any) -> Any:
@@ -451,19 +531,43 @@ class PipelineStep:
                     outbox[(K.SEND_F, s, i)] = [t.detach() for t in ys]
             saved[(s, i)] = _Saved(diff_inputs, outs, live[s], swap)
 
+        # Receives are posted as early as their buffers are known, so that the transfer runs while this
+        # rank computes other microbatches: a gradient's as soon as the forward made the outputs it
+        # mirrors; in the front door's mode (microbatches of one shape) every later forward input of a
+        # stage once the first one told the shapes. Each is waited for where the schedule puts it.
+        recv_b = {(a.stage, a.microbatch): a for a in self.actions if a.kind is K.RECV_B}
+        recv_f: dict[int, list] = {}
+        for a in self.actions:
+            if a.kind is K.RECV_F:
+                recv_f.setdefault(a.stage, []).append(a)
+        posted: dict[tuple, _PendingRecv] = {}
+        computes = (K.F, K.B, K.W, K.BW)
+
         for step, a in enumerate(self.actions):
             kind, s, i = a.kind, a.stage, a.microbatch
             where = f"pp rank {self.pp_index} step {step} ({a})"
+            if kind in computes:
+                _event("start", a)
             if kind is K.F:
                 forward(s, i, where)
+                rb = recv_b.get((s, i))
+                if rb is not None and (s, i) in saved:
+                    posted[(K.RECV_B, s, i)] = self._post_recv(rb, saved[(s, i)].outputs)
             elif kind is K.SEND_F:
                 self._send(outbox.pop((K.SEND_F, s, i)), a, pending, header=True)
             elif kind is K.RECV_F:
-                inputs[(s, i)] = tuple(self._recv(a, None))
+                got = posted.pop((K.RECV_F, s, i), None)
+                got = tuple((got or self._post_recv(a, None)).wait())
+                inputs[(s, i)] = got
+                if self.with_microbatch and recv_f.get(s) and recv_f[s][0] is a:
+                    like = [(t.shape, t.dtype) for t in got]
+                    for later in recv_f[s][1:]:
+                        posted[(K.RECV_F, s, later.microbatch)] = self._post_recv(later, like)
             elif kind is K.SEND_B:
                 self._send(outbox.pop((K.SEND_B, s, i)), a, pending, header=False)
             elif kind is K.RECV_B:
-                saved[(s, i)].out_grads = self._recv(a, saved[(s, i)].outputs)
+                got = posted.pop((K.RECV_B, s, i), None)
+                saved[(s, i)].out_grads = (got or self._post_recv(a, saved[(s, i)].outputs)).wait()
             elif kind is K.B:
                 if saved[(s, i)].done_b:
                     raise PipelineError(f"{where}: second B for stage {s} microbatch {i}")
@@ -497,6 +601,10 @@ class PipelineStep:
                 del rec
             else:  # pragma: no cover - every kind is handled above
                 raise PipelineError(f"{where}: unsupported action kind {kind}")
+            if kind in computes:
+                _event("end", a)
+        if posted:  # pragma: no cover - every posted receive has its RECV action
+            raise PipelineError(f"pp rank {self.pp_index}: receives posted but never waited for: {sorted(posted)}")
         for w in pending:
             w.wait()
         if saved:

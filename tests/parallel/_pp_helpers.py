@@ -114,3 +114,28 @@ def run_pp_parity(mesh_shape: dict, roles: list[str], *, schedule: str = "1f1b",
         assert abs(out["grad_norm"] - out["ref_grad_norm"]) <= 1e-5 * out["ref_grad_norm"], f"{what} grad norm"
     out["loss"] = float(to_full(metrics["loss"]))
     return out
+
+
+def run_timeline(schedule: str = "1f1b", m: int = 4) -> dict:
+    """One pipelined step of the tiny dense Qwen3 on 2 pipeline ranks with the timeline recorded:
+    ``{action: [(what, seconds), ...]}`` plus this rank's action order."""
+    import hpfunc
+    from hpfunc import optim
+    from hpfunc.models.qwen3 import parallel_plan
+    from hpfunc.transforms.parallelize import parallel_train_step
+    from hpfunc.transforms.pipeline import record_timeline
+
+    cfg = model_cfg("dense", 4, False)
+    mesh = hpfunc.Mesh({"pp": 2})
+    plan = plan_of(cfg, {"pp": 2}, ["pp"], schedule, m)
+    step = parallel_train_step(lambda p, b: parallel_plan.loss(p, b, cfg), optim.adamw(LR), mesh, plan,
+                               has_aux=True)
+    from hpfunc.models import qwen3
+
+    params = step.shard_params(qwen3.init(hpfunc.random.key(0), cfg))
+    state = step.init_opt_state(params)
+    b = {"tokens": torch.randint(0, cfg.vocab_size, (8, 8), generator=torch.Generator().manual_seed(0))}
+    step(params, state, b)  # warm
+    with record_timeline() as events:
+        step(params, state, b)
+    return {"events": events, "actions": [str(a) for a in plan.pipeline_schedule(mesh).actions[mesh.axis_index("pp")]]}

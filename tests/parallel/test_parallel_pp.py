@@ -157,3 +157,19 @@ def test_stages_run_one_after_the_other_are_the_model():
         torch.testing.assert_close(aux["aux_loss"], ref["aux_loss"], rtol=1e-6, atol=1e-7)
         assert torch.equal(aux["expert_load"], ref["expert_load"])
         assert set(stages.paths) == {path for path, _ in __import__("hpfunc").tree.leaves_with_paths(p)}
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_receives_are_posted_ahead_of_the_compute_that_waits_for_them(pools, schedule):
+    """The recorded timeline of one step: every receive but each stage's first forward input (whose
+    header tells the shapes) is posted before at least one compute action that runs ahead of its
+    arrival, so its transfer overlaps that compute (on gloo the transfer runs on gloo's threads)."""
+    for rank, out in enumerate(pools(2).run(H.run_timeline, schedule)):
+        ev = out["events"]
+        posts = {a: t for what, a, t in ev if what == "post"}
+        arrived = {a: t for what, a, t in ev if what == "arrived"}
+        starts = [t for what, a, t in ev if what == "start"]
+        assert posts and set(posts) == set(arrived), rank
+        overlapped = {a for a, t in posts.items() if any(t < ts < arrived[a] for ts in starts)}
+        firsts = {a for a in posts if a.endswith("RECV_F0")}
+        assert set(posts) - overlapped == firsts, (rank, sorted(set(posts) - overlapped), out["actions"])

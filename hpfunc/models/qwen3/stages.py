@@ -37,6 +37,7 @@ from hpfunc.models.config import Qwen3Config
 from hpfunc.models.layers import rms_norm
 from hpfunc.models.moe import balancing_loss_from_stats, expert_counts, routing_stats
 from hpfunc.models.qwen3 import model as _model
+from hpfunc.models.qwen3.hooks import cross_entropy, layout_hooks
 
 __all__ = ["pipeline_stages", "layers_per_stage"]
 
@@ -95,9 +96,7 @@ def pipeline_stages(cfg: Qwen3Config, num_stages: int, *, layers: Sequence[int] 
         raise PlanError(f"qwen3 pipeline: no stage for parameter {path!r}")
 
     def hooks(mb: dict) -> dict:
-        from hpfunc.models.qwen3.parallel_plan import _hooks
-
-        return _hooks(cfg, mb)
+        return layout_hooks(cfg, mb)
 
     def forward(s: int, params: Any, carry: Any, mb: dict) -> tuple:
         hk = hooks(mb)
@@ -135,9 +134,7 @@ def pipeline_stages(cfg: Qwen3Config, num_stages: int, *, layers: Sequence[int] 
         w_out = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
         logits = F.linear(h, w_out) if "head" not in hk else hk["head"](h, w_out)
         if hk:
-            from hpfunc.models.qwen3.parallel_plan import _cross_entropy
-
-            ce = _cross_entropy(logits, labels, cfg)
+            ce = cross_entropy(logits, labels, cfg)
         else:
             ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
                                  ignore_index=_model.IGNORE_INDEX)
