@@ -59,6 +59,27 @@ def test_pp_composes_on_4_ranks(pools, mesh, roles, case):
     pools(4).run(H.run_pp_parity, mesh, roles, **case)
 
 
+@pytest.mark.parametrize("case", [
+    dict(schedule="1f1b", m=2, remat="nothing_saveable"),
+    dict(schedule="zbv", m=4, remat={0: "nothing_saveable", 2: "nothing_saveable"}),  # full recompute under B/W
+    dict(schedule="interleaved", m=4, remat=["dots_saveable", None, "nothing_saveable", "dots_saveable"]),
+    dict(schedule="zb_h1", m=4, kind="moe", remat=["nothing_saveable", None]),
+], ids=["all-stages", "zbv-some", "interleaved-per-stage", "moe-zb_h1"])
+def test_per_stage_recompute_matches_single_device(pools, case):
+    pools(2).run(H.run_pp_parity, {"pp": 2}, ["pp"], steps=1, **case)
+
+
+def test_selective_recompute_on_a_split_backward_is_a_plan_error():
+    cfg, shapes, pplan = _dense()
+    plan = plans.pp("pp", pplan.pipeline_stages(cfg, 4), schedule="zbv", microbatches=4, remat="dots_saveable")
+    with pytest.raises(PlanError, match=r"stage 0 has the selective remat policy dots_saveable but schedule 'zbv' "
+                                        r"splits its backward"):
+        plan.resolve(shapes, AbstractMesh({"pp": 2}))
+    with pytest.raises(PlanError, match=r"unknown remat policy 'dots'"):
+        plans.pp("pp", pplan.pipeline_stages(cfg, 2), microbatches=2, remat="dots").resolve(
+            shapes, AbstractMesh({"pp": 2}))
+
+
 def test_pp_fsdp_tp_on_8_ranks(pools):
     mesh, roles = {"pp": 2, "fsdp": 2, "tp": 2}, ["pp", "fsdp", "tp"]
     pools(8).run(H.run_pp_parity, mesh, roles, schedule="1f1b", m=2, steps=1)
