@@ -83,6 +83,9 @@ def run_pp_parity(mesh_shape: dict, roles: list[str], *, schedule: str = "1f1b",
     ref_params, ref_state = full, opt.init(full)
     g = torch.Generator().manual_seed(seed + 1)
     out: dict = {"local_paths": [p for p, _ in hpfunc.tree.leaves_with_paths(params)]}
+    # the bytes of this rank's stages' parameters, whole (what FSDP gathers once per step)
+    out["stage_bytes"] = sum(x.numel() * x.element_size() for _, x in hpfunc.tree.leaves_with_paths(
+        plan.local_params(full, mesh)))
     for i in range(steps):
         b = {"tokens": torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)}
         if count_comm and i == 0:

@@ -113,6 +113,21 @@ def test_pipeline_sends_are_counted_as_the_schedule_says(pools):
     assert sum(r[0] == "send" and r[6] == "header" for r in out[0]["records"]) == 4
 
 
+def test_fsdp_inside_stages_gathers_each_stage_once_per_step(pools):
+    """pp 2 x fsdp 2: each rank all-gathers its stages' parameters once per step (payload = their whole
+    bytes, every leaf being sharded) and reduce-scatters their gradients once, over ``fsdp`` only; the
+    pipeline's sends go over ``pp`` only."""
+    out = pools(4).run(H.run_pp_parity, {"pp": 2, "fsdp": 2}, ["pp", "fsdp"], schedule="1f1b", m=2, steps=1,
+                       count_comm=True)
+    for rank, o in enumerate(out):
+        def total(op, axes):
+            return sum(r[3] for r in o["records"] if r[0] == op and r[2] == axes)
+        assert total("all_gather", ("fsdp",)) == o["stage_bytes"], rank
+        assert total("reduce_scatter", ("fsdp",)) == o["stage_bytes"], rank
+        assert {r[2] for r in o["records"] if r[0] == "send"} == {("pp",)}, rank
+        assert not [r for r in o["records"] if r[0] in ("all_gather", "reduce_scatter") and "pp" in r[2]], rank
+
+
 # ---- errors before any communication
 
 
