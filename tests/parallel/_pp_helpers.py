@@ -144,3 +144,23 @@ def run_timeline(schedule: str = "1f1b", m: int = 4) -> dict:
     with record_timeline() as events:
         step(params, state, b)
     return {"events": events, "actions": [str(a) for a in plan.pipeline_schedule(mesh).actions[mesh.axis_index("pp")]]}
+
+
+def run_unpipelined_loss() -> str:
+    """A step whose loss is the model's single-device ``qwen3.loss`` under a pp plan: the error it raises."""
+    import hpfunc
+    from hpfunc import optim
+    from hpfunc.layout import PlanError
+    from hpfunc.models import qwen3
+    from hpfunc.transforms.parallelize import parallel_train_step
+
+    cfg = model_cfg("dense", 4, False)
+    mesh = hpfunc.Mesh({"pp": 2})
+    step = parallel_train_step(lambda p, b: qwen3.loss(p, b, cfg), optim.adamw(LR), mesh,
+                               plan_of(cfg, {"pp": 2}, ["pp"], "1f1b", 2), has_aux=True)
+    params = step.shard_params(qwen3.init(hpfunc.random.key(0), cfg))
+    try:
+        step(params, step.init_opt_state(params), {"tokens": torch.zeros(4, 8, dtype=torch.long)})
+    except PlanError as err:
+        return str(err)
+    return "no error"

@@ -209,3 +209,8 @@ def test_receives_are_posted_ahead_of_the_compute_that_waits_for_them(pools, sch
         overlapped = {a for a, t in posts.items() if any(t < ts < arrived[a] for ts in starts)}
         firsts = {a for a in posts if a.endswith("RECV_F0")}
         assert set(posts) - overlapped == firsts, (rank, sorted(set(posts) - overlapped), out["actions"])
+
+
+def test_a_loss_that_skips_the_pipeline_stages_is_a_plan_error(pools):
+    for msg in pools(2).run(H.run_unpipelined_loss):
+        assert "under a pp plan" in msg and "qwen3.parallel_plan.loss" in msg, msg
