@@ -80,6 +80,13 @@ def test_selective_recompute_on_a_split_backward_is_a_plan_error():
             shapes, AbstractMesh({"pp": 2}))
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "zb_h1", "zb_h2", "zbv", "dualpipev"])
+def test_pp4_more_schedules_match_single_device(pools, schedule):
+    two = schedule in ("zbv", "dualpipev")
+    pools(4).run(H.run_pp_parity, {"pp": 4}, ["pp"], schedule=schedule, m=8 if schedule == "dualpipev" else 4,
+                 layers=8 if two else 4, steps=1)
+
+
 def test_pp_fsdp_tp_on_8_ranks(pools):
     mesh, roles = {"pp": 2, "fsdp": 2, "tp": 2}, ["pp", "fsdp", "tp"]
     pools(8).run(H.run_pp_parity, mesh, roles, schedule="1f1b", m=2, steps=1)
