@@ -92,6 +92,7 @@ class PipelineLayer:
     microbatches: int = 1
     virtual_stages: int | None = None
     remat: Any = None  # a remat policy for every stage, or {stage: policy} / one per stage (None: keep all)
+    max_resident: int | None = None  # swap activations to host beyond this many stage-microbatches per rank
 
     def __attrs_post_init__(self) -> None:
         if not isinstance(self.stages, Stages):
@@ -104,6 +105,14 @@ class PipelineLayer:
     def schedule(self, p: int) -> Schedule:
         """The schedule on a pipeline axis of size ``p``, checked against the stages."""
         s = build_schedule(self.schedule_name, p, self.microbatches, self.virtual_stages)
+        if self.max_resident is not None:
+            if not (isinstance(self.max_resident, int) and self.max_resident >= 1):
+                raise PlanError(f"pp: max_resident must be an int >= 1 (stage-microbatches kept on the device), "
+                                f"found {self.max_resident!r}")
+            from hpfunc.schedules import insert_swaps
+
+            if not any(a.kind.name.startswith("SWAP") for row in s.actions.values() for a in row):
+                s = insert_swaps(s, max_resident=self.max_resident)
         if s.num_stages != self.stages.num_stages:
             raise PlanError(f"pp: schedule {s.name!r} on {p} ranks has {s.num_stages} stages but the model was split "
                             f"into {self.stages.num_stages}; build the stages with num_stages={s.num_stages} "

@@ -10,7 +10,7 @@ ADAM_EPS = 1e-5
 
 
 def plan_of(cfg, mesh_shape: dict, roles: list[str], schedule: str, m: int, layers=None, virtual_stages=None,
-            remat=None):
+            remat=None, max_resident=None):
     from hpfunc.models.qwen3 import parallel_plan
     from hpfunc.transforms import plans
     from hpfunc.transforms.pipeline_plan import stages_per_rank
@@ -21,7 +21,7 @@ def plan_of(cfg, mesh_shape: dict, roles: list[str], schedule: str, m: int, laye
             n = mesh_shape[axis] * stages_per_rank(schedule, virtual_stages)
             stages = parallel_plan.pipeline_stages(cfg, n, layers=layers)
             plan = plan + plans.pp(axis, stages, schedule=schedule, microbatches=m, virtual_stages=virtual_stages,
-                                   remat=remat)
+                                   remat=remat, max_resident=max_resident)
         else:
             plan = plan + {"ep": lambda a: plans.ep(a, parallel_plan.ep_experts(cfg)),
                            "fsdp": lambda a: plans.fsdp(a), "ddp": lambda a: plans.ddp(a),
@@ -46,7 +46,8 @@ def microbatches_of(batch: dict, n_data: int, m: int) -> list[dict]:
 
 def run_pp_parity(mesh_shape: dict, roles: list[str], *, schedule: str = "1f1b", m: int = 4, kind: str = "dense",
                   layers: int = 4, split=None, tied: bool = False, seed: int = 0, steps: int = 2, batch: int = 8,
-                  seq: int = 8, virtual_stages=None, count_comm: bool = False, remat=None) -> dict:
+                  seq: int = 8, virtual_stages=None, count_comm: bool = False, remat=None,
+                  max_resident=None) -> dict:
     """``steps`` AdamW steps of a tiny Qwen3 under the plan and on one device: loss, aux, gradients and
     updated parameters of this rank's stages agree (fp32, rtol 1e-5)."""
     import hpfunc
@@ -58,7 +59,7 @@ def run_pp_parity(mesh_shape: dict, roles: list[str], *, schedule: str = "1f1b",
 
     cfg = model_cfg(kind, layers, tied)
     mesh = hpfunc.Mesh(mesh_shape)
-    plan = plan_of(cfg, mesh_shape, roles, schedule, m, split, virtual_stages, remat)
+    plan = plan_of(cfg, mesh_shape, roles, schedule, m, split, virtual_stages, remat, max_resident)
     n_data = 1
     for axis in plan.data_axes:
         n_data *= mesh.axis_size(axis)

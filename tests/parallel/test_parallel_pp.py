@@ -69,6 +69,12 @@ def test_per_stage_recompute_matches_single_device(pools, case):
     pools(2).run(H.run_pp_parity, {"pp": 2}, ["pp"], steps=1, **case)
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_swapped_activations_change_nothing(pools, schedule):
+    """``max_resident=1``: the schedule swaps activations to host and back (executed), same results."""
+    pools(2).run(H.run_pp_parity, {"pp": 2}, ["pp"], schedule=schedule, m=4, steps=1, max_resident=1)
+
+
 def test_selective_recompute_on_a_split_backward_is_a_plan_error():
     cfg, shapes, pplan = _dense()
     plan = plans.pp("pp", pplan.pipeline_stages(cfg, 4), schedule="zbv", microbatches=4, remat="dots_saveable")
