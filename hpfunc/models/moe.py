@@ -37,12 +37,15 @@ EXPERT_BIAS_SUFFIX = "moe.expert_bias"
 
 class Routing(NamedTuple):
     """What a router decided for ``T`` tokens: ``logits [T, E]`` (input dtype), ``probs [T, E]`` (float32
-    softmax), ``weights [T, k]`` (combine weights, input dtype) and ``indices [T, k]`` (expert ids)."""
+    softmax), ``weights [T, k]`` (combine weights, input dtype) and ``indices [T, k]`` (expert ids).
+    :func:`moe_block` adds ``dropped``: the pairs its dispatcher did not compute (over an expert's capacity,
+    or past a padded buffer; 0-d int64, on the device), ``None`` for a dropless dispatch."""
 
     logits: torch.Tensor
     probs: torch.Tensor
     weights: torch.Tensor
     indices: torch.Tensor
+    dropped: torch.Tensor | None = None
 
 
 def route_topk(
@@ -224,7 +227,9 @@ def moe_block(
     Under expert parallelism (an axis bound by the step, :func:`hpfunc.layout.ep_axis`) the expert
     stacks are this rank's ``E / n`` experts: ``dispatcher`` (default
     :class:`hpfunc.models.dispatch.AllToAll`, dropless) sends each (token, expert) pair to the rank
-    holding its expert, :func:`expert_ffn` computes the local experts, and the outputs come back.
+    holding its expert, :func:`expert_ffn` computes the local experts, and the outputs come back. A
+    ``dispatcher`` given without a bound axis runs with ``axis=None`` (every expert here), so that its
+    capacity or buffer drops the same pairs on one device; ``routing.dropped`` counts them.
 
     >>> E, H, I = 4, 8, 4
     >>> y, r = moe_block(torch.randn(2, 3, H), torch.randn(E, H), torch.randn(E, I, H),
@@ -236,10 +241,11 @@ def moe_block(
     flat = x.reshape(-1, shape[-1])
     routing = route_topk(flat, router, top_k=top_k, norm_topk_prob=norm_topk_prob, expert_bias=expert_bias)
     axis = layout.ep_axis()
-    if axis is None:
+    if axis is None and dispatcher is None:
         y = grouped_experts(flat, routing.indices, routing.weights, w_gate, w_up, w_down, impl=impl)
-    else:  # expert parallel: this rank holds E / n of the experts; the pairs travel to them and back
-        E, n = router.shape[0], lax.axis_size(axis)
+    else:  # expert parallel (this rank holds E / n of the experts; the pairs travel to them and back), or a
+        # dispatcher that drops pairs, which then drops them on one device too (n = 1)
+        E, n = router.shape[0], (1 if axis is None else lax.axis_size(axis))
         if w_gate.shape[0] * n != E:
             raise layout.PlanError(
                 f"moe_block: the router scores {E} experts but this rank holds {w_gate.shape[0]} of them on the "
@@ -249,6 +255,7 @@ def moe_block(
         sent = dispatcher.dispatch(flat, routing.indices, num_experts=E, axis=axis)
         y = dispatcher.combine(expert_ffn(sent.tokens, sent.counts, w_gate, w_up, w_down, impl=impl), sent,
                                routing.weights)
+        routing = routing._replace(dropped=getattr(sent, "dropped", getattr(sent, "overflow", None)))
     if shared is not None:
         y = y + torch.sigmoid(F.linear(flat, shared["gate"])) * swiglu_mlp(
             flat, shared["w_gate"], shared["w_up"], shared["w_down"])

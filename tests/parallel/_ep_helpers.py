@@ -109,3 +109,70 @@ def run_ep_parity(mesh_shape: dict, roles: list[str], *, top_k: int = 2, experts
     out["local_experts"] = params["layers"][1]["moe"]["experts"]["w_gate"].to_local().shape[0]
     out["loss"] = float(to_full(metrics["loss"]))
     return out
+
+
+def dropped_by_hand(logits: torch.Tensor, bias: torch.Tensor, k: int, E: int, *, dispatcher: str, factor: float,
+                    n: int) -> int:
+    """The pairs a dispatcher drops for one rank's router logits ``[T, E]``, counted pair by pair:
+    ``alltoall`` with a capacity factor keeps the first ``ceil(f T k / E)`` pairs of each expert in
+    (token, slot) order; ``padded`` keeps the first ``max(1, ceil(f T k / n))`` pairs per destination
+    rank in expert order (the stable sort by expert id)."""
+    import math
+
+    T = logits.shape[0]
+    idx = torch.topk(torch.softmax(logits.float(), -1) + bias, k, dim=-1).indices.tolist()
+    pairs = [(idx[t][j], t * k + j) for t in range(T) for j in range(k)]
+    if dispatcher == "alltoall":
+        cap, seen, dropped = math.ceil(factor * T * k / E), [0] * E, 0
+        for e, _ in pairs:  # (token, slot) order
+            seen[e] += 1
+            dropped += seen[e] > cap
+        return dropped
+    buf, seen, dropped = max(1, math.ceil(factor * T * k / n)), [0] * n, 0
+    for e, _ in sorted(pairs):  # expert order, ties in (token, slot) order
+        seen[e // (E // n)] += 1
+        dropped += seen[e // (E // n)] > buf
+    return dropped
+
+
+def run_dropped(mesh_shape: dict, roles: list[str], dispatcher: str, factor: float, seed: int = 0) -> dict:
+    """One step of qwen3-moe-tiny (8 experts, top-2, expert 0 favoured) under the plan with the config's
+    dispatcher: the step's ``dropped_pairs`` metric (summed by ``parallelize`` over the data shards) and
+    this rank's pairs dropped per layer counted by hand from the router logits it saw."""
+    import torch.nn.functional as F
+
+    import hpfunc
+    from hpfunc import lax, optim
+    from hpfunc.models import qwen3
+    from hpfunc.models.qwen3 import parallel_plan
+    from hpfunc.testing import to_full
+    from hpfunc.transforms.parallelize import parallel_train_step
+
+    knobs = ({"moe_capacity_factor": factor} if dispatcher == "alltoall"
+             else {"moe_dispatcher": "padded", "moe_buffer_factor": factor})
+    cfg = qwen3.preset("qwen3-moe-tiny", num_experts=8, num_experts_per_tok=2, **knobs)
+    mesh = hpfunc.Mesh(mesh_shape)
+    plan = plan_of(cfg, mesh_shape, roles)
+    n_ep = mesh.axis_size(plan.ep_axis) if plan.ep_axis else 1
+    full = qwen3.init(hpfunc.random.key(seed), cfg)
+    bias = torch.zeros(8)
+    bias[0] = 0.02  # expert 0 wins the close calls: it overflows
+    for layer in full["layers"]:
+        layer["moe"]["expert_bias"] = bias.clone()
+    seen = []
+
+    def loss_fn(p, b):
+        logits, aux = parallel_plan.apply(p, b["tokens"], cfg, return_aux=True)
+        seen.append([x.detach() for x in aux["router_logits"]])  # what this rank's routers scored
+        labels = qwen3.shift_labels(b["tokens"])
+        ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
+        return ce, {"dropped_pairs": aux["dropped_pairs"]}
+
+    step = parallel_train_step(loss_fn, optim.adamw(LR), mesh, plan, has_aux=True)
+    params = step.shard_params(full)
+    tokens = torch.randint(0, cfg.vocab_size, (4, 8), generator=torch.Generator().manual_seed(seed + 1))
+    _, _, metrics = step(params, step.init_opt_state(params), {"tokens": tokens})
+    hand = [dropped_by_hand(x, bias, 2, 8, dispatcher=dispatcher, factor=factor, n=n_ep) for x in seen[-1]]
+    with mesh:  # the tp ranks of an ETP group route the same tokens: count them once
+        first_of_group = plan.tp_axis is None or lax.axis_index(plan.tp_axis) == 0
+    return {"metric": to_full(metrics["dropped_pairs"]).tolist(), "hand": hand, "counted": bool(first_of_group)}

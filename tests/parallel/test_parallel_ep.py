@@ -220,6 +220,39 @@ def test_buffer_factor_must_be_positive():
             PaddedAllToAll(buffer_factor=bad)
 
 
+# ---- the model config's dispatcher: its drops in the parallelized step's metrics
+
+
+@pytest.mark.parametrize("mesh,roles,dispatcher,factor", [
+    ({"ep": 2}, ["ep"], "alltoall", 0.5), ({"ep": 2}, ["ep"], "padded", 0.5),
+    ({"fsdp": 2, "ep": 2}, ["fsdp", "ep"], "alltoall", 1.0), ({"ep": 2, "tp": 2}, ["ep", "tp"], "padded", 0.75)])
+def test_dropped_pairs_metric_equals_the_count_by_hand(pools, mesh, roles, dispatcher, factor):
+    world = 1
+    for s in mesh.values():
+        world *= s
+    res = pools(world).run(H.run_dropped, mesh, roles, dispatcher, factor)
+    layers = len(res[0]["hand"])
+    by_hand = [sum(r["hand"][i] for r in res if r["counted"]) for i in range(layers)]
+    assert all(r["metric"] == by_hand for r in res), (res, by_hand)  # every rank reports the global count
+    assert sum(by_hand) > 0, by_hand  # the hot expert overflowed: the test counts something
+
+
+def test_dropped_pairs_on_one_device_equal_the_count_by_hand():
+    from hpfunc import random
+    from hpfunc.models import qwen3
+
+    for knobs, kind, f in [({"moe_capacity_factor": 0.75}, "alltoall", 0.75),
+                           ({"moe_dispatcher": "padded", "moe_buffer_factor": 0.6}, "padded", 0.6)]:
+        cfg = qwen3.preset("qwen3-moe-tiny", **knobs)
+        tokens = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(0))
+        _, aux = qwen3.apply(qwen3.init(random.key(0), cfg), tokens, cfg, return_aux=True)
+        hand = [H.dropped_by_hand(x, torch.zeros(8), 2, 8, dispatcher=kind, factor=f, n=1) for x in aux["router_logits"]]
+        assert aux["dropped_pairs"].tolist() == hand and sum(hand) > 0, (kind, aux["dropped_pairs"], hand)
+    _, aux = qwen3.apply(qwen3.init(random.key(0), qwen3.preset("qwen3-moe-tiny")), tokens,
+                         qwen3.preset("qwen3-moe-tiny"), return_aux=True)
+    assert "dropped_pairs" not in aux  # dropless: nothing to count
+
+
 # ---- the whole model through hpfunc.parallelize
 
 
