@@ -277,13 +277,19 @@ def test_ep_composes_and_matches_single_device(pools, mesh, roles):
 @settings(max_examples=4, deadline=None)
 @given(case=st.sampled_from([({"ep": 2}, ["ep"]), ({"ep": 4}, ["ep"]), ({"fsdp": 2, "ep": 2}, ["fsdp", "ep"]),
                              ({"ep": 2, "tp": 2}, ["ep", "tp"])]),
-       top_k=st.integers(1, 2), skew=st.sampled_from(H.SKEWS), seed=st.integers(0, 2**16))
-def test_random_ep_plans_routings_seeds(pools, case, top_k, skew, seed):
+       experts=st.sampled_from([8, 16]), top_k=st.integers(1, 4), skew=st.sampled_from(H.SKEWS),
+       seed=st.integers(0, 2**16))
+def test_random_ep_plans_routings_seeds(pools, case, experts, top_k, skew, seed):
     mesh, roles = case
     world = 1
     for s in mesh.values():
         world *= s
-    pools(world).run(H.run_ep_parity, mesh, roles, top_k=top_k, skew=skew, seed=seed, steps=1)
+    out = pools(world).run(H.run_ep_parity, mesh, roles, top_k=top_k, experts=experts, skew=skew, seed=seed, steps=1)
+    load, per = out[0]["load"], experts // mesh["ep"]
+    if skew == "idle_expert":  # an expert with no token
+        assert all(row[-1] == 0 for row in load), load
+    if skew == "one_rank" and top_k <= per:  # every rank but the first receives no token
+        assert all(sum(row[per:]) == 0 for row in load), load
 
 
 # ---- the counter: four all-to-alls per MoE layer per step, and the count exchange
