@@ -33,7 +33,7 @@ fraction ``(n - 1) / n`` leaves the rank under uniform routing.
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import attrs
 import torch
@@ -41,7 +41,7 @@ import torch
 from hpfunc import lax
 from hpfunc.layout import PlanError
 
-__all__ = ["AllToAll", "Dispatched", "PaddedAllToAll", "PaddedDispatched"]
+__all__ = ["AllToAll", "Dispatched", "PaddedAllToAll", "PaddedDispatched", "inverse_permutation", "sum_pairs"]
 
 
 def _split_experts(num_experts: int, axis: str | None) -> tuple[int, int]:
@@ -53,12 +53,33 @@ def _split_experts(num_experts: int, axis: str | None) -> tuple[int, int]:
     return n, num_experts // n
 
 
-def _inverse(perm: torch.Tensor) -> torch.Tensor:
-    """The inverse of a permutation (no gradient: indices)."""
+def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
+    """The inverse of a permutation (no gradient: indices).
+
+    >>> inverse_permutation(torch.tensor([2, 0, 1])).tolist()
+    [1, 2, 0]
+    """
     with torch.no_grad():
         inv = torch.empty_like(perm)
         inv[perm] = torch.arange(perm.numel(), device=perm.device)
     return inv
+
+
+def sum_pairs(rows: torch.Tensor, position: torch.Tensor, T: int, k: int, *, missing: bool = False) -> torch.Tensor:
+    """``out[t] = sum_j rows[position[t k + j]]`` ``[T, H]``: the outputs of each token's ``k`` pairs
+    (already weighted), ``rows [M, H]`` in any order. With ``missing``, ``position = M`` marks a pair
+    that was not computed (dropped): it adds 0.
+
+    A gather then a sum over the ``k`` slots, whose backward keeps only ``position`` (an ``index_add``
+    of the rows would keep the rows themselves, ``T k`` rows of ``H``, for the shape of its gradient).
+
+    >>> rows = torch.tensor([[1.0], [2.0], [4.0]])
+    >>> sum_pairs(rows, torch.tensor([2, 0, 3, 1]), T=2, k=2, missing=True).tolist()
+    [[5.0], [2.0]]
+    """
+    if missing:  # the row of the pairs not computed
+        rows = torch.cat((rows, rows.new_zeros(1, rows.shape[-1])))
+    return rows[position].view(T, k, rows.shape[-1]).sum(1)
 
 
 def _weighted_sum(rows: torch.Tensor, order: torch.Tensor, k: int, weights: torch.Tensor) -> torch.Tensor:
@@ -80,6 +101,8 @@ class Dispatched(NamedTuple):
     k: int
     axis: str | None
     dropped: torch.Tensor | None = None  # pairs over capacity (0-d int64), with a capacity factor
+    scale: torch.Tensor | None = None  # [N, 1] the received rows' combine weights (dispatched with weights=)
+    position: torch.Tensor | None = None  # [T k] each pair's row in the returned order (M: dropped)
 
 
 def _check_factor(_self: Any, _attr: Any, value: float | None) -> None:
@@ -105,9 +128,17 @@ class AllToAll:
 
     capacity_factor: float | None = attrs.field(default=None, validator=_check_factor)
 
-    def dispatch(self, x: torch.Tensor, indices: torch.Tensor, *, num_experts: int, axis: str | None) -> Dispatched:
+    weights_at_experts: ClassVar[bool] = True  # dispatch(weights=) sends each row's combine weight along
+
+    def dispatch(self, x: torch.Tensor, indices: torch.Tensor, *, num_experts: int, axis: str | None,
+                 weights: torch.Tensor | None = None) -> Dispatched:
         """Send the rows of ``x [T, H]`` to the ranks of ``axis`` holding the experts ``indices [T, k]``
-        (global ids in ``[0, num_experts)``); ``axis=None``: this rank holds every expert."""
+        (global ids in ``[0, num_experts)``); ``axis=None``: this rank holds every expert.
+
+        ``weights [T, k]`` (the router's combine weights): each travels with its row, one more column,
+        and comes out as :attr:`Dispatched.scale` for the experts to apply before their down
+        projection (:func:`hpfunc.models.moe.expert_ffn`'s ``scale``); then :meth:`combine` takes no
+        weights and the backward keeps no expert output for the weights' gradient."""
         T, k = indices.shape
         n, local = _split_experts(num_experts, axis)
         flat = indices.reshape(-1)
@@ -130,18 +161,29 @@ class AllToAll:
             send_sizes, recv_sizes = tuple(sizes[:n]), tuple(sizes[n:])
             expert_of = torch.repeat_interleave(torch.arange(local, device=x.device).repeat(n), recv.reshape(-1))
             regroup = torch.argsort(expert_of, stable=True)
-        rows = x[order // k]
+            position = torch.full((T * k,), order.numel(), dtype=torch.int64, device=x.device)
+            position[order] = torch.arange(order.numel(), device=x.device)
+        H = x.shape[1]
+        rows = x[order // k]  # a gather: its backward keeps the index only
+        if weights is not None:
+            rows = torch.cat((rows, weights.reshape(-1)[order].unsqueeze(-1).to(rows.dtype)), 1)
         if n > 1:
             rows = lax.all_to_all(rows, axis, 0, 0, split_sizes=send_sizes, recv_sizes=recv_sizes)
-        return Dispatched(rows[regroup], recv.sum(0), order, regroup, send_sizes, recv_sizes, k, axis, dropped)
+        # one gather per part straight from the received buffer, which is then free: nothing keeps it
+        tokens, scale = (rows[regroup], None) if weights is None else (rows[:, :H][regroup], rows[:, H:][regroup])
+        return Dispatched(tokens, recv.sum(0), order, regroup, send_sizes, recv_sizes, k, axis, dropped, scale,
+                          position)
 
-    def combine(self, y: torch.Tensor, sent: Dispatched, weights: torch.Tensor) -> torch.Tensor:
+    def combine(self, y: torch.Tensor, sent: Dispatched, weights: torch.Tensor | None = None) -> torch.Tensor:
         """``out[t] = sum_j weights[t, j] * (output of pair (t, j))`` for the experts' outputs ``y [N, H']``
-        (rows as :meth:`dispatch` grouped them); ``[T, H']``."""
-        rows = y[_inverse(sent.regroup)]  # grouped by source rank again
+        (rows as :meth:`dispatch` grouped them); ``[T, H']``. ``weights=None``: the outputs are already
+        weighted (dispatched with ``weights=``) and are summed per token."""
+        rows = y[inverse_permutation(sent.regroup)]  # grouped by source rank again
         if sent.axis is not None and len(sent.send_sizes) > 1:
             rows = lax.all_to_all(rows, sent.axis, 0, 0, split_sizes=sent.recv_sizes, recv_sizes=sent.send_sizes)
-        return _weighted_sum(rows, sent.order, sent.k, weights)
+        if weights is not None:
+            return _weighted_sum(rows, sent.order, sent.k, weights)
+        return sum_pairs(rows, sent.position, sent.position.numel() // sent.k, sent.k, missing=sent.dropped is not None)
 
 
 class PaddedDispatched(NamedTuple):
@@ -156,6 +198,7 @@ class PaddedDispatched(NamedTuple):
     k: int
     axis: str | None
     overflow: torch.Tensor     # 0-d int64 on the device: pairs that did not fit (their output is 0)
+    scale: torch.Tensor | None = None  # [n B, 1] the rows' combine weights (dispatched with weights=)
 
 
 def _check_buffer(_self: Any, _attr: Any, value: float) -> None:
@@ -190,9 +233,12 @@ class PaddedAllToAll:
 
     buffer_factor: float = attrs.field(default=1.5, validator=_check_buffer)
 
+    weights_at_experts: ClassVar[bool] = True
+
     def dispatch(self, x: torch.Tensor, indices: torch.Tensor, *, num_experts: int,
-                 axis: str | None) -> PaddedDispatched:
-        """As :meth:`AllToAll.dispatch`, into fixed-size buffers of ``B`` rows per destination rank."""
+                 axis: str | None, weights: torch.Tensor | None = None) -> PaddedDispatched:
+        """As :meth:`AllToAll.dispatch` (``weights`` too), into fixed-size buffers of ``B`` rows per
+        destination rank."""
         T, k = indices.shape
         n, local = _split_experts(num_experts, axis)
         B = max(1, math.ceil(self.buffer_factor * T * k / n))
@@ -214,16 +260,30 @@ class PaddedAllToAll:
             expert_of = torch.searchsorted(torch.cumsum(recv, 1), rows_at, right=True).reshape(-1)  # local: empty
             regroup = torch.argsort(expert_of, stable=True)
             valid = expert_of[regroup] < local
-        rows = x[order // k]
-        buf = x.new_zeros(n * B + 1, x.shape[1]).index_add(0, slot, rows)[: n * B]
+            # the pair in each row of the send buffer (T k: an empty row), for one gather (its backward
+            # keeps the index only; an index_add into the buffer would keep the rows)
+            pair_at = torch.full((n * B + 1,), T * k, dtype=torch.int64, device=dev)
+            pair_at[slot] = order
+            pair_at = pair_at[: n * B]
+        H = x.shape[1]
+        rows = torch.cat((x, x.new_zeros(1, H)))[torch.where(pair_at < T * k, pair_at // k, T)]
+        if weights is not None:
+            w = torch.cat((weights.reshape(-1), weights.new_zeros(1)))[pair_at].unsqueeze(-1).to(rows.dtype)
+            rows = torch.cat((rows, w), 1)
         if n > 1:
-            buf = lax.all_to_all(buf, axis, 0, 0)
-        return PaddedDispatched(buf[regroup], recv.sum(0), valid, order, slot, regroup, k, axis, overflow)
+            rows = lax.all_to_all(rows, axis, 0, 0)
+        tokens, scale = (rows[regroup], None) if weights is None else (rows[:, :H][regroup], rows[:, H:][regroup])
+        return PaddedDispatched(tokens, recv.sum(0), valid, order, slot, regroup, k, axis, overflow, scale)
 
-    def combine(self, y: torch.Tensor, sent: PaddedDispatched, weights: torch.Tensor) -> torch.Tensor:
+    def combine(self, y: torch.Tensor, sent: PaddedDispatched, weights: torch.Tensor | None = None) -> torch.Tensor:
         """As :meth:`AllToAll.combine`; the empty slots' rows (never computed) are zeroed first."""
-        buf = torch.where(sent.valid.unsqueeze(-1), y, 0.0)[_inverse(sent.regroup)]
+        buf = torch.where(sent.valid.unsqueeze(-1), y, 0.0)[inverse_permutation(sent.regroup)]
         if sent.axis is not None and lax.axis_size(sent.axis) > 1:
             buf = lax.all_to_all(buf, sent.axis, 0, 0)
-        rows = torch.cat((buf, buf.new_zeros(1, buf.shape[-1])))[sent.slot]  # a pair that did not fit: 0
-        return _weighted_sum(rows, sent.order, sent.k, weights)
+        if weights is not None:
+            rows = torch.cat((buf, buf.new_zeros(1, buf.shape[-1])))[sent.slot]  # a pair that did not fit: 0
+            return _weighted_sum(rows, sent.order, sent.k, weights)
+        with torch.no_grad():  # each pair's row in the returned buffer (n B: it did not fit)
+            position = torch.empty_like(sent.slot)
+            position[sent.order] = sent.slot
+        return sum_pairs(buf, position, position.numel() // sent.k, sent.k, missing=True)

@@ -176,3 +176,49 @@ def run_dropped(mesh_shape: dict, roles: list[str], dispatcher: str, factor: flo
     with mesh:  # the tp ranks of an ETP group route the same tokens: count them once
         first_of_group = plan.tp_axis is None or lax.axis_index(plan.tp_axis) == 0
     return {"metric": to_full(metrics["dropped_pairs"]).tolist(), "hand": hand, "counted": bool(first_of_group)}
+
+
+def run_saved_bytes(mode: str, E: int = 8, H: int = 64, I: int = 32, k: int = 2, T: int = 64) -> dict:
+    """What one MoE layer's forward keeps for the backward (storage liveness) on this rank, next to the
+    minimum its backward needs: the experts' input rows, their gate and up outputs and the hidden product
+    (``rows x (H + 3 I)``: the weight gradients and SwiGLU's derivative), the layer input (the router's
+    gradient) and the router probabilities (the softmax's), 4 bytes each. ``mode``: ``ep`` (dropless
+    all-to-all), ``padded`` (buffers of ``B`` rows per rank, all computed) or ``one`` (no axis)."""
+    import math
+
+    import hpfunc
+    from hpfunc import layout
+    from hpfunc.memory import saved_activations
+    from hpfunc.models.dispatch import PaddedAllToAll
+    from hpfunc.models.moe import moe_block
+
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    n = 1 if mode == "one" else world
+    mesh = hpfunc.Mesh({"ep": world})
+    g = torch.Generator().manual_seed(0)
+    full = {"router": torch.randn(E, H, generator=g), "w_gate": torch.randn(E, I, H, generator=g),
+            "w_up": torch.randn(E, I, H, generator=g), "w_down": torch.randn(E, H, I, generator=g)}
+    p = {name: (v.chunk(n)[rank % n] if name != "router" else v).clone().requires_grad_(True) for name, v in full.items()}
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(1 + rank)).requires_grad_(True)
+    cot = torch.randn(T, H)  # made outside the forward: not an activation
+    dispatcher = PaddedAllToAll(1.5) if mode == "padded" else None
+    received = []
+
+    def fwd(p, x):
+        with mesh, layout.expert_parallel(None if mode == "one" else "ep"):
+            y, r = moe_block(x, p["router"], p["w_gate"], p["w_up"], p["w_down"], top_k=k, norm_topk_prob=True,
+                             dispatcher=dispatcher)
+        received.append(r.indices)
+        return (y * cot).sum()
+
+    report = saved_activations(fwd, p, x, state_argnums=(0,))
+    if mode == "padded":
+        rows = n * max(1, math.ceil(1.5 * T * k / n))  # the whole buffer goes through the experts
+    elif mode == "ep":
+        counts = torch.bincount(received[-1].reshape(-1), minlength=E)
+        torch.distributed.all_reduce(counts)
+        rows = int(counts.view(n, -1)[rank].sum())
+    else:
+        rows = T * k
+    minimum = 4 * (rows * (H + 3 * I) + T * (H + E))
+    return {"saved": report.device_bytes, "minimum": minimum, "rows": rows, "pairs": T * k}
