@@ -121,6 +121,9 @@ class Qwen3Config:
     moe_dispatcher: Literal["alltoall", "padded"] = "alltoall"
     moe_capacity_factor: float | None = None
     moe_buffer_factor: float = 1.5
+    # "alltoall" only: cut each MoE layer's tokens into this many chunks whose all-to-alls overlap the
+    # expert compute of another chunk (dropless only)
+    moe_dispatch_chunks: int = 1
 
     def __attrs_post_init__(self) -> None:
         rs = self.rope_scaling
@@ -164,6 +167,12 @@ class Qwen3Config:
         if c is not None and self.moe_dispatcher != "alltoall":
             raise ConfigError(f"Qwen3Config.moe_capacity_factor: a capacity factor ({c}) applies to the 'alltoall' "
                               f"dispatcher; the 'padded' one drops by moe_buffer_factor instead: set one of the two")
+        ch = self.moe_dispatch_chunks
+        if not (isinstance(ch, int) and not isinstance(ch, bool) and ch >= 1):
+            raise ConfigError(f"Qwen3Config.moe_dispatch_chunks: expected an int >= 1, found {ch!r}")
+        if ch > 1 and (self.moe_dispatcher != "alltoall" or c is not None):
+            raise ConfigError(f"Qwen3Config.moe_dispatch_chunks: {ch} chunks overlap the dropless 'alltoall' dispatch "
+                              f"only; found moe_dispatcher={self.moe_dispatcher!r}, moe_capacity_factor={c!r}")
         f = self.moe_buffer_factor
         if not (_is_number(f) and math.isfinite(f) and f > 0):
             raise ConfigError(f"Qwen3Config.moe_buffer_factor: expected a finite number > 0 (rows per destination "

@@ -33,7 +33,10 @@ fraction ``(n - 1) / n`` leaves the rank under uniform routing.
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar, NamedTuple
+import contextlib
+import contextvars
+import time
+from typing import Any, Callable, ClassVar, Iterator, NamedTuple
 
 import attrs
 import torch
@@ -41,7 +44,7 @@ import torch
 from hpfunc import lax
 from hpfunc.layout import PlanError
 
-__all__ = ["AllToAll", "Dispatched", "PaddedAllToAll", "PaddedDispatched", "inverse_permutation", "sum_pairs"]
+__all__ = ["AllToAll", "Dispatched", "PaddedAllToAll", "PaddedDispatched", "inverse_permutation", "sum_pairs", "trace_exchange"]
 
 
 def _split_experts(num_experts: int, axis: str | None) -> tuple[int, int]:
@@ -127,8 +130,43 @@ class AllToAll:
     """
 
     capacity_factor: float | None = attrs.field(default=None, validator=_check_factor)
+    chunks: int = attrs.field(default=1, kw_only=True)
 
     weights_at_experts: ClassVar[bool] = True  # dispatch(weights=) sends each row's combine weight along
+
+    @chunks.validator
+    def _check_chunks(self, _attr: Any, value: int) -> None:
+        if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            raise ValueError(f"AllToAll: chunks must be an int >= 1, found {value!r}")
+        if value > 1 and self.capacity_factor is not None:
+            raise ValueError(f"AllToAll: chunks={value} overlaps the dropless dispatch only; found capacity_factor="
+                             f"{self.capacity_factor} (a capacity per chunk would drop other pairs): use one of the two")
+
+    def exchange(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
+                 experts: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor], *,
+                 num_experts: int, axis: str | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The whole exchange of one MoE layer: ``(out [T, H'], dropped)`` where ``out[t] = sum_j (output of
+        pair (t, j))`` and ``experts(tokens, counts, scale)`` computes the local experts' weighted outputs
+        (:func:`hpfunc.models.moe.expert_ffn` with ``scale``).
+
+        With ``chunks = c > 1`` the tokens are cut into ``c`` contiguous chunks whose all-to-alls are
+        issued without waiting (:func:`hpfunc.lax.all_to_all_start`): chunk ``i + 1``'s dispatch is in
+        flight while chunk ``i``'s experts compute, and chunk ``i``'s combine while chunk ``i + 1``'s do;
+        the backward overlaps the same way (each transpose is issued without waiting too). One count
+        exchange and one host read serve all the chunks. The result equals ``chunks=1`` up to the order
+        of the floating-point sums of the expert weights' gradients.
+
+        >>> d = AllToAll(chunks=2)
+        >>> x, idx, w = torch.randn(3, 4), torch.tensor([[0, 1], [1, 1], [0, 0]]), torch.rand(3, 2)
+        >>> y, _ = d.exchange(x, idx, w, lambda t, c, s: 2.0 * t * s, num_experts=2, axis=None)
+        >>> bool(torch.allclose(y, 2.0 * x * w.sum(-1, keepdim=True)))
+        True
+        """
+        n = lax.axis_size(axis) if axis is not None else 1
+        if self.chunks == 1 or n == 1:
+            sent = self.dispatch(x, indices, num_experts=num_experts, axis=axis, weights=weights)
+            return self.combine(experts(sent.tokens, sent.counts, sent.scale), sent), sent.dropped
+        return _chunked_exchange(x, indices, weights, experts, num_experts, axis, self.chunks), None
 
     def dispatch(self, x: torch.Tensor, indices: torch.Tensor, *, num_experts: int, axis: str | None,
                  weights: torch.Tensor | None = None) -> Dispatched:
@@ -184,6 +222,93 @@ class AllToAll:
         if weights is not None:
             return _weighted_sum(rows, sent.order, sent.k, weights)
         return sum_pairs(rows, sent.position, sent.position.numel() // sent.k, sent.k, missing=sent.dropped is not None)
+
+
+_TRACE: contextvars.ContextVar[list | None] = contextvars.ContextVar("hpfunc_dispatch_trace", default=None)
+
+
+@contextlib.contextmanager
+def trace_exchange() -> Iterator[list[tuple[float, str, int]]]:
+    """Record the chunked exchange's events (``(time.perf_counter(), event, chunk)``: ``"dispatch issued"``,
+    ``"dispatch arrived"``, ``"compute start"``, ``"compute end"``, ``"combine issued"``, ``"combine
+    arrived"``) into the list it yields, for the calls made inside the ``with`` block (a context variable:
+    other threads and tasks record nothing).
+
+    >>> with trace_exchange() as events:
+    ...     _ = AllToAll(chunks=2).exchange(torch.ones(2, 1), torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1),
+    ...                                     lambda t, c, s: t, num_experts=1, axis=None)
+    >>> events   # one rank: no exchange, nothing to overlap
+    []
+    """
+    events: list[tuple[float, str, int]] = []
+    token = _TRACE.set(events)
+    try:
+        yield events
+    finally:
+        _TRACE.reset(token)
+
+
+def _event(name: str, chunk: int) -> None:
+    events = _TRACE.get()
+    if events is not None:
+        events.append((time.perf_counter(), name, chunk))
+
+
+def _chunked_exchange(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, experts: Callable, E: int,
+                      axis: str, chunks: int) -> torch.Tensor:
+    """:meth:`AllToAll.exchange` over ``chunks`` contiguous token chunks, overlapping each chunk's
+    all-to-alls with another chunk's expert compute."""
+    T, k = indices.shape
+    H = x.shape[1]
+    n, local = _split_experts(E, axis)
+    edges = [i * T // chunks for i in range(chunks + 1)]
+    with torch.no_grad():
+        orders, counts = [], []
+        for a, b in zip(edges, edges[1:]):
+            flat = indices[a:b].reshape(-1)
+            orders.append(torch.argsort(flat, stable=True))
+            counts.append(torch.bincount(flat, minlength=E).view(n, local))
+        # one count exchange for every chunk: block d = what this rank sends rank d, per chunk and expert
+        sending = torch.stack(counts, 1).contiguous()  # [n, chunks, local]
+        recv = lax.all_to_all(sending, axis, 0, 0)      # [n (source), chunks, local]
+        sizes = torch.cat((sending.sum(-1), recv.sum(-1))).tolist()  # the layer's one host read
+        plans = []
+        for i, order in enumerate(orders):
+            send_sizes, recv_sizes = [sizes[d][i] for d in range(n)], [sizes[n + j][i] for j in range(n)]
+            r = recv[:, i]
+            expert_of = torch.repeat_interleave(torch.arange(local, device=x.device).repeat(n), r.reshape(-1))
+            regroup = torch.argsort(expert_of, stable=True)
+            plans.append((order, send_sizes, recv_sizes, r.sum(0), regroup, inverse_permutation(order)))
+    dispatched: list[Any] = [None] * chunks
+
+    def issue(i: int) -> None:
+        order, send_sizes, recv_sizes = plans[i][:3]
+        a, b = edges[i], edges[i + 1]
+        rows = torch.cat((x[a:b][order // k], weights[a:b].reshape(-1)[order].unsqueeze(-1).to(x.dtype)), 1)
+        dispatched[i] = lax.all_to_all_start(rows, axis, split_sizes=send_sizes, recv_sizes=recv_sizes)
+        _event("dispatch issued", i)
+
+    issue(0)
+    combined = []
+    for i in range(chunks):
+        if i + 1 < chunks:
+            issue(i + 1)  # in flight while this chunk's experts compute
+        _, send_sizes, recv_sizes, local_counts, regroup, _ = plans[i]
+        rows = dispatched[i].wait()
+        dispatched[i] = None
+        _event("dispatch arrived", i)
+        _event("compute start", i)
+        y = experts(rows[:, :H][regroup], local_counts, rows[:, H:][regroup])
+        _event("compute end", i)
+        combined.append(lax.all_to_all_start(y[inverse_permutation(regroup)], axis, split_sizes=recv_sizes,
+                                             recv_sizes=send_sizes))
+        _event("combine issued", i)
+    out = []
+    for i, pending in enumerate(combined):
+        rows = pending.wait()
+        _event("combine arrived", i)
+        out.append(sum_pairs(rows, plans[i][5], edges[i + 1] - edges[i], k))
+    return torch.cat(out)
 
 
 class PaddedDispatched(NamedTuple):

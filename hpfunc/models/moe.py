@@ -254,7 +254,12 @@ def moe_block(
                 f"expert-parallel axis {axis!r} of size {n}; the expert stacks must be split on dimension 0 over "
                 f"{axis!r} (plans.ep) and the router replicated")
         dispatcher = AllToAll() if dispatcher is None else dispatcher
-        if getattr(dispatcher, "weights_at_experts", False):
+        if hasattr(dispatcher, "exchange"):  # the whole exchange in the dispatcher (it may overlap chunks)
+            y, dropped = dispatcher.exchange(
+                flat, routing.indices, routing.weights,
+                lambda t, c, s: expert_ffn(t, c, w_gate, w_up, w_down, scale=s, impl=impl), num_experts=E, axis=axis)
+            routing = routing._replace(dropped=dropped)
+        elif getattr(dispatcher, "weights_at_experts", False):
             # the combine weights travel with the rows and scale them inside the experts' SwiGLU: the
             # backward keeps no expert output for the weights' gradient
             sent = dispatcher.dispatch(flat, routing.indices, num_experts=E, axis=axis, weights=routing.weights)
@@ -264,7 +269,8 @@ def moe_block(
             sent = dispatcher.dispatch(flat, routing.indices, num_experts=E, axis=axis)
             y = dispatcher.combine(expert_ffn(sent.tokens, sent.counts, w_gate, w_up, w_down, impl=impl), sent,
                                    routing.weights)
-        routing = routing._replace(dropped=getattr(sent, "dropped", getattr(sent, "overflow", None)))
+        if not hasattr(dispatcher, "exchange"):
+            routing = routing._replace(dropped=getattr(sent, "dropped", getattr(sent, "overflow", None)))
     if shared is not None:
         y = y + torch.sigmoid(F.linear(flat, shared["gate"])) * swiglu_mlp(
             flat, shared["w_gate"], shared["w_up"], shared["w_down"])

@@ -222,3 +222,49 @@ def run_saved_bytes(mode: str, E: int = 8, H: int = 64, I: int = 32, k: int = 2,
         rows = T * k
     minimum = 4 * (rows * (H + 3 * I) + T * (H + E))
     return {"saved": report.device_bytes, "minimum": minimum, "rows": rows, "pairs": T * k}
+
+
+def run_overlap(chunks: int, top_k: int = 2, E: int = 8, T: int = 12, seed: int = 0) -> dict:
+    """One MoE layer on this rank's ``T`` tokens with ``AllToAll(chunks=c)``: the recorded exchange (each
+    chunk's dispatch issued before the previous chunk's experts start computing, each combine issued
+    before the next chunk's experts start), the all-to-alls the counter saw, and the output and
+    gradients against one device's ``grouped_experts`` over every rank's tokens."""
+    import hpfunc
+    from hpfunc import lax, layout
+    from hpfunc.models.dispatch import AllToAll, trace_exchange
+    from hpfunc.models.moe import grouped_experts, route_topk, moe_block
+    from hpfunc.testing import assert_trees_close
+
+    world = torch.distributed.get_world_size()
+    mesh = hpfunc.Mesh({"ep": world})
+    g = torch.Generator().manual_seed(seed)
+    Hd, I = 16, 8
+    x = torch.randn(world * T, Hd, generator=g)
+    full = {"router": torch.randn(E, Hd, generator=g), "w_gate": torch.randn(E, I, Hd, generator=g) * 0.3,
+            "w_up": torch.randn(E, I, Hd, generator=g) * 0.3, "w_down": torch.randn(E, Hd, I, generator=g) * 0.3}
+    cot = torch.randn(world * T, Hd, generator=g)
+    ref_in = {k_: v.clone().requires_grad_(True) for k_, v in full.items()}
+    ref_x = x.clone().requires_grad_(True)
+    r_ = route_topk(ref_x, ref_in["router"], top_k=top_k, norm_topk_prob=True)
+    ref = grouped_experts(ref_x, r_.indices, r_.weights, ref_in["w_gate"], ref_in["w_up"], ref_in["w_down"])
+    ref_grads = torch.autograd.grad((ref * cot).sum(), [ref_x, *ref_in.values()])
+    with mesh:
+        r = lax.axis_index("ep")
+    local = E // world
+    mine = {k_: (v[r * local:(r + 1) * local] if k_ != "router" else v).clone().requires_grad_(True)
+            for k_, v in full.items()}
+    my_x = x[r * T:(r + 1) * T].clone().requires_grad_(True)
+    with mesh, layout.expert_parallel("ep"), trace_exchange() as events, hpfunc.comm_stats() as stats:
+        y, _ = moe_block(my_x, mine["router"], mine["w_gate"], mine["w_up"], mine["w_down"], top_k=top_k,
+                         norm_topk_prob=True, dispatcher=AllToAll(chunks=chunks))
+        grads = torch.autograd.grad((y * cot[r * T:(r + 1) * T]).sum(), [my_x, *mine.values()])
+    what = f"chunks {chunks} top{top_k}"
+    assert_trees_close(y, ref[r * T:(r + 1) * T], rtol=1e-5, atol=1e-5, what=f"{what} output")
+    assert_trees_close(grads[0], ref_grads[0][r * T:(r + 1) * T], rtol=1e-5, atol=1e-5, what=f"{what} grad x")
+    for name, a, b in zip(["w_gate", "w_up", "w_down"], grads[2:], ref_grads[2:]):  # every rank's tokens
+        assert_trees_close(a, b[r * local:(r + 1) * local], rtol=1e-5, atol=1e-5, what=f"{what} grad {name}")
+    router = grads[1].clone()
+    torch.distributed.all_reduce(router)  # the router's gradient: a part from every rank's tokens
+    assert_trees_close(router, ref_grads[1], rtol=1e-5, atol=1e-5, what=f"{what} grad router")
+    return {"events": [(name, i) for _, name, i in events], "times": [t for t, _, _ in events],
+            "a2a": [(rec.name, rec.phase) for rec in stats.records if rec.op == "all_to_all"]}

@@ -220,6 +220,27 @@ def test_buffer_factor_must_be_positive():
             PaddedAllToAll(buffer_factor=bad)
 
 
+# ---- overlap: one chunk's all-to-alls in flight while another chunk's experts compute
+
+
+@pytest.mark.parametrize("world,chunks,top_k", [(2, 2, 2), (2, 3, 4), (4, 2, 1)])
+def test_chunked_dispatch_issues_the_next_all_to_all_before_the_compute_and_matches(pools, world, chunks, top_k):
+    for r in pools(world).run(H.run_overlap, chunks, top_k):
+        ev = r["events"]
+        at = {e: i for i, e in enumerate(ev)}
+        assert r["times"] == sorted(r["times"])
+        for i in range(chunks):
+            assert at[("dispatch issued", i)] < at[("dispatch arrived", i)] < at[("compute start", i)]
+            if i + 1 < chunks:  # the next chunk's rows travel while this chunk computes
+                assert at[("dispatch issued", i + 1)] < at[("compute start", i)], ev
+                assert at[("combine issued", i)] < at[("compute start", i + 1)], ev  # and this one's go back
+                assert at[("compute end", i)] < at[("compute start", i + 1)]
+        # one count exchange; every chunk's dispatch and combine issued without waiting, forward and backward
+        assert r["a2a"].count(("all_to_all", "forward")) == 1, r["a2a"]
+        for phase in ("forward", "backward"):
+            assert r["a2a"].count(("all_to_all_start", phase)) == 2 * chunks, r["a2a"]
+
+
 # ---- activation memory: what the MoE layer keeps for its backward
 
 

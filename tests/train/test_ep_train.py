@@ -1,7 +1,8 @@
 """``hpfunc train`` with expert parallelism, run in the session's rank pools (``hpfunc.train.run`` called in
 every rank, as a launch would): per-step losses equal ``parallel=null`` for random tiny MoE configs and
-plans, and the dispatcher of the model config (``model.moe_dispatcher`` / ``moe_capacity_factor`` /
-``moe_buffer_factor``) is checked and reports its drops in ``metrics.jsonl``."""
+plans (with and without the chunked, overlapped dispatch), and the dispatcher of the model config
+(``model.moe_dispatcher`` / ``moe_capacity_factor`` / ``moe_buffer_factor`` / ``moe_dispatch_chunks``) is
+checked and reports its drops in ``metrics.jsonl``."""
 
 from __future__ import annotations
 
@@ -56,17 +57,18 @@ def _world(mesh: dict) -> int:
 # every run covers ep with fsdp and ep over 4 ranks at top-4; about 4-8 s per example on 2 shared cores.
 @settings(max_examples=2, deadline=None, derandomize=True, database=None)
 @given(case=st.sampled_from(CASES), experts=st.sampled_from([4, 8]), top_k=st.integers(1, 4),
-       hidden=st.sampled_from([32, 64]), seed=st.integers(0, 2**16))
-@example(case=CASES[2], experts=8, top_k=3, hidden=32, seed=5)
-@example(case=CASES[1], experts=4, top_k=4, hidden=64, seed=11)
-def test_ep_train_matches_parallel_null(pools, tmp_path_factory, case, experts, top_k, hidden, seed):
+       hidden=st.sampled_from([32, 64]), chunks=st.sampled_from([1, 2]), seed=st.integers(0, 2**16))
+@example(case=CASES[2], experts=8, top_k=3, hidden=32, chunks=2, seed=5)
+@example(case=CASES[1], experts=4, top_k=4, hidden=64, chunks=1, seed=11)
+def test_ep_train_matches_parallel_null(pools, tmp_path_factory, case, experts, top_k, hidden, chunks, seed):
     mesh, roles = case
     tmp = tmp_path_factory.mktemp("ep")
     raw = {**_raw(tmp, parallel={"mesh": mesh, "plan": roles},
-                  model={"num_experts": experts, "num_experts_per_tok": top_k, "hidden_size": hidden}), "seed": seed}
+                  model={"num_experts": experts, "num_experts_per_tok": top_k, "hidden_size": hidden,
+                         "moe_dispatch_chunks": chunks}), "seed": seed}
     par = pools(_world(mesh)).run(train_in_rank, raw)[0]
     want = _single(raw, tmp / "single")
-    what = f"{mesh} E{experts} top{top_k} hidden {hidden} seed {seed}"
+    what = f"{mesh} E{experts} top{top_k} hidden {hidden} chunks {chunks} seed {seed}"
     assert len(par) == len(want) == raw["train"]["steps"], what
     for key in ("loss", "aux_loss"):
         assert [r[key] for r in par] == pytest.approx([r[key] for r in want], rel=1e-5), f"{what} {key}"
@@ -105,6 +107,8 @@ def test_capacity_drops_reach_metrics_jsonl(pools, tmp_path):
     ({"moe_dispatcher": "paded"}, "model.moe_dispatcher: expected one of 'alltoall', 'padded', found string 'paded'; "
                                   "did you mean 'padded'?"),
     ({"moe_dispatcher": "padded", "moe_capacity_factor": 1.0}, "model.moe_capacity_factor: "),
+    ({"moe_dispatch_chunks": 0}, "model.moe_dispatch_chunks: "),
+    ({"moe_dispatch_chunks": 2, "moe_capacity_factor": 1.0}, "model.moe_dispatch_chunks: "),
 ])
 def test_dispatcher_keys_are_checked_naming_the_key(tmp_path, model, expected):
     from hpfunc.train.build import check_buildable

@@ -167,8 +167,8 @@ def active_params(cfg: Qwen3Config) -> int:
 
 def moe_dispatcher(cfg: Qwen3Config) -> AllToAll | PaddedAllToAll | None:
     """The token dispatcher of the config's MoE layers (``moe_dispatcher``, ``moe_capacity_factor``,
-    ``moe_buffer_factor``); ``None`` for the default dropless all-to-all, which leaves one device's MoE
-    block on its single-device path.
+    ``moe_buffer_factor``, ``moe_dispatch_chunks``); ``None`` for the default dropless all-to-all, which
+    leaves one device's MoE block on its single-device path.
 
     >>> from hpfunc.models import preset
     >>> moe_dispatcher(preset("qwen3-moe-tiny")) is None, moe_dispatcher(preset("qwen3-moe-tiny", moe_capacity_factor=1.0))
@@ -180,6 +180,8 @@ def moe_dispatcher(cfg: Qwen3Config) -> AllToAll | PaddedAllToAll | None:
         return PaddedAllToAll(buffer_factor=cfg.moe_buffer_factor)
     if cfg.moe_capacity_factor is not None:
         return AllToAll(capacity_factor=cfg.moe_capacity_factor)
+    if cfg.moe_dispatch_chunks > 1:
+        return AllToAll(chunks=cfg.moe_dispatch_chunks)
     return None
 
 
@@ -290,7 +292,7 @@ def apply(params: dict, tokens: torch.Tensor, cfg: Qwen3Config, *, positions: to
         aux_loss = h.new_zeros((), dtype=torch.float32)
         load = torch.zeros(0, 0, dtype=torch.int64, device=h.device)
     aux = {"aux_loss": aux_loss, "expert_load": load, "router_logits": tuple(r.logits for r in routings)}
-    if dispatcher is not None and routings:  # pairs the dispatcher did not compute, per MoE layer
+    if routings and routings[0].dropped is not None:  # pairs the dispatcher did not compute, per MoE layer
         aux["dropped_pairs"] = torch.stack([r.dropped.to(torch.int64) for r in routings])
     return logits, aux
 
