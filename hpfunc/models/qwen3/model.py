@@ -172,7 +172,7 @@ def moe_dispatcher(cfg: Qwen3Config) -> AllToAll | PaddedAllToAll | None:
 
     >>> from hpfunc.models import preset
     >>> moe_dispatcher(preset("qwen3-moe-tiny")) is None, moe_dispatcher(preset("qwen3-moe-tiny", moe_capacity_factor=1.0))
-    (True, AllToAll(capacity_factor=1.0))
+    (True, AllToAll(capacity_factor=1.0, chunks=1))
     >>> moe_dispatcher(preset("qwen3-moe-tiny", moe_dispatcher="padded", moe_buffer_factor=2.0))
     PaddedAllToAll(buffer_factor=2.0)
     """
