@@ -18,6 +18,9 @@ collective         forward                          backward (transpose)
 ``ppermute``       send along ``perm``              send along the inverse permutation
 =================  ===============================  ==========================================
 
+``all_to_all_start`` issues the row all-to-all without waiting (its ``.wait()`` gives the result); its
+transpose is the reverse all-to-all, issued without waiting too.
+
 ``shard_map`` completes this at its boundary: the gradient of an input that is replicated along an
 axis is summed over that axis (the gradients of all replicas of one value), and the cotangent of an
 output replicated along an axis is split evenly among its replicas. With that, no gradient is ever

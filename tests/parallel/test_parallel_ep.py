@@ -212,6 +212,16 @@ def test_padded_dispatch_never_reads_the_host_and_counts_its_overflow(pools, wor
         assert any(o > 0 for o, _ in got), got
 
 
+def test_chunks_must_be_a_positive_int_and_dropless():
+    from hpfunc.models.dispatch import AllToAll
+
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="chunks must be an int >= 1"):
+            AllToAll(chunks=bad)
+    with pytest.raises(ValueError, match="chunks=2 overlaps the dropless dispatch only; found capacity_factor=1.0"):
+        AllToAll(1.0, chunks=2)
+
+
 def test_buffer_factor_must_be_positive():
     from hpfunc.models.dispatch import PaddedAllToAll
 
