@@ -27,7 +27,7 @@ Parameter paths (``hpfunc.tree.path_str``), all linear weights ``[out, in]`` as 
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -198,9 +198,11 @@ def rope_for(h: torch.Tensor, positions: torch.Tensor, cfg: Qwen3Config) -> tupl
 
 def decoder_layer(layer: dict, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: Qwen3Config, *,
                   moe_impl: str = "auto", gather_input: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                  reduce_partial: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[torch.Tensor, Any]:
+                  reduce_partial: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                  dispatcher: Any = None) -> tuple[torch.Tensor, Any]:
     """One decoder layer (attention then MLP or MoE, pre-norm residuals): ``(h, routing)`` with the MoE
-    routing (``None`` for a dense layer). :func:`apply`'s hooks, as there."""
+    routing (``None`` for a dense layer). :func:`apply`'s hooks, as there; ``dispatcher``: the MoE
+    block's token dispatcher (:func:`hpfunc.models.moe.moe_block`)."""
     eps = cfg.rms_norm_eps
     gather = (lambda x: x) if gather_input is None else gather_input  # noqa: E731
     a = layer["attn"]
@@ -220,14 +222,14 @@ def decoder_layer(layer: dict, h: torch.Tensor, cos: torch.Tensor, sin: torch.Te
         y, routing = moe_block(x, m["router"], m["experts"]["w_gate"], m["experts"]["w_up"],
                                m["experts"]["w_down"], top_k=cfg.num_experts_per_tok,
                                norm_topk_prob=cfg.norm_topk_prob, expert_bias=m.get("expert_bias"),
-                               shared=m.get("shared"), impl=moe_impl)
+                               shared=m.get("shared"), impl=moe_impl, dispatcher=dispatcher)
     else:
         y = swiglu_mlp(x, layer["mlp"]["w_gate"], layer["mlp"]["w_up"], layer["mlp"]["w_down"])
     return h + (y if reduce_partial is None else reduce_partial(y)), routing
 
 
 def apply(params: dict, tokens: torch.Tensor, cfg: Qwen3Config, *, positions: torch.Tensor | None = None,
-          return_aux: bool = False, moe_impl: str = "auto",
+          return_aux: bool = False, moe_impl: str = "auto", moe_dispatchers: Sequence[Any] | None = None,
           embed: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
           gather_input: Callable[[torch.Tensor], torch.Tensor] | None = None,
           reduce_partial: Callable[[torch.Tensor], torch.Tensor] | None = None,
@@ -239,6 +241,10 @@ def apply(params: dict, tokens: torch.Tensor, cfg: Qwen3Config, *, positions: to
     MoE layers (0 for a dense model, not scaled by ``router_aux_loss_coef``), ``aux["expert_load"]``
     ``[n_moe_layers, E]`` int64 (top-k assignments per expert) and ``aux["router_logits"]`` (one
     ``[B*S, E]`` per MoE layer).
+
+    ``moe_dispatchers``: one token dispatcher per MoE layer for expert parallelism (e.g. a
+    :class:`hpfunc.models.hot_experts.ReplicatedAllToAll` per layer, whose placements change during
+    training); default each block's own (:func:`hpfunc.models.moe.moe_block`).
 
     Hooks for parallel layouts (:mod:`hpfunc.models.qwen3.parallel_plan` supplies them; each defaults to the
     single-device operation, and the model reads the same top to bottom either way):
@@ -269,9 +275,14 @@ def apply(params: dict, tokens: torch.Tensor, cfg: Qwen3Config, *, positions: to
         positions = torch.arange(S, device=tokens.device)
     cos, sin = rope_for(h, positions, cfg)
     routings = []
+    moe_layers = sum("moe" in layer for layer in params["layers"])
+    if moe_dispatchers is not None and len(moe_dispatchers) != moe_layers:
+        raise ValueError(f"apply: moe_dispatchers has {len(moe_dispatchers)} entries, expected one per MoE layer "
+                         f"({moe_layers})")
     for layer in params["layers"]:
         h, routing = decoder_layer(layer, h, cos, sin, cfg, moe_impl=moe_impl, gather_input=gather_input,
-                                   reduce_partial=reduce_partial)
+                                   reduce_partial=reduce_partial,
+                                   dispatcher=None if moe_dispatchers is None else moe_dispatchers[len(routings)])
         if routing is not None:
             routings.append(routing)
     eps = cfg.rms_norm_eps
@@ -301,6 +312,7 @@ def shift_labels(tokens: torch.Tensor) -> torch.Tensor:
 
 
 def loss(params: dict, batch: dict, cfg: Qwen3Config, *, moe_impl: str = "auto",
+         moe_dispatchers: Sequence[Any] | None = None,
          embed: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
          gather_input: Callable[[torch.Tensor], torch.Tensor] | None = None,
          reduce_partial: Callable[[torch.Tensor], torch.Tensor] | None = None,
@@ -314,7 +326,7 @@ def loss(params: dict, batch: dict, cfg: Qwen3Config, *, moe_impl: str = "auto",
     :func:`shift_labels` of the tokens (equal to Hugging Face's ``labels=input_ids``). Cross-entropy is the
     mean over non-ignored targets, in float32.
 
-    ``embed, gather_input, reduce_partial, head`` are :func:`apply`'s hooks; ``cross_entropy(logits,
+    ``moe_dispatchers, embed, gather_input, reduce_partial, head`` are :func:`apply`'s; ``cross_entropy(logits,
     labels)`` (default ``F.cross_entropy`` in float32, mean over non-ignored targets) receives what
     ``head`` returned, e.g. a vocabulary or sequence block (see :mod:`hpfunc.models.qwen3.parallel_plan`).
 
@@ -333,7 +345,8 @@ def loss(params: dict, batch: dict, cfg: Qwen3Config, *, moe_impl: str = "auto",
     if labels.shape != tokens.shape:
         raise ValueError(f"loss: labels must have the tokens' shape {tuple(tokens.shape)}, "
                          f"found {tuple(labels.shape)}")
-    logits, aux = apply(params, tokens, cfg, return_aux=True, moe_impl=moe_impl, embed=embed,
+    logits, aux = apply(params, tokens, cfg, return_aux=True, moe_impl=moe_impl, moe_dispatchers=moe_dispatchers,
+                        embed=embed,
                         gather_input=gather_input, reduce_partial=reduce_partial, head=head)
     if cross_entropy is None:
         ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
