@@ -6,6 +6,8 @@ MoE layer (router + ``E`` SwiGLU experts, top-``k``) on each rank's ``T`` tokens
 
 - ``replicated``: every rank holds every expert (``plans.ddp``): no all-to-all, gradients all-reduced;
 - ``ep``: the experts split over the ranks (``plans.ep``): two all-to-alls forward, two backward;
+- ``ep + replicas``: ``ep`` with hot-expert copies (``hpfunc.models.hot_experts``, ``--slots`` per rank)
+  placed from the global load the ``ep`` mode observed on the same routing;
 - ``ep x etp`` (4 ranks): experts split 2 ways over ``ep`` and their hidden features 2 ways over ``tp``.
 
 Per mode and routing (``uniform``: the router's own; ``skewed``: an expert bias sending most pairs to
@@ -15,8 +17,8 @@ the backward (storage liveness, :func:`hpfunc.memory.saved_activations`) next to
 backward needs, and the max / mean of the pairs the ranks' experts receive. The load average is printed;
 the JSON lands in ``--out``.
 
-    .venv/bin/python bench/moe.py
-    .venv/bin/python bench/moe.py --hidden 2048 --inter 768 --experts 16 --top-k 8 --tokens 64 --iters 3
+    .venv/bin/python bench/moe.py                       # small shapes, 2 and 4 ranks
+    .venv/bin/python bench/moe.py --shapes qwen3-30b    # Qwen3-30B-A3B expert shapes, 16 experts, 4 ranks
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ def rank_bench(args: dict) -> dict:
     from hpfunc import layout, optim
     from hpfunc.layout import ColwiseParallel, RowwiseParallel
     from hpfunc.memory import saved_activations
+    from hpfunc.models import hot_experts as hot
     from hpfunc.models.moe import moe_block
     from hpfunc.transforms import plans
     from hpfunc.transforms.parallelize import parallel_train_step
@@ -52,8 +55,10 @@ def rank_bench(args: dict) -> dict:
     world = torch.distributed.get_world_size()
     rank = torch.distributed.get_rank()
     E, H, I, k, T = args["experts"], args["hidden"], args["inter"], args["top_k"], args["tokens"]
-    modes = {"replicated": ({"dp": world}, plans.ddp("dp")),
-             "ep": ({"ep": world}, plans.ep("ep", ["w_*"]))}
+    modes = {} if args["skip_replicated"] else {"replicated": ({"dp": world}, plans.ddp("dp"))}
+    modes["ep"] = ({"ep": world}, plans.ep("ep", ["w_*"]))
+    if args["slots"]:  # the copies decided from the load the ep mode observed (same routing)
+        modes["ep + replicas"] = ({"ep": world}, plans.ep("ep", ["w_*"]))
     if world == 4:
         etp = {"w_gate": ColwiseParallel(), "w_up": ColwiseParallel(), "w_down": RowwiseParallel()}
         modes["ep x etp"] = ({"ep": 2, "tp": 2}, plans.ep("ep", ["w_*"]) + plans.tp("tp", etp))
@@ -69,15 +74,19 @@ def rank_bench(args: dict) -> dict:
 
     results = {}
     for routing in ("uniform", "skewed"):
+        observed = None  # the global expert load of the ep mode's last step
         for name, (axes, plan) in modes.items():
             mesh = hpfunc.Mesh(axes)
             n_ep = axes.get("ep", 1)
             bias = routing_bias(routing, n_ep)
             received = []
+            placement = (hot.place_hot_experts(observed, ranks=n_ep, slots=args["slots"])
+                         if name == "ep + replicas" else hot.no_replicas(E, n_ep))
+            dispatcher = hot.ReplicatedAllToAll(placement) if name == "ep + replicas" else None
 
             def loss(p, b):
                 y, r = moe_block(b["x"], p["router"], p["w_gate"], p["w_up"], p["w_down"], top_k=k,
-                                 norm_topk_prob=True, expert_bias=bias)
+                                 norm_topk_prob=True, expert_bias=bias, dispatcher=dispatcher)
                 y = layout.reduce_partial(y)  # ETP: the experts' partial outputs summed over tp
                 received.append(r.indices.detach())
                 return (y.float() ** 2).mean()
@@ -100,7 +109,16 @@ def rank_bench(args: dict) -> dict:
             counts = torch.bincount(idx.reshape(-1), minlength=E).float()
             torch.distributed.all_reduce(counts)
             counts /= axes.get("tp", 1)  # the tp ranks of an ETP group route the same tokens
-            per_rank = counts.view(n_ep, -1).sum(1) if n_ep > 1 else counts.sum(0, keepdim=True)
+            if name == "ep":
+                observed = counts.tolist()
+            # rows each ep rank receives: this rank's pairs by destination (the copies' split), summed
+            e_index = rank // axes.get("tp", 1)
+            _, slot = hot.route_pairs(idx, placement, e_index)
+            owner = torch.repeat_interleave(torch.arange(n_ep), torch.tensor(
+                [len(placement.experts_on(q)) for q in range(n_ep)]))
+            per_rank = torch.bincount(owner[slot], minlength=n_ep).float()
+            torch.distributed.all_reduce(per_rank)
+            per_rank /= axes.get("tp", 1)
             # saved activation bytes of the forward, in the layout the step uses (local blocks)
             my_x = batch["x"].chunk(world)[rank] if "tp" not in axes else batch["x"].chunk(2)[rank // 2]
 
@@ -108,7 +126,7 @@ def rank_bench(args: dict) -> dict:
                 with mesh, layout.expert_parallel("ep" if "ep" in axes else None), \
                         layout.tensor_parallel("tp" if "tp" in axes else None):
                     y, _ = moe_block(x, p["router"], p["w_gate"], p["w_up"], p["w_down"], top_k=k,
-                                     norm_topk_prob=True, expert_bias=bias)
+                                     norm_topk_prob=True, expert_bias=bias, dispatcher=dispatcher)
                     return layout.reduce_partial(y).float().pow(2).mean()
 
             gathered = {p: (full[p].chunk(axes["tp"], dim=2 if p == "w_down" else 1)[rank % 2]
@@ -120,6 +138,11 @@ def rank_bench(args: dict) -> dict:
                                        my_x.requires_grad_(True), state_argnums=(0,))
             n_rows = int(per_rank[rank // axes.get("tp", 1)]) if n_ep > 1 else my_x.shape[0] * k  # rows computed here
             i_local = gathered["w_gate"].shape[1]
+            # the bytes of the copies' weights (sent forward by their owners, their gradients backward)
+            weight_bytes = sum(b[e_index] for b in hot.replica_bytes(placement, 3 * i_local * H * 4)) if n_ep > 1 else 0
+            a2a = float(stats.total_sent_bytes(op="all_to_all"))
+            count_bytes = sum(float(r.sent_bytes) for r in stats.filter(op="all_to_all") if r.payload_bytes < 4 * H)
+            t_ep, t_tp = max(n_ep, 1), axes.get("tp", 1)
             # the backward needs the experts' input rows, their gate and up outputs and the hidden product
             # (for the three weight gradients and SwiGLU's derivative), the layer input (router gradient)
             # and the router probabilities: 4 bytes each
@@ -131,6 +154,17 @@ def rank_bench(args: dict) -> dict:
                 "saved_bytes": report.device_bytes, "min_saved_bytes": minimum,
                 "rank_rows": per_rank.tolist(),
                 "rank_max_over_mean": float(per_rank.max() / per_rank.mean().clamp_min(1e-9)),
+                "copies": [list(c) for c in placement.copies], "replica_weight_bytes": weight_bytes,
+                # per token this rank routes, one MoE layer, fp32: the token rows' all-to-alls (not the count
+                # exchange nor the copies' weights) measured, and the uniform-routing formula 4 k h (e-1)/e
+                "tokens_here": my_x.shape[0],
+                "a2a_token_bytes_per_token": (a2a - count_bytes - weight_bytes) / my_x.shape[0],
+                "a2a_formula_per_token": 4 * k * H * 4 * (t_ep - 1) / t_ep,
+                # the row-parallel output all-reduced forward and backward: 2 x 2 h (t-1)/t, plus the router's
+                # tp-replicated gradient (2 E H (t-1)/t once per step) spread over the tokens
+                "ar_bytes_per_token": float(stats.total_sent_bytes(op="all_reduce")) / my_x.shape[0],
+                "ar_formula_per_token": (2 * 2 * H * 4 * (t_tp - 1) / t_tp
+                                         + 2 * E * H * 4 * (t_tp - 1) / t_tp / my_x.shape[0]),
             }
     return results
 
@@ -143,33 +177,55 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--top-k", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=256, help="tokens per rank")
     ap.add_argument("--iters", type=int, default=8)
-    ap.add_argument("--worlds", default="2,4")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "moe.json"))
+    ap.add_argument("--worlds", default=None, help="ranks per run (default 2,4; 4 with --shapes qwen3-30b)")
+    ap.add_argument("--slots", type=int, default=1, help="hot-expert copies per rank for the ep + replicas mode "
+                    "(0: no such mode)")
+    ap.add_argument("--shapes", choices=("small", "qwen3-30b"), default="small",
+                    help="qwen3-30b: Qwen3-30B-A3B's expert shapes (hidden 2048, expert 768 x 2048, top-8) with "
+                         "16 experts instead of 128, 64 tokens per rank, 3 iterations, no replicated mode")
+    ap.add_argument("--out", default=None, help="JSON path (default bench/results/moe[-qwen3-30b].json)")
     a = ap.parse_args(argv)
     from hpfunc.testing import RankPool
     from hpfunc.train.output import to_json
 
+    if a.shapes == "qwen3-30b":
+        a.experts, a.hidden, a.inter, a.top_k, a.tokens, a.iters = 16, 2048, 768, 8, 64, 3
+    worlds = a.worlds or ("4" if a.shapes == "qwen3-30b" else "2,4")
+    if a.out is None:
+        name = "moe.json" if a.shapes == "small" else f"moe-{a.shapes}.json"
+        a.out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", name)
     args = {"experts": a.experts, "hidden": a.hidden, "inter": a.inter, "top_k": a.top_k, "tokens": a.tokens,
-            "iters": a.iters}
+            "iters": a.iters, "slots": a.slots, "skip_replicated": a.shapes == "qwen3-30b", "shapes": a.shapes}
     out = {"args": args, "worlds": {}}
-    for world in [int(w) for w in a.worlds.split(",")]:
+    for world in [int(w) for w in worlds.split(",")]:
         with RankPool(world, timeout=1800) as pool:
             res = pool.run(rank_bench, args)
         out["worlds"][world] = res
         load = os.getloadavg()
         print(f"\n{world} ranks: MoE layer E={a.experts} top-{a.top_k} hidden {a.hidden} expert hidden {a.inter}, "
               f"{a.tokens} tokens per rank, fp32; load average {load[0]:.2f}")
-        print(f"{'routing/mode':<22}{'ms':>8}{'a2a KiB':>9}{'AR KiB':>8}{'AG+RS KiB':>10}{'saved KiB':>10}"
-              f"{'min KiB':>9}{'rank max/mean':>14}")
+        print(f"{'routing/mode':<26}{'ms':>9}{'a2a KiB':>9}{'AR KiB':>8}{'AG+RS KiB':>10}{'saved KiB':>10}"
+              f"{'min KiB':>9}{'copies':>7}{'rank max/mean':>14}")
         for key, r in res[0].items():
             s = r["sent_bytes"]
-            print(f"{key:<22}{r['ms']:>8.2f}{s['all_to_all'] / 1024:>9.1f}{s['all_reduce'] / 1024:>8.1f}"
+            print(f"{key:<26}{r['ms']:>9.2f}{s['all_to_all'] / 1024:>9.1f}{s['all_reduce'] / 1024:>8.1f}"
                   f"{(s['all_gather'] + s['reduce_scatter']) / 1024:>10.1f}{r['saved_bytes'] / 1024:>10.1f}"
-                  f"{r['min_saved_bytes'] / 1024:>9.1f}{r['rank_max_over_mean']:>14.2f}")
+                  f"{r['min_saved_bytes'] / 1024:>9.1f}{sum(map(len, r['copies'])):>7}"
+                  f"{r['rank_max_over_mean']:>14.2f}")
+        print(f"\nper token this rank routes (rank 0), one MoE layer: {'routing/mode':<22}{'tokens':>7}"
+              f"{'a2a B/token':>12}{'formula':>9}{'AR B/token':>11}{'formula':>9}{'copies KiB':>11}")
+        for key, r in res[0].items():
+            print(f"{'':<50}{key:<22}{r['tokens_here']:>7}{r['a2a_token_bytes_per_token']:>12.0f}"
+                  f"{r['a2a_formula_per_token']:>9.0f}{r['ar_bytes_per_token']:>11.0f}{r['ar_formula_per_token']:>9.0f}"
+                  f"{r['replica_weight_bytes'] / 1024:>11.1f}")
         out.setdefault("load_average", []).append(load)
     print("\nms: median step (forward, backward, gradient reduction, AdamW) on rank 0; KiB: bytes rank 0 sends per "
           "step; saved: activation bytes rank 0's forward keeps for backward (storage liveness); min: what the "
-          "backward needs; rank max/mean: the pairs the expert-parallel ranks receive")
+          "backward needs; copies: hot-expert copies (ep + replicas, decided from the ep mode's observed load); "
+          "rank max/mean: the pairs the expert-parallel ranks receive; a2a B/token: the token rows' all-to-alls "
+          "(without the count exchange and the copies' weights) per token rank 0 routes, formula 4 k h (e-1)/e "
+          "fp32 for uniform routing; AR: all-reduces, formula 2 x 2 h (t-1)/t plus the router's tp gradient; "
+          "copies KiB: the copies' weights forward and gradients backward sent by rank 0")
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:
         f.write(to_json(out, where=a.out, indent=2))

@@ -44,6 +44,7 @@ import torch
 
 from hpfunc import lax
 from hpfunc.layout import PlanError
+from hpfunc.models.moe import expert_ffn
 
 __all__ = ["Placement", "no_replicas", "place_hot_experts", "expected_rank_rows", "replica_bytes",
            "route_pairs", "ReplicatedAllToAll", "ReplicatedDispatched"]
@@ -202,20 +203,20 @@ def expected_rank_rows(load: Sequence[float] | torch.Tensor, placement: Placemen
     return [float(x) for x in _rank_loads([Fraction(float(v)) for v in values], holders, placement.ranks)]
 
 
-def replica_bytes(placement: Placement, expert_bytes: int) -> list[int]:
-    """Bytes each rank sends per step for the copies' weights, forward (the owners send them); the
-    backward sends as many back (the copies' gradients, from the copy ranks to the owners). For
-    ``expert_bytes`` = the bytes of one expert's ``w_gate, w_up, w_down`` (on this rank: ``3 I H``
-    elements, ``3 I H / t`` under expert-tensor parallelism ``t``).
+def replica_bytes(placement: Placement, expert_bytes: int) -> tuple[list[int], list[int]]:
+    """Bytes each rank sends per step for the copies: ``(forward, backward)``. Forward, the owners send
+    their hot experts' weights; backward, the copy ranks send the copies' gradients back to the owners.
+    ``expert_bytes``: one expert's ``w_gate, w_up, w_down`` on a rank (``3 I H`` elements; ``3 I H / t``
+    under expert-tensor parallelism ``t``). A new placement costs nothing more: no copy outlives a step.
 
     >>> replica_bytes(Placement(8, ((4,), (0, 1))), 100)
-    [200, 100]
+    ([200, 100], [100, 200])
     """
-    out = [0] * placement.ranks
+    forward = [0] * placement.ranks
     for held in placement.copies:
         for e in held:
-            out[placement.owner(e)] += expert_bytes
-    return out
+            forward[placement.owner(e)] += expert_bytes
+    return forward, [len(held) * expert_bytes for held in placement.copies]
 
 
 class _Slots(NamedTuple):
@@ -283,6 +284,7 @@ class ReplicatedDispatched(NamedTuple):
     recv_sizes: tuple[int, ...]
     k: int
     axis: str | None
+    own_rows: int                 # rows for this rank's own experts (the first ones); the copies' follow
 
 
 def _inverse(perm: torch.Tensor) -> torch.Tensor:
@@ -295,8 +297,8 @@ def _inverse(perm: torch.Tensor) -> torch.Tensor:
 @attrs.frozen
 class ReplicatedAllToAll:
     """Dropless all-to-all dispatch with hot-expert copies (see the module docstring): pass it to
-    :func:`hpfunc.models.moe.moe_block` as ``dispatcher=``; the block asks :meth:`expert_weights` for
-    the weights of the experts this rank computes (its own, then its copies). With
+    :func:`hpfunc.models.moe.moe_block` as ``dispatcher=``; the block asks :meth:`expert_outputs` for
+    the received rows' outputs (this rank's experts and its copies). With
     :func:`no_replicas` it routes exactly as :class:`hpfunc.models.dispatch.AllToAll`.
 
     >>> d = ReplicatedAllToAll(no_replicas(2, 1))
@@ -320,13 +322,12 @@ class ReplicatedAllToAll:
                 f"placement with place_hot_experts(load, ranks={n}, slots=...) for this layer")
         return n, lax.axis_index(axis) if axis is not None else 0
 
-    def expert_weights(self, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, *,
-                       axis: str | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """This rank's own expert stacks followed by its copies' weights, received from their owners in
-        one all-to-all (its transpose sums the copies' gradients into the owners' gradients)."""
+    def copy_weights(self, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, *,
+                     axis: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The weights of this rank's copies (``[len(copies[rank]), ...]`` each), received from their
+        owners in one all-to-all of packed rows; its transpose sums the copies' gradients into the
+        owners' gradients. Every rank of the axis must call it (an owner sends even if it holds no copy)."""
         p = self.placement
-        if axis is None or p.num_copies == 0:
-            return w_gate, w_up, w_down
         n, me = self._check(p.num_experts, axis)
         if w_gate.shape[0] != p.local:
             raise PlanError(f"ReplicatedAllToAll: this rank holds {w_gate.shape[0]} experts, the placement "
@@ -340,8 +341,24 @@ class ReplicatedAllToAll:
         packed = torch.cat([w.index_select(0, index).flatten(1) for w in stacks], dim=1)
         got = lax.all_to_all(packed, axis, 0, 0, split_sizes=send_sizes, recv_sizes=recv_sizes)
         parts = got.split([w[0].numel() for w in stacks], dim=1)
-        return tuple(torch.cat((w, part.reshape(-1, *w.shape[1:])))  # type: ignore[return-value]
-                     for w, part in zip(stacks, parts))
+        return tuple(part.reshape(-1, *w.shape[1:]) for w, part in zip(stacks, parts))  # type: ignore[return-value]
+
+    def expert_outputs(self, sent: ReplicatedDispatched, w_gate: torch.Tensor, w_up: torch.Tensor,
+                       w_down: torch.Tensor, *, impl: str = "auto") -> torch.Tensor:
+        """The outputs of the received rows: this rank's own experts on their rows, then the copies
+        (weights from :meth:`copy_weights`) on theirs. Two grouped computes rather than one over the
+        concatenated stacks, which would keep a copy of all the rank's expert weights for the backward."""
+        p = self.placement
+        if sent.axis is None or p.num_copies == 0:
+            return expert_ffn(sent.tokens, sent.counts, w_gate, w_up, w_down, impl=impl)
+        copies = self.copy_weights(w_gate, w_up, w_down, axis=sent.axis)
+        own = expert_ffn(sent.tokens[: sent.own_rows], sent.counts[: p.local], w_gate, w_up, w_down, impl=impl)
+        # A rank holding no copy still computes its (empty) copies, so that every rank's backward runs the
+        # exchange's transpose: the owners receive their copies' gradients through it. grouped_mm's
+        # backward rejects zero experts; bmm over none costs nothing.
+        held = expert_ffn(sent.tokens[sent.own_rows:], sent.counts[p.local:], *copies,
+                          impl=impl if copies[0].shape[0] else "bmm")
+        return torch.cat((own, held))
 
     def dispatch(self, x: torch.Tensor, indices: torch.Tensor, *, num_experts: int,
                  axis: str | None) -> ReplicatedDispatched:
@@ -359,15 +376,17 @@ class ReplicatedAllToAll:
             else:
                 recv = per_slot.view(1, -1)
             send = torch.zeros(n, dtype=torch.int64, device=x.device).index_add_(0, slots.rank_of_slot, per_slot)
-            sizes = torch.cat((send, recv.sum(1))).tolist()  # the layer's one host read
-            send_sizes, recv_sizes = tuple(sizes[:n]), tuple(sizes[n:])
+            own = recv[:, : self.placement.local].sum().reshape(1)
+            sizes = torch.cat((send, recv.sum(1), own)).tolist()  # the layer's one host read
+            send_sizes, recv_sizes, own_rows = tuple(sizes[:n]), tuple(sizes[n:2 * n]), sizes[-1]
             local = slots.per_rank[me]
             slot_of = torch.repeat_interleave(torch.arange(local, device=x.device).repeat(n), recv.reshape(-1))
             regroup = torch.argsort(slot_of, stable=True)
         rows = x[order // k]
         if n > 1:
             rows = lax.all_to_all(rows, axis, 0, 0, split_sizes=send_sizes, recv_sizes=recv_sizes)
-        return ReplicatedDispatched(rows[regroup], recv.sum(0), order, regroup, send_sizes, recv_sizes, k, axis)
+        return ReplicatedDispatched(rows[regroup], recv.sum(0), order, regroup, send_sizes, recv_sizes, k, axis,
+                                    own_rows)
 
     def combine(self, y: torch.Tensor, sent: ReplicatedDispatched, weights: torch.Tensor) -> torch.Tensor:
         """``out[t] = sum_j weights[t, j] * (output of pair (t, j))``, ``[T, H']``."""

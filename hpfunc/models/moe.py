@@ -225,9 +225,9 @@ def moe_block(
     stacks are this rank's ``E / n`` experts: ``dispatcher`` (default
     :class:`hpfunc.models.dispatch.AllToAll`, dropless) sends each (token, expert) pair to the rank
     holding its expert, :func:`expert_ffn` computes the local experts, and the outputs come back. A
-    dispatcher with an ``expert_weights(w_gate, w_up, w_down, *, axis)`` method supplies the stacks of
-    the experts it computes instead (:class:`hpfunc.models.hot_experts.ReplicatedAllToAll`: this rank's
-    experts and its copies of hot experts).
+    dispatcher with an ``expert_outputs(sent, w_gate, w_up, w_down, *, impl)`` method computes the
+    received rows itself (:class:`hpfunc.models.hot_experts.ReplicatedAllToAll`: this rank's experts and
+    its copies of hot experts).
 
     >>> E, H, I = 4, 8, 4
     >>> y, r = moe_block(torch.randn(2, 3, H), torch.randn(E, H), torch.randn(E, I, H),
@@ -250,10 +250,11 @@ def moe_block(
                 f"{axis!r} (plans.ep) and the router replicated")
         dispatcher = AllToAll() if dispatcher is None else dispatcher
         sent = dispatcher.dispatch(flat, routing.indices, num_experts=E, axis=axis)
-        experts = (w_gate, w_up, w_down)
-        if hasattr(dispatcher, "expert_weights"):  # a dispatcher computing more experts than its own (copies)
-            experts = dispatcher.expert_weights(*experts, axis=axis)
-        y = dispatcher.combine(expert_ffn(sent.tokens, sent.counts, *experts, impl=impl), sent, routing.weights)
+        if hasattr(dispatcher, "expert_outputs"):  # a dispatcher computing more experts than its own (copies)
+            ys = dispatcher.expert_outputs(sent, w_gate, w_up, w_down, impl=impl)
+        else:
+            ys = expert_ffn(sent.tokens, sent.counts, w_gate, w_up, w_down, impl=impl)
+        y = dispatcher.combine(ys, sent, routing.weights)
     if shared is not None:
         y = y + torch.sigmoid(F.linear(flat, shared["gate"])) * swiglu_mlp(
             flat, shared["w_gate"], shared["w_up"], shared["w_down"])

@@ -60,11 +60,14 @@ def run_replicated_dispatch(world: int, tokens: list[int], k: int, E: int, skew:
         mine = [t.clone().requires_grad_(True) for t in (x[lo:hi], w[lo:hi], wg[r * local:(r + 1) * local],
                                                           wu[r * local:(r + 1) * local], wd[r * local:(r + 1) * local])]
         d = hot.ReplicatedAllToAll(placement)
-        experts = d.expert_weights(*mine[2:], axis="ep")
-        if break_grad_sum:  # the deliberate bug: the copies' gradients never reach their owner
-            experts = tuple(torch.cat((e[:local], e[local:].detach())) for e in experts)
         sent = d.dispatch(mine[0], idx[lo:hi], num_experts=E, axis="ep")
-        out = d.combine(expert_ffn(sent.tokens, sent.counts, *experts, impl="bmm"), sent, mine[1])
+        if break_grad_sum:  # the deliberate bug: the copies' gradients never reach their owner
+            copies = [c.detach() for c in d.copy_weights(*mine[2:], axis="ep")]
+            ys = torch.cat((expert_ffn(sent.tokens[: sent.own_rows], sent.counts[:local], *mine[2:], impl="bmm"),
+                            expert_ffn(sent.tokens[sent.own_rows:], sent.counts[local:], *copies, impl="bmm")))
+        else:
+            ys = d.expert_outputs(sent, *mine[2:], impl="bmm")
+        out = d.combine(ys, sent, mine[1])
         got = torch.autograd.grad((out * cot[lo:hi]).sum(), mine, allow_unused=True)
         plain = hot.ReplicatedAllToAll(hot.no_replicas(E, world)).dispatch(x[lo:hi], idx[lo:hi], num_experts=E,
                                                                            axis="ep")

@@ -46,7 +46,7 @@ def test_uniform_load_gets_no_copies_and_a_hot_expert_gets_them():
 
 def test_replica_bytes_are_the_copies_weights_sent_by_their_owners():
     p = hot.Placement(8, ((2,), (0,), (0, 1), ()))
-    assert hot.replica_bytes(p, 10) == [30, 10, 0, 0]
+    assert hot.replica_bytes(p, 10) == ([30, 10, 0, 0], [10, 10, 20, 0])
 
 
 def test_bad_placements_are_plan_errors_naming_the_rank():
