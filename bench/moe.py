@@ -11,7 +11,7 @@ MoE layer (router + ``E`` SwiGLU experts, top-``k``) on each rank's ``T`` tokens
 - ``ep x etp`` (4 ranks): experts split 2 ways over ``ep`` and their hidden features 2 ways over ``tp``.
 
 Per mode and routing (``uniform``: the router's own; ``skewed``: an expert bias sending most pairs to
-the first rank's experts) the table gives the median step time, the bytes this rank sends per step
+the first rank's experts; ``hot``: experts 0 and 1 in every token's top-k) the table gives the median step time, the bytes this rank sends per step
 (``hpfunc.comm_stats``: all-to-all, all-reduce and the rest), the activation bytes the forward keeps for
 the backward (storage liveness, :func:`hpfunc.memory.saved_activations`) next to the minimum the
 backward needs, and the max / mean of the pairs the ranks' experts receive. The load average is printed;
@@ -33,7 +33,9 @@ import torch
 
 def _layer_params(E: int, H: int, I: int, seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
-    return {"router": torch.randn(E, H, generator=g) * H ** -0.5,
+    # norm: the weight of the normalisation in front of the layer, so that the layer's input needs a gradient
+    # as in a model (then the dispatch's transpose runs: four all-to-alls per step, not three)
+    return {"norm": 1.0 + 0.1 * torch.randn(H, generator=g), "router": torch.randn(E, H, generator=g) * H ** -0.5,
             "w_gate": torch.randn(E, I, H, generator=g) * H ** -0.5,
             "w_up": torch.randn(E, I, H, generator=g) * H ** -0.5,
             "w_down": torch.randn(E, H, I, generator=g) * I ** -0.5}
@@ -70,10 +72,12 @@ def rank_bench(args: dict) -> dict:
         b = torch.zeros(E)
         if kind == "skewed":
             b[: max(E // n, k)] = 0.05  # the first rank's experts win most of the close calls
+        if kind == "hot":
+            b[:2] = 1.0  # experts 0 and 1 are in every token's top-k
         return b
 
     results = {}
-    for routing in ("uniform", "skewed"):
+    for routing in ("uniform", "skewed", "hot"):
         observed = None  # the global expert load of the ep mode's last step
         for name, (axes, plan) in modes.items():
             mesh = hpfunc.Mesh(axes)
@@ -85,7 +89,7 @@ def rank_bench(args: dict) -> dict:
             dispatcher = hot.ReplicatedAllToAll(placement) if name == "ep + replicas" else None
 
             def loss(p, b):
-                y, r = moe_block(b["x"], p["router"], p["w_gate"], p["w_up"], p["w_down"], top_k=k,
+                y, r = moe_block(b["x"] * p["norm"], p["router"], p["w_gate"], p["w_up"], p["w_down"], top_k=k,
                                  norm_topk_prob=True, expert_bias=bias, dispatcher=dispatcher)
                 y = layout.reduce_partial(y)  # ETP: the experts' partial outputs summed over tp
                 received.append(r.indices.detach())
@@ -125,15 +129,15 @@ def rank_bench(args: dict) -> dict:
             def fwd(p, x):
                 with mesh, layout.expert_parallel("ep" if "ep" in axes else None), \
                         layout.tensor_parallel("tp" if "tp" in axes else None):
-                    y, _ = moe_block(x, p["router"], p["w_gate"], p["w_up"], p["w_down"], top_k=k,
+                    y, _ = moe_block(x * p["norm"], p["router"], p["w_gate"], p["w_up"], p["w_down"], top_k=k,
                                      norm_topk_prob=True, expert_bias=bias, dispatcher=dispatcher)
                     return layout.reduce_partial(y).float().pow(2).mean()
 
             gathered = {p: (full[p].chunk(axes["tp"], dim=2 if p == "w_down" else 1)[rank % 2]
-                            if "tp" in axes and p != "router" else full[p]) for p in full}
+                            if "tp" in axes and p.startswith("w_") else full[p]) for p in full}
             if n_ep > 1:
                 e_rank = rank // axes.get("tp", 1)
-                gathered = {p: (v.chunk(n_ep)[e_rank] if p != "router" else v) for p, v in gathered.items()}
+                gathered = {p: (v.chunk(n_ep)[e_rank] if p.startswith("w_") else v) for p, v in gathered.items()}
             report = saved_activations(fwd, {p: v.requires_grad_(True) for p, v in gathered.items()},
                                        my_x.requires_grad_(True), state_argnums=(0,))
             n_rows = int(per_rank[rank // axes.get("tp", 1)]) if n_ep > 1 else my_x.shape[0] * k  # rows computed here
@@ -160,11 +164,12 @@ def rank_bench(args: dict) -> dict:
                 "tokens_here": my_x.shape[0],
                 "a2a_token_bytes_per_token": (a2a - count_bytes - weight_bytes) / my_x.shape[0],
                 "a2a_formula_per_token": 4 * k * H * 4 * (t_ep - 1) / t_ep,
-                # the row-parallel output all-reduced forward and backward: 2 x 2 h (t-1)/t, plus the router's
-                # tp-replicated gradient (2 E H (t-1)/t once per step) spread over the tokens
+                # the row-parallel output all-reduced forward and backward: 2 x 2 h (t-1)/t, plus the router's and
+                # the norm's gradient blocks (sharded over ep, replicated over tp: 2 (E+1) H / e (t-1)/t per step)
+                # spread over the tokens
                 "ar_bytes_per_token": float(stats.total_sent_bytes(op="all_reduce")) / my_x.shape[0],
                 "ar_formula_per_token": (2 * 2 * H * 4 * (t_tp - 1) / t_tp
-                                         + 2 * E * H * 4 * (t_tp - 1) / t_tp / my_x.shape[0]),
+                                         + 2 * (E + 1) * H * 4 * (t_tp - 1) / t_tp / t_ep / my_x.shape[0]),
             }
     return results
 
@@ -212,20 +217,30 @@ def main(argv: list[str] | None = None) -> dict:
                   f"{(s['all_gather'] + s['reduce_scatter']) / 1024:>10.1f}{r['saved_bytes'] / 1024:>10.1f}"
                   f"{r['min_saved_bytes'] / 1024:>9.1f}{sum(map(len, r['copies'])):>7}"
                   f"{r['rank_max_over_mean']:>14.2f}")
-        print(f"\nper token this rank routes (rank 0), one MoE layer: {'routing/mode':<22}{'tokens':>7}"
-              f"{'a2a B/token':>12}{'formula':>9}{'AR B/token':>11}{'formula':>9}{'copies KiB':>11}")
-        for key, r in res[0].items():
-            print(f"{'':<50}{key:<22}{r['tokens_here']:>7}{r['a2a_token_bytes_per_token']:>12.0f}"
-                  f"{r['a2a_formula_per_token']:>9.0f}{r['ar_bytes_per_token']:>11.0f}{r['ar_formula_per_token']:>9.0f}"
-                  f"{r['replica_weight_bytes'] / 1024:>11.1f}")
+        print(f"\nbytes per token, one MoE layer, fp32, over all ranks: {'routing/mode':<24}{'a2a':>7}{'formula':>8}"
+              f"{'AR':>7}{'formula':>8}{'all ops / global token':>23}{'copies KiB (max)':>17}")
+        for key in res[0]:
+            rows = [r[key] for r in res]
+            held = sum(r["tokens_here"] for r in rows)  # a token counts once per rank that routes it (ETP: t)
+            a2a = sum(r["a2a_token_bytes_per_token"] * r["tokens_here"] for r in rows) / held
+            ar = sum(r["ar_bytes_per_token"] * r["tokens_here"] for r in rows) / held
+            total = sum(sum(r["sent_bytes"].values()) for r in rows) / (world * a.tokens)
+            r0 = rows[0]
+            for r in rows:
+                r["summary"] = {"a2a_per_token": a2a, "ar_per_token": ar, "total_per_global_token": total}
+            print(f"{'':<54}{key:<24}{a2a:>7.0f}{r0['a2a_formula_per_token']:>8.0f}{ar:>7.0f}"
+                  f"{r0['ar_formula_per_token']:>8.0f}{total:>23.0f}"
+                  f"{max(r['replica_weight_bytes'] for r in rows) / 1024:>17.1f}")
         out.setdefault("load_average", []).append(load)
     print("\nms: median step (forward, backward, gradient reduction, AdamW) on rank 0; KiB: bytes rank 0 sends per "
           "step; saved: activation bytes rank 0's forward keeps for backward (storage liveness); min: what the "
           "backward needs; copies: hot-expert copies (ep + replicas, decided from the ep mode's observed load); "
-          "rank max/mean: the pairs the expert-parallel ranks receive; a2a B/token: the token rows' all-to-alls "
-          "(without the count exchange and the copies' weights) per token rank 0 routes, formula 4 k h (e-1)/e "
-          "fp32 for uniform routing; AR: all-reduces, formula 2 x 2 h (t-1)/t plus the router's tp gradient; "
-          "copies KiB: the copies' weights forward and gradients backward sent by rank 0")
+          "rank max/mean: the pairs the expert-parallel ranks receive; bytes per token: a2a, the token rows' "
+          "all-to-alls (not the count exchange nor the copies' weights) per token a rank routes (ETP: each of the t "
+          "ranks of a group routes the same tokens), formula 4 k h (e-1)/e x 4 B for uniform routing; AR: the "
+          "all-reduces, formula 2 x 2 h (t-1)/t x 4 B plus the router's and the norm's tp gradients; all ops / global token: every "
+          "byte every rank sends (gradient reductions and copies included) per token of the global batch; copies "
+          "KiB: the copies' weights forward and their gradients backward, the most any rank sends")
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:
         f.write(to_json(out, where=a.out, indent=2))
