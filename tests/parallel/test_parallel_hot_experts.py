@@ -135,3 +135,16 @@ def test_replicas_compose_and_train_as_one_device_on_4_ranks(pools, mesh, roles)
     out = pools(4).run(HH.run_replica_training, mesh, roles, skew="one_expert", slots=1, every=2, steps=3, seed=2)
     history = out[0]["placements"]
     assert history[0] == history[1] and history[1] != history[2]  # re-decided after step 2 only
+
+
+def test_qwen3_takes_one_dispatcher_per_moe_layer():
+    import hpfunc
+    from hpfunc.models import qwen3
+
+    cfg = qwen3.preset("qwen3-moe-tiny")  # two MoE layers
+    params = qwen3.init(hpfunc.random.key(0), cfg)
+    tokens = torch.zeros(1, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"moe_dispatchers has 1 entries, expected one per MoE layer \(2\)"):
+        qwen3.apply(params, tokens, cfg, moe_dispatchers=[hot.ReplicatedAllToAll(hot.no_replicas(8, 1))])
+    d = [hot.ReplicatedAllToAll(hot.no_replicas(8, 1))] * 2  # without an ep axis: the single-device block
+    assert torch.equal(qwen3.apply(params, tokens, cfg, moe_dispatchers=d), qwen3.apply(params, tokens, cfg))
