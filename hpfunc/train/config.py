@@ -144,11 +144,15 @@ PLAN_KINDS: dict[str, tuple[int, dict[str, Any]]] = {
     "tp": (1, {"vocab_parallel": False, "sequence_parallel": False}),
     "ep": (1, {"reshard_after_forward": True}),  # experts split; a data axis, the rest sharded as fsdp
     # pipeline stages over the axis (not a data axis): a schedule name or a torch-format CSV file
-    "pp": (1, {"schedule": "1f1b", "microbatches": 1, "virtual_stages": None, "layers_per_stage": None}),
+    "pp": (1, {"schedule": "1f1b", "microbatches": 1, "virtual_stages": None, "layers_per_stage": None,
+               "remat": None, "max_resident": None}),
 }
 # option types where the default (None) does not say
 _OPTION_TYPES: dict[tuple[str, str], Any] = {("pp", "virtual_stages"): Union[int, None],
-                                             ("pp", "layers_per_stage"): Union[tuple[int, ...], None]}
+                                             ("pp", "layers_per_stage"): Union[tuple[int, ...], None],
+                                             # a policy name for every stage, or one per stage (null: none)
+                                             ("pp", "remat"): Union[str, tuple[Union[str, None], ...], None],
+                                             ("pp", "max_resident"): Union[int, None]}
 _DATA_KINDS = ("ddp", "fsdp", "zero1", "zero2", "zero3", "hsdp", "ep")
 
 

@@ -96,7 +96,7 @@ def _entry_plan(e: PlanEntry, model_cfg: Any, mesh: Mapping[str, int]) -> Any:
         n = mesh[e.axes[0]] * stages_per_rank(o["schedule"], o["virtual_stages"])
         stages = parallel_plan.pipeline_stages(model_cfg, n, layers=o["layers_per_stage"])
         return plans.pp(e.axes[0], stages, schedule=o["schedule"], microbatches=o["microbatches"],
-                        virtual_stages=o["virtual_stages"])
+                        virtual_stages=o["virtual_stages"], remat=o["remat"], max_resident=o["max_resident"])
     if e.kind in ("fsdp", "zero3"):
         return plans.fsdp(e.axes[0], reshard_after_forward=o["reshard_after_forward"])
     if e.kind == "hsdp":
@@ -226,7 +226,8 @@ def _check_pipeline(cfg: Config, model_cfg: Any) -> None:
         try:
             _entry_plan(e, model_cfg, pc.mesh).check_mesh(AbstractMesh(pc.mesh))
         except PlanError as err:
-            what = "layers_per_stage" if "layers_per_stage" in str(err) else "schedule"
+            what = ("layers_per_stage" if "layers_per_stage" in str(err) else
+                    "remat" if "remat" in str(err) else "schedule")
             raise ConfigError(f"{key}.{what}: {err}") from None
 
 

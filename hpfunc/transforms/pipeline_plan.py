@@ -36,6 +36,8 @@ __all__ = ["PipelineLayer", "SCHEDULES", "build_schedule"]
 # names accepted for `schedule=`: the generators, plus "interleaved" for interleaved 1F1B
 SCHEDULES = tuple(GENERATORS) + ("interleaved",)
 _TWO_PER_RANK = ("zbv", "dualpipev")  # V schedules: two stages on every rank
+# remat policies by name (hpfunc.transforms.policies), for configs
+_POLICY_NAMES = ("nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable", "everything_saveable")
 
 
 def stages_per_rank(schedule: str | Schedule, virtual_stages: int | None) -> int:
@@ -89,6 +91,8 @@ class PipelineLayer:
     schedule_name: Any = "1f1b"
     microbatches: int = 1
     virtual_stages: int | None = None
+    remat: Any = None  # a remat policy for every stage, or {stage: policy} / one per stage (None: keep all)
+    max_resident: int | None = None  # swap activations to host beyond this many stage-microbatches per rank
 
     def __attrs_post_init__(self) -> None:
         if not isinstance(self.stages, Stages):
@@ -101,11 +105,58 @@ class PipelineLayer:
     def schedule(self, p: int) -> Schedule:
         """The schedule on a pipeline axis of size ``p``, checked against the stages."""
         s = build_schedule(self.schedule_name, p, self.microbatches, self.virtual_stages)
+        if self.max_resident is not None:
+            if not (isinstance(self.max_resident, int) and self.max_resident >= 1):
+                raise PlanError(f"pp: max_resident must be an int >= 1 (stage-microbatches kept on the device), "
+                                f"found {self.max_resident!r}")
+            from hpfunc.schedules import insert_swaps
+
+            if not any(a.kind.name.startswith("SWAP") for row in s.actions.values() for a in row):
+                s = insert_swaps(s, max_resident=self.max_resident)
         if s.num_stages != self.stages.num_stages:
             raise PlanError(f"pp: schedule {s.name!r} on {p} ranks has {s.num_stages} stages but the model was split "
                             f"into {self.stages.num_stages}; build the stages with num_stages={s.num_stages} "
                             f"(pp size {p} x {s.num_stages // p} stage(s) per rank)")
+        self._check_remat(s)
         return s
+
+    def _check_remat(self, schedule: Schedule) -> None:
+        """A selective remat policy allows one backward per recomputed region (torch's selective
+        checkpoint): a stage whose backward the schedule splits into B and W needs full recompute."""
+        from hpfunc.schedules import ActionKind
+
+        split = {a.stage for row in schedule.actions.values() for a in row if a.kind is ActionKind.W}
+        for st in range(self.stages.num_stages):
+            policy = self.remat_policy(st)
+            if policy is False or st not in split:
+                continue
+            if not (getattr(policy, "saves_nothing", False) or getattr(policy, "saves_everything", False)):
+                raise PlanError(f"pp: stage {st} has the selective remat policy {policy!r} but schedule {schedule.name!r} "
+                                f"splits its backward into B and W, and a selectively recomputed region allows one "
+                                f"backward; use nothing_saveable for that stage, or a schedule without the split "
+                                f"(gpipe, 1f1b, interleaved)")
+
+    def remat_policy(self, stage: int) -> Any:
+        """The remat policy of ``stage`` (``False``: none, its activations are kept). Policies may be
+        given by name (``"nothing_saveable"``, ``"dots_saveable"``, ...: the YAML form)."""
+        r = self.remat
+        if isinstance(r, dict):
+            r = r.get(stage)
+        elif isinstance(r, (list, tuple)):
+            if len(r) != self.stages.num_stages:
+                raise PlanError(f"pp: remat has {len(r)} entries but the model has {self.stages.num_stages} stages; "
+                                f"give one policy (or None) per stage, or a dict {{stage: policy}}")
+            r = r[stage]
+        if r is None or r is False or r == "none":
+            return False
+        if isinstance(r, str):
+            from hpfunc.transforms import policies
+
+            if r not in _POLICY_NAMES:
+                raise PlanError(f"pp: unknown remat policy {r!r} for stage {stage}; use one of "
+                                f"{', '.join(_POLICY_NAMES)} or none")
+            return getattr(policies, r)
+        return r
 
     @staticmethod
     def stages_on(schedule: Schedule, rank: int) -> tuple[int, ...]:

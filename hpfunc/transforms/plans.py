@@ -541,7 +541,8 @@ def ep(axis: str = "ep", experts: Sequence[str] = (), *, reshard_after_forward: 
     return Plan((_Layer("ep", axis, experts=pats),), reshard_after_forward=reshard_after_forward)
 
 
-def pp(axis: str, stages: Any, *, schedule: Any = "1f1b", microbatches: int, virtual_stages: int | None = None) -> Plan:
+def pp(axis: str, stages: Any, *, schedule: Any = "1f1b", microbatches: int, virtual_stages: int | None = None,
+       remat: Any = None, max_resident: int | None = None) -> Plan:
     """Pipeline parallelism over ``axis``: the model's stages placed on its ranks by ``schedule``.
 
     Args:
@@ -554,6 +555,13 @@ def pp(axis: str, stages: Any, *, schedule: Any = "1f1b", microbatches: int, vir
         schedule: ``gpipe``, ``1f1b``, ``interleaved`` (with ``virtual_stages``), ``zb_h1``, ``zb_h2``,
             ``zbv``, ``dualpipev``, a CSV file in torch's format, or an :class:`hpfunc.schedules.Schedule`.
         microbatches: the number of microbatches each data shard's batch is cut into.
+        remat: recompute per stage: a policy of :mod:`hpfunc.transforms.policies` (``nothing_saveable``,
+            ``dots_saveable``, ...) for every stage, or ``{stage: policy}`` / a list with one per stage
+            (``None``: that stage keeps its activations). A stage's forward then keeps only what its
+            policy saves until its backward, which recomputes the rest.
+        max_resident: swap activations to host memory so that at most this many stage-microbatches stay
+            on the device between forward and backward on each rank (``schedules.insert_swaps``; the
+            schedule's ``SWAP_OUT`` / ``SWAP_IN`` are executed through ``offload``'s host copies).
 
     Inside the step the model's loss (for Qwen3, :func:`hpfunc.models.qwen3.parallel_plan.loss`) runs the
     schedule: forwards, input-gradient and weight-gradient passes per microbatch, activations and their
@@ -569,7 +577,7 @@ def pp(axis: str, stages: Any, *, schedule: Any = "1f1b", microbatches: int, vir
     """
     from hpfunc.transforms.pipeline_plan import PipelineLayer
 
-    return Plan(pipeline=PipelineLayer(axis, stages, schedule, microbatches, virtual_stages))
+    return Plan(pipeline=PipelineLayer(axis, stages, schedule, microbatches, virtual_stages, remat, max_resident))
 
 
 def total_numel(resolved: Mapping[str, LeafLayout]) -> int:

@@ -9,7 +9,8 @@ LR = 1e-3
 ADAM_EPS = 1e-5
 
 
-def plan_of(cfg, mesh_shape: dict, roles: list[str], schedule: str, m: int, layers=None, virtual_stages=None):
+def plan_of(cfg, mesh_shape: dict, roles: list[str], schedule: str, m: int, layers=None, virtual_stages=None,
+            remat=None, max_resident=None):
     from hpfunc.models.qwen3 import parallel_plan
     from hpfunc.transforms import plans
     from hpfunc.transforms.pipeline_plan import stages_per_rank
@@ -19,7 +20,8 @@ def plan_of(cfg, mesh_shape: dict, roles: list[str], schedule: str, m: int, laye
         if role == "pp":
             n = mesh_shape[axis] * stages_per_rank(schedule, virtual_stages)
             stages = parallel_plan.pipeline_stages(cfg, n, layers=layers)
-            plan = plan + plans.pp(axis, stages, schedule=schedule, microbatches=m, virtual_stages=virtual_stages)
+            plan = plan + plans.pp(axis, stages, schedule=schedule, microbatches=m, virtual_stages=virtual_stages,
+                                   remat=remat, max_resident=max_resident)
         else:
             plan = plan + {"ep": lambda a: plans.ep(a, parallel_plan.ep_experts(cfg)),
                            "fsdp": lambda a: plans.fsdp(a), "ddp": lambda a: plans.ddp(a),
@@ -42,9 +44,23 @@ def microbatches_of(batch: dict, n_data: int, m: int) -> list[dict]:
     return [{k: torch.cat([s[k].chunk(m)[i] for s in shards]) for k in batch} for i in range(m)]
 
 
+def _counted(step, args: tuple, out: dict | None):
+    """``step(*args)``; with ``out``, its communication records go to ``out["records"]``."""
+    import hpfunc
+
+    if out is None:
+        return step(*args)
+    with hpfunc.comm_stats() as stats:
+        result = step(*args)
+    out["records"] = [(r.op, r.name, r.axes, r.payload_bytes, r.phase, float(r.sent_bytes), r.tag)
+                      for r in stats.records]
+    return result
+
+
 def run_pp_parity(mesh_shape: dict, roles: list[str], *, schedule: str = "1f1b", m: int = 4, kind: str = "dense",
                   layers: int = 4, split=None, tied: bool = False, seed: int = 0, steps: int = 2, batch: int = 8,
-                  seq: int = 8, virtual_stages=None, count_comm: bool = False) -> dict:
+                  seq: int = 8, virtual_stages=None, count_comm: bool = False, remat=None,
+                  max_resident=None) -> dict:
     """``steps`` AdamW steps of a tiny Qwen3 under the plan and on one device: loss, aux, gradients and
     updated parameters of this rank's stages agree (fp32, rtol 1e-5)."""
     import hpfunc
@@ -56,7 +72,7 @@ def run_pp_parity(mesh_shape: dict, roles: list[str], *, schedule: str = "1f1b",
 
     cfg = model_cfg(kind, layers, tied)
     mesh = hpfunc.Mesh(mesh_shape)
-    plan = plan_of(cfg, mesh_shape, roles, schedule, m, split, virtual_stages)
+    plan = plan_of(cfg, mesh_shape, roles, schedule, m, split, virtual_stages, remat, max_resident)
     n_data = 1
     for axis in plan.data_axes:
         n_data *= mesh.axis_size(axis)
@@ -81,15 +97,12 @@ def run_pp_parity(mesh_shape: dict, roles: list[str], *, schedule: str = "1f1b",
     ref_params, ref_state = full, opt.init(full)
     g = torch.Generator().manual_seed(seed + 1)
     out: dict = {"local_paths": [p for p, _ in hpfunc.tree.leaves_with_paths(params)]}
+    # the bytes of this rank's stages' parameters, whole (what FSDP gathers once per step)
+    out["stage_bytes"] = sum(x.numel() * x.element_size() for _, x in hpfunc.tree.leaves_with_paths(
+        plan.local_params(full, mesh)))
     for i in range(steps):
         b = {"tokens": torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)}
-        if count_comm and i == 0:
-            with hpfunc.comm_stats() as stats:
-                params, state, metrics, grads = step(params, state, b)
-            out["records"] = [(r.op, r.name, r.axes, r.payload_bytes, r.phase, float(r.sent_bytes), r.tag)
-                              for r in stats.records]
-        else:
-            params, state, metrics, grads = step(params, state, b)
+        params, state, metrics, grads = _counted(step, (params, state, b), out if count_comm and i == 0 else None)
         (value, aux), ref_grads = hpfunc.value_and_grad(ref_loss, has_aux=True)(ref_params, b)
         what = f"{mesh_shape} {roles} {schedule} m{m} {kind} L{layers} {split} tied={tied} step {i}"
         assert_trees_close(metrics["loss"], value, rtol=1e-5, atol=1e-6, what=f"{what} loss")
@@ -139,3 +152,23 @@ def run_timeline(schedule: str = "1f1b", m: int = 4) -> dict:
     with record_timeline() as events:
         step(params, state, b)
     return {"events": events, "actions": [str(a) for a in plan.pipeline_schedule(mesh).actions[mesh.axis_index("pp")]]}
+
+
+def run_unpipelined_loss() -> str:
+    """A step whose loss is the model's single-device ``qwen3.loss`` under a pp plan: the error it raises."""
+    import hpfunc
+    from hpfunc import optim
+    from hpfunc.layout import PlanError
+    from hpfunc.models import qwen3
+    from hpfunc.transforms.parallelize import parallel_train_step
+
+    cfg = model_cfg("dense", 4, False)
+    mesh = hpfunc.Mesh({"pp": 2})
+    step = parallel_train_step(lambda p, b: qwen3.loss(p, b, cfg), optim.adamw(LR), mesh,
+                               plan_of(cfg, {"pp": 2}, ["pp"], "1f1b", 2), has_aux=True)
+    params = step.shard_params(qwen3.init(hpfunc.random.key(0), cfg))
+    try:
+        step(params, step.init_opt_state(params), {"tokens": torch.zeros(4, 8, dtype=torch.long)})
+    except PlanError as err:
+        return str(err)
+    return "no error"

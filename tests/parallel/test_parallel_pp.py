@@ -59,6 +59,40 @@ def test_pp_composes_on_4_ranks(pools, mesh, roles, case):
     pools(4).run(H.run_pp_parity, mesh, roles, **case)
 
 
+@pytest.mark.parametrize("case", [
+    dict(schedule="1f1b", m=2, remat="nothing_saveable"),
+    dict(schedule="zbv", m=4, remat={0: "nothing_saveable", 2: "nothing_saveable"}),  # full recompute under B/W
+    dict(schedule="interleaved", m=4, remat=["dots_saveable", None, "nothing_saveable", "dots_saveable"]),
+    dict(schedule="zb_h1", m=4, kind="moe", remat=["nothing_saveable", None]),
+], ids=["all-stages", "zbv-some", "interleaved-per-stage", "moe-zb_h1"])
+def test_per_stage_recompute_matches_single_device(pools, case):
+    pools(2).run(H.run_pp_parity, {"pp": 2}, ["pp"], steps=1, **case)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_swapped_activations_change_nothing(pools, schedule):
+    """``max_resident=1``: the schedule swaps activations to host and back (executed), same results."""
+    pools(2).run(H.run_pp_parity, {"pp": 2}, ["pp"], schedule=schedule, m=4, steps=1, max_resident=1)
+
+
+def test_selective_recompute_on_a_split_backward_is_a_plan_error():
+    cfg, shapes, pplan = _dense()
+    plan = plans.pp("pp", pplan.pipeline_stages(cfg, 4), schedule="zbv", microbatches=4, remat="dots_saveable")
+    with pytest.raises(PlanError, match=r"stage 0 has the selective remat policy dots_saveable but schedule 'zbv' "
+                                        r"splits its backward"):
+        plan.resolve(shapes, AbstractMesh({"pp": 2}))
+    with pytest.raises(PlanError, match=r"unknown remat policy 'dots'"):
+        plans.pp("pp", pplan.pipeline_stages(cfg, 2), microbatches=2, remat="dots").resolve(
+            shapes, AbstractMesh({"pp": 2}))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "zb_h1", "zb_h2", "zbv", "dualpipev"])
+def test_pp4_more_schedules_match_single_device(pools, schedule):
+    two = schedule in ("zbv", "dualpipev")
+    pools(4).run(H.run_pp_parity, {"pp": 4}, ["pp"], schedule=schedule, m=8 if schedule == "dualpipev" else 4,
+                 layers=8 if two else 4, steps=1)
+
+
 def test_pp_fsdp_tp_on_8_ranks(pools):
     mesh, roles = {"pp": 2, "fsdp": 2, "tp": 2}, ["pp", "fsdp", "tp"]
     pools(8).run(H.run_pp_parity, mesh, roles, schedule="1f1b", m=2, steps=1)
@@ -90,6 +124,21 @@ def test_pipeline_sends_are_counted_as_the_schedule_says(pools):
         sends = [r for r in out[rank]["records"] if r[0] == "send" and r[6] != "header"]
         assert [(r[1], r[4], r[3], r[5]) for r in sends] == [(name, phase, nbytes, float(nbytes))] * 4, rank
     assert sum(r[0] == "send" and r[6] == "header" for r in out[0]["records"]) == 4
+
+
+def test_fsdp_inside_stages_gathers_each_stage_once_per_step(pools):
+    """pp 2 x fsdp 2: each rank all-gathers its stages' parameters once per step (payload = their whole
+    bytes, every leaf being sharded) and reduce-scatters their gradients once, over ``fsdp`` only; the
+    pipeline's sends go over ``pp`` only."""
+    out = pools(4).run(H.run_pp_parity, {"pp": 2, "fsdp": 2}, ["pp", "fsdp"], schedule="1f1b", m=2, steps=1,
+                       count_comm=True)
+    for rank, o in enumerate(out):
+        def total(op, axes):
+            return sum(r[3] for r in o["records"] if r[0] == op and r[2] == axes)
+        assert total("all_gather", ("fsdp",)) == o["stage_bytes"], rank
+        assert total("reduce_scatter", ("fsdp",)) == o["stage_bytes"], rank
+        assert {r[2] for r in o["records"] if r[0] == "send"} == {("pp",)}, rank
+        assert not [r for r in o["records"] if r[0] in ("all_gather", "reduce_scatter") and "pp" in r[2]], rank
 
 
 # ---- errors before any communication
@@ -173,3 +222,8 @@ def test_receives_are_posted_ahead_of_the_compute_that_waits_for_them(pools, sch
         overlapped = {a for a, t in posts.items() if any(t < ts < arrived[a] for ts in starts)}
         firsts = {a for a in posts if a.endswith("RECV_F0")}
         assert set(posts) - overlapped == firsts, (rank, sorted(set(posts) - overlapped), out["actions"])
+
+
+def test_a_loss_that_skips_the_pipeline_stages_is_a_plan_error(pools):
+    for msg in pools(2).run(H.run_unpipelined_loss):
+        assert "under a pp plan" in msg and "qwen3.parallel_plan.loss" in msg, msg

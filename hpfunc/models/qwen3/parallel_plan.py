@@ -49,11 +49,9 @@ import functools
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from hpfunc import lax, layout
-from hpfunc.layout import (ColwiseParallel, RowwiseParallel, SequenceParallel, Style, VocabParallel,
-                           gather_sequence, reduce_partial, scatter_sequence)
+from hpfunc import layout
+from hpfunc.layout import ColwiseParallel, RowwiseParallel, SequenceParallel, Style, VocabParallel
 from hpfunc.models.config import Qwen3Config
 from hpfunc.models.qwen3 import model as _model
 from hpfunc.models.qwen3.hooks import cross_entropy, layout_hooks

@@ -72,7 +72,12 @@ def build_executor(cfg: Any) -> Any:
             carry = None if s == 0 else (x if isinstance(x, tuple) else (x,))
             return stages.forward(s, params, carry, mb)
 
-        return fn
+        policy = layer.remat_policy(s)
+        if policy is False:
+            return fn
+        from hpfunc.transforms.remat import remat
+
+        return remat(fn, policy=policy)
 
     def loss_fn(params: Any, y: Any, mb: Any) -> tuple:
         return stages.loss(params, y if isinstance(y, tuple) else (y,), mb)
