@@ -7,17 +7,19 @@ MoE layer (router + ``E`` SwiGLU experts, top-``k``) on each rank's ``T`` tokens
 - ``replicated``: every rank holds every expert (``plans.ddp``): no all-to-all, gradients all-reduced;
 - ``ep``: the experts split over the ranks (``plans.ep``): two all-to-alls forward, two backward;
 - ``ep 2 chunks``: the same with ``AllToAll(chunks=2)``: each half's all-to-alls overlap the other's experts;
+- ``ep + replicas``: ``ep`` with hot-expert copies (``hpfunc.models.hot_experts``, ``--slots`` per rank)
+  placed from the global load the ``ep`` mode observed on the same routing;
 - ``ep x etp`` (4 ranks): experts split 2 ways over ``ep`` and their hidden features 2 ways over ``tp``.
 
 Per mode and routing (``uniform``: the router's own; ``skewed``: an expert bias sending most pairs to
-the first rank's experts) the table gives the median step time, the bytes this rank sends per step
+the first rank's experts; ``hot``: experts 0 and 1 in every token's top-k) the table gives the median step time, the bytes this rank sends per step
 (``hpfunc.comm_stats``: all-to-all, all-reduce and the rest), the activation bytes the forward keeps for
 the backward (storage liveness, :func:`hpfunc.memory.saved_activations`) next to the minimum the
 backward needs, and the max / mean of the pairs the ranks' experts receive. The load average is printed;
 the JSON lands in ``--out``.
 
-    .venv/bin/python bench/moe.py
-    .venv/bin/python bench/moe.py --hidden 2048 --inter 768 --experts 16 --top-k 8 --tokens 64 --iters 3
+    .venv/bin/python bench/moe.py                       # small shapes, 2 and 4 ranks
+    .venv/bin/python bench/moe.py --shapes qwen3-30b    # Qwen3-30B-A3B expert shapes, 16 experts, 4 ranks
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ import torch
 
 def _layer_params(E: int, H: int, I: int, seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
-    return {"router": torch.randn(E, H, generator=g) * H ** -0.5,
+    # norm: the weight of the normalisation in front of the layer, so that the layer's input needs a gradient
+    # as in a model (then the dispatch's transpose runs: four all-to-alls per step, not three)
+    return {"norm": 1.0 + 0.1 * torch.randn(H, generator=g), "router": torch.randn(E, H, generator=g) * H ** -0.5,
             "w_gate": torch.randn(E, I, H, generator=g) * H ** -0.5,
             "w_up": torch.randn(E, I, H, generator=g) * H ** -0.5,
             "w_down": torch.randn(E, H, I, generator=g) * I ** -0.5}
@@ -45,6 +49,7 @@ def rank_bench(args: dict) -> dict:
     from hpfunc import layout, optim
     from hpfunc.layout import ColwiseParallel, RowwiseParallel
     from hpfunc.memory import saved_activations
+    from hpfunc.models import hot_experts as hot
     from hpfunc.models.moe import moe_block
     from hpfunc.transforms import plans
     from hpfunc.transforms.parallelize import parallel_train_step
@@ -55,10 +60,11 @@ def rank_bench(args: dict) -> dict:
     E, H, I, k, T = args["experts"], args["hidden"], args["inter"], args["top_k"], args["tokens"]
     from hpfunc.models.dispatch import AllToAll
 
-    modes = {"replicated": ({"dp": world}, plans.ddp("dp")),
-             "ep": ({"ep": world}, plans.ep("ep", ["w_*"])),
-             "ep 2 chunks": ({"ep": world}, plans.ep("ep", ["w_*"]))}  # dispatch overlapped with compute
-    dispatchers = {"ep 2 chunks": AllToAll(chunks=2)}
+    modes = {} if args["skip_replicated"] else {"replicated": ({"dp": world}, plans.ddp("dp"))}
+    modes["ep"] = ({"ep": world}, plans.ep("ep", ["w_*"]))
+    modes["ep 2 chunks"] = ({"ep": world}, plans.ep("ep", ["w_*"]))  # dispatch overlapped with compute
+    if args["slots"]:  # the copies decided from the load the ep mode observed (same routing)
+        modes["ep + replicas"] = ({"ep": world}, plans.ep("ep", ["w_*"]))
     if world == 4:
         etp = {"w_gate": ColwiseParallel(), "w_up": ColwiseParallel(), "w_down": RowwiseParallel()}
         modes["ep x etp"] = ({"ep": 2, "tp": 2}, plans.ep("ep", ["w_*"]) + plans.tp("tp", etp))
@@ -70,19 +76,25 @@ def rank_bench(args: dict) -> dict:
         b = torch.zeros(E)
         if kind == "skewed":
             b[: max(E // n, k)] = 0.05  # the first rank's experts win most of the close calls
+        if kind == "hot":
+            b[:2] = 1.0  # experts 0 and 1 are in every token's top-k
         return b
 
     results = {}
-    for routing in ("uniform", "skewed"):
+    for routing in ("uniform", "skewed", "hot"):
+        observed = None  # the global expert load of the ep mode's last step
         for name, (axes, plan) in modes.items():
             mesh = hpfunc.Mesh(axes)
             n_ep = axes.get("ep", 1)
             bias = routing_bias(routing, n_ep)
             received = []
-            dispatcher = dispatchers.get(name)
+            placement = (hot.place_hot_experts(observed, ranks=n_ep, slots=args["slots"])
+                         if name == "ep + replicas" else hot.no_replicas(E, n_ep))
+            dispatcher = (hot.ReplicatedAllToAll(placement) if name == "ep + replicas" else
+                          AllToAll(chunks=2) if name == "ep 2 chunks" else None)
 
             def loss(p, b):
-                y, r = moe_block(b["x"], p["router"], p["w_gate"], p["w_up"], p["w_down"], top_k=k,
+                y, r = moe_block(b["x"] * p["norm"], p["router"], p["w_gate"], p["w_up"], p["w_down"], top_k=k,
                                  norm_topk_prob=True, expert_bias=bias, dispatcher=dispatcher)
                 y = layout.reduce_partial(y)  # ETP: the experts' partial outputs summed over tp
                 received.append(r.indices.detach())
@@ -106,26 +118,40 @@ def rank_bench(args: dict) -> dict:
             counts = torch.bincount(idx.reshape(-1), minlength=E).float()
             torch.distributed.all_reduce(counts)
             counts /= axes.get("tp", 1)  # the tp ranks of an ETP group route the same tokens
-            per_rank = counts.view(n_ep, -1).sum(1) if n_ep > 1 else counts.sum(0, keepdim=True)
+            if name == "ep":
+                observed = counts.tolist()
+            # rows each ep rank receives: this rank's pairs by destination (the copies' split), summed
+            e_index = rank // axes.get("tp", 1)
+            _, slot = hot.route_pairs(idx, placement, e_index)
+            owner = torch.repeat_interleave(torch.arange(n_ep), torch.tensor(
+                [len(placement.experts_on(q)) for q in range(n_ep)]))
+            per_rank = torch.bincount(owner[slot], minlength=n_ep).float()
+            torch.distributed.all_reduce(per_rank)
+            per_rank /= axes.get("tp", 1)
             # saved activation bytes of the forward, in the layout the step uses (local blocks)
             my_x = batch["x"].chunk(world)[rank] if "tp" not in axes else batch["x"].chunk(2)[rank // 2]
 
             def fwd(p, x):
                 with mesh, layout.expert_parallel("ep" if "ep" in axes else None), \
                         layout.tensor_parallel("tp" if "tp" in axes else None):
-                    y, _ = moe_block(x, p["router"], p["w_gate"], p["w_up"], p["w_down"], top_k=k,
+                    y, _ = moe_block(x * p["norm"], p["router"], p["w_gate"], p["w_up"], p["w_down"], top_k=k,
                                      norm_topk_prob=True, expert_bias=bias, dispatcher=dispatcher)
                     return layout.reduce_partial(y).float().pow(2).mean()
 
             gathered = {p: (full[p].chunk(axes["tp"], dim=2 if p == "w_down" else 1)[rank % 2]
-                            if "tp" in axes and p != "router" else full[p]) for p in full}
+                            if "tp" in axes and p.startswith("w_") else full[p]) for p in full}
             if n_ep > 1:
                 e_rank = rank // axes.get("tp", 1)
-                gathered = {p: (v.chunk(n_ep)[e_rank] if p != "router" else v) for p, v in gathered.items()}
+                gathered = {p: (v.chunk(n_ep)[e_rank] if p.startswith("w_") else v) for p, v in gathered.items()}
             report = saved_activations(fwd, {p: v.requires_grad_(True) for p, v in gathered.items()},
                                        my_x.requires_grad_(True), state_argnums=(0,))
             n_rows = int(per_rank[rank // axes.get("tp", 1)]) if n_ep > 1 else my_x.shape[0] * k  # rows computed here
             i_local = gathered["w_gate"].shape[1]
+            # the bytes of the copies' weights (sent forward by their owners, their gradients backward)
+            weight_bytes = sum(b[e_index] for b in hot.replica_bytes(placement, 3 * i_local * H * 4)) if n_ep > 1 else 0
+            a2a = float(stats.total_sent_bytes(op="all_to_all"))
+            count_bytes = sum(float(r.sent_bytes) for r in stats.filter(op="all_to_all") if r.payload_bytes < 4 * H)
+            t_ep, t_tp = max(n_ep, 1), axes.get("tp", 1)
             # the backward needs the experts' input rows, their gate and up outputs and the hidden product
             # (for the three weight gradients and SwiGLU's derivative), the layer input (router gradient),
             # the router probabilities and the layer output (the loss squares it): 4 bytes each
@@ -137,6 +163,18 @@ def rank_bench(args: dict) -> dict:
                 "saved_bytes": report.device_bytes, "min_saved_bytes": minimum,
                 "rank_rows": per_rank.tolist(),
                 "rank_max_over_mean": float(per_rank.max() / per_rank.mean().clamp_min(1e-9)),
+                "copies": [list(c) for c in placement.copies], "replica_weight_bytes": weight_bytes,
+                # per token this rank routes, one MoE layer, fp32: the token rows' all-to-alls (not the count
+                # exchange nor the copies' weights) measured, and the uniform-routing formula 4 k h (e-1)/e
+                "tokens_here": my_x.shape[0],
+                "a2a_token_bytes_per_token": (a2a - count_bytes - weight_bytes) / my_x.shape[0],
+                "a2a_formula_per_token": 4 * k * H * 4 * (t_ep - 1) / t_ep,
+                # the row-parallel output all-reduced forward and backward: 2 x 2 h (t-1)/t, plus the router's and
+                # the norm's gradient blocks (sharded over ep, replicated over tp: 2 (E+1) H / e (t-1)/t per step)
+                # spread over the tokens
+                "ar_bytes_per_token": float(stats.total_sent_bytes(op="all_reduce")) / my_x.shape[0],
+                "ar_formula_per_token": (2 * 2 * H * 4 * (t_tp - 1) / t_tp
+                                         + 2 * (E + 1) * H * 4 * (t_tp - 1) / t_tp / t_ep / my_x.shape[0]),
             }
     return results
 
@@ -149,33 +187,65 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--top-k", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=256, help="tokens per rank")
     ap.add_argument("--iters", type=int, default=8)
-    ap.add_argument("--worlds", default="2,4")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "moe.json"))
+    ap.add_argument("--worlds", default=None, help="ranks per run (default 2,4; 4 with --shapes qwen3-30b)")
+    ap.add_argument("--slots", type=int, default=1, help="hot-expert copies per rank for the ep + replicas mode "
+                    "(0: no such mode)")
+    ap.add_argument("--shapes", choices=("small", "qwen3-30b"), default="small",
+                    help="qwen3-30b: Qwen3-30B-A3B's expert shapes (hidden 2048, expert 768 x 2048, top-8) with "
+                         "16 experts instead of 128, 64 tokens per rank, 3 iterations, no replicated mode")
+    ap.add_argument("--out", default=None, help="JSON path (default bench/results/moe[-qwen3-30b].json)")
     a = ap.parse_args(argv)
     from hpfunc.testing import RankPool
     from hpfunc.train.output import to_json
 
+    if a.shapes == "qwen3-30b":
+        a.experts, a.hidden, a.inter, a.top_k, a.tokens, a.iters = 16, 2048, 768, 8, 64, 3
+    worlds = a.worlds or ("4" if a.shapes == "qwen3-30b" else "2,4")
+    if a.out is None:
+        name = "moe.json" if a.shapes == "small" else f"moe-{a.shapes}.json"
+        a.out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", name)
     args = {"experts": a.experts, "hidden": a.hidden, "inter": a.inter, "top_k": a.top_k, "tokens": a.tokens,
-            "iters": a.iters}
+            "iters": a.iters, "slots": a.slots, "skip_replicated": a.shapes == "qwen3-30b", "shapes": a.shapes}
     out = {"args": args, "worlds": {}}
-    for world in [int(w) for w in a.worlds.split(",")]:
+    for world in [int(w) for w in worlds.split(",")]:
         with RankPool(world, timeout=1800) as pool:
             res = pool.run(rank_bench, args)
         out["worlds"][world] = res
         load = os.getloadavg()
         print(f"\n{world} ranks: MoE layer E={a.experts} top-{a.top_k} hidden {a.hidden} expert hidden {a.inter}, "
               f"{a.tokens} tokens per rank, fp32; load average {load[0]:.2f}")
-        print(f"{'routing/mode':<22}{'ms':>8}{'a2a KiB':>9}{'AR KiB':>8}{'AG+RS KiB':>10}{'saved KiB':>10}"
-              f"{'min KiB':>9}{'rank max/mean':>14}")
+        print(f"{'routing/mode':<26}{'ms':>9}{'a2a KiB':>9}{'AR KiB':>8}{'AG+RS KiB':>10}{'saved KiB':>10}"
+              f"{'min KiB':>9}{'copies':>7}{'rank max/mean':>14}")
         for key, r in res[0].items():
             s = r["sent_bytes"]
-            print(f"{key:<22}{r['ms']:>8.2f}{s['all_to_all'] / 1024:>9.1f}{s['all_reduce'] / 1024:>8.1f}"
+            print(f"{key:<26}{r['ms']:>9.2f}{s['all_to_all'] / 1024:>9.1f}{s['all_reduce'] / 1024:>8.1f}"
                   f"{(s['all_gather'] + s['reduce_scatter']) / 1024:>10.1f}{r['saved_bytes'] / 1024:>10.1f}"
-                  f"{r['min_saved_bytes'] / 1024:>9.1f}{r['rank_max_over_mean']:>14.2f}")
+                  f"{r['min_saved_bytes'] / 1024:>9.1f}{sum(map(len, r['copies'])):>7}"
+                  f"{r['rank_max_over_mean']:>14.2f}")
+        print(f"\nbytes per token, one MoE layer, fp32, over all ranks: {'routing/mode':<24}{'a2a':>7}{'formula':>8}"
+              f"{'AR':>7}{'formula':>8}{'all ops / global token':>23}{'copies KiB (max)':>17}")
+        for key in res[0]:
+            rows = [r[key] for r in res]
+            held = sum(r["tokens_here"] for r in rows)  # a token counts once per rank that routes it (ETP: t)
+            a2a = sum(r["a2a_token_bytes_per_token"] * r["tokens_here"] for r in rows) / held
+            ar = sum(r["ar_bytes_per_token"] * r["tokens_here"] for r in rows) / held
+            total = sum(sum(r["sent_bytes"].values()) for r in rows) / (world * a.tokens)
+            r0 = rows[0]
+            for r in rows:
+                r["summary"] = {"a2a_per_token": a2a, "ar_per_token": ar, "total_per_global_token": total}
+            print(f"{'':<54}{key:<24}{a2a:>7.0f}{r0['a2a_formula_per_token']:>8.0f}{ar:>7.0f}"
+                  f"{r0['ar_formula_per_token']:>8.0f}{total:>23.0f}"
+                  f"{max(r['replica_weight_bytes'] for r in rows) / 1024:>17.1f}")
         out.setdefault("load_average", []).append(load)
     print("\nms: median step (forward, backward, gradient reduction, AdamW) on rank 0; KiB: bytes rank 0 sends per "
           "step; saved: activation bytes rank 0's forward keeps for backward (storage liveness); min: what the "
-          "backward needs; rank max/mean: the pairs the expert-parallel ranks receive")
+          "backward needs; copies: hot-expert copies (ep + replicas, decided from the ep mode's observed load); "
+          "rank max/mean: the pairs the expert-parallel ranks receive; bytes per token: a2a, the token rows' "
+          "all-to-alls (not the count exchange nor the copies' weights) per token a rank routes (ETP: each of the t "
+          "ranks of a group routes the same tokens), formula 4 k h (e-1)/e x 4 B for uniform routing; AR: the "
+          "all-reduces, formula 2 x 2 h (t-1)/t x 4 B plus the router's and the norm's tp gradients; all ops / global token: every "
+          "byte every rank sends (gradient reductions and copies included) per token of the global batch; copies "
+          "KiB: the copies' weights forward and their gradients backward, the most any rank sends")
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:
         f.write(to_json(out, where=a.out, indent=2))

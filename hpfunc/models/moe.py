@@ -231,7 +231,10 @@ def moe_block(
     :class:`hpfunc.models.dispatch.AllToAll`, dropless) sends each (token, expert) pair to the rank
     holding its expert, :func:`expert_ffn` computes the local experts, and the outputs come back. A
     ``dispatcher`` given without a bound axis runs with ``axis=None`` (every expert here), so that its
-    capacity or buffer drops the same pairs on one device; ``routing.dropped`` counts them.
+    capacity or buffer drops the same pairs on one device; ``routing.dropped`` counts them. A
+    dispatcher with an ``expert_outputs(sent, w_gate, w_up, w_down, *, impl)`` method computes the
+    received rows itself (:class:`hpfunc.models.hot_experts.ReplicatedAllToAll`: this rank's experts and
+    its copies of hot experts).
 
     >>> E, H, I = 4, 8, 4
     >>> y, r = moe_block(torch.randn(2, 3, H), torch.randn(E, H), torch.randn(E, I, H),
@@ -254,7 +257,11 @@ def moe_block(
                 f"expert-parallel axis {axis!r} of size {n}; the expert stacks must be split on dimension 0 over "
                 f"{axis!r} (plans.ep) and the router replicated")
         dispatcher = AllToAll() if dispatcher is None else dispatcher
-        if hasattr(dispatcher, "exchange"):  # the whole exchange in the dispatcher (it may overlap chunks)
+        if hasattr(dispatcher, "expert_outputs"):  # a dispatcher computing more experts than its own (copies)
+            sent = dispatcher.dispatch(flat, routing.indices, num_experts=E, axis=axis)
+            y = dispatcher.combine(dispatcher.expert_outputs(sent, w_gate, w_up, w_down, impl=impl), sent,
+                                   routing.weights)
+        elif hasattr(dispatcher, "exchange"):  # the whole exchange in the dispatcher (it may overlap chunks)
             y, dropped = dispatcher.exchange(
                 flat, routing.indices, routing.weights,
                 lambda t, c, s: expert_ffn(t, c, w_gate, w_up, w_down, scale=s, impl=impl), num_experts=E, axis=axis)

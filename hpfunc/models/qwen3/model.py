@@ -27,7 +27,7 @@ Parameter paths (``hpfunc.tree.path_str``), all linear weights ``[out, in]`` as 
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -223,7 +223,7 @@ def decoder_layer(layer: dict, h: torch.Tensor, cos: torch.Tensor, sin: torch.Te
                   dispatcher: Any = None) -> tuple[torch.Tensor, Any]:
     """One decoder layer (attention then MLP or MoE, pre-norm residuals): ``(h, routing)`` with the MoE
     routing (``None`` for a dense layer). :func:`apply`'s hooks, as there; ``dispatcher``: the MoE
-    token dispatcher (:func:`moe_dispatcher` of the config)."""
+    block's token dispatcher (:func:`hpfunc.models.moe.moe_block`; :func:`moe_dispatcher` of the config)."""
     eps = cfg.rms_norm_eps
     gather = (lambda x: x) if gather_input is None else gather_input  # noqa: E731
     a = layer["attn"]
@@ -250,7 +250,7 @@ def decoder_layer(layer: dict, h: torch.Tensor, cos: torch.Tensor, sin: torch.Te
 
 
 def apply(params: dict, tokens: torch.Tensor, cfg: Qwen3Config, *, positions: torch.Tensor | None = None,
-          return_aux: bool = False, moe_impl: str = "auto",
+          return_aux: bool = False, moe_impl: str = "auto", moe_dispatchers: Sequence[Any] | None = None,
           embed: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
           gather_input: Callable[[torch.Tensor], torch.Tensor] | None = None,
           reduce_partial: Callable[[torch.Tensor], torch.Tensor] | None = None,
@@ -264,6 +264,10 @@ def apply(params: dict, tokens: torch.Tensor, cfg: Qwen3Config, *, positions: to
     ``[B*S, E]`` per MoE layer) and, when the config's dispatcher can drop pairs (a capacity factor, or
     the padded dispatcher: :func:`moe_dispatcher`), ``aux["dropped_pairs"]`` ``[n_moe_layers]`` int64,
     the pairs of these tokens that no expert computed.
+
+    ``moe_dispatchers``: one token dispatcher per MoE layer for expert parallelism (e.g. a
+    :class:`hpfunc.models.hot_experts.ReplicatedAllToAll` per layer, whose placements change during
+    training); default each block's own (:func:`hpfunc.models.moe.moe_block`).
 
     Hooks for parallel layouts (:mod:`hpfunc.models.qwen3.parallel_plan` supplies them; each defaults to the
     single-device operation, and the model reads the same top to bottom either way):
@@ -295,9 +299,14 @@ def apply(params: dict, tokens: torch.Tensor, cfg: Qwen3Config, *, positions: to
     cos, sin = rope_for(h, positions, cfg)
     routings = []
     dispatcher = moe_dispatcher(cfg)
+    moe_layers = sum("moe" in layer for layer in params["layers"])
+    if moe_dispatchers is not None and len(moe_dispatchers) != moe_layers:
+        raise ValueError(f"apply: moe_dispatchers has {len(moe_dispatchers)} entries, expected one per MoE layer "
+                         f"({moe_layers})")
     for layer in params["layers"]:
         h, routing = decoder_layer(layer, h, cos, sin, cfg, moe_impl=moe_impl, gather_input=gather_input,
-                                   reduce_partial=reduce_partial, dispatcher=dispatcher)
+                                   reduce_partial=reduce_partial,
+                                   dispatcher=dispatcher if moe_dispatchers is None else moe_dispatchers[len(routings)])
         if routing is not None:
             routings.append(routing)
     eps = cfg.rms_norm_eps
@@ -329,6 +338,7 @@ def shift_labels(tokens: torch.Tensor) -> torch.Tensor:
 
 
 def loss(params: dict, batch: dict, cfg: Qwen3Config, *, moe_impl: str = "auto",
+         moe_dispatchers: Sequence[Any] | None = None,
          embed: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
          gather_input: Callable[[torch.Tensor], torch.Tensor] | None = None,
          reduce_partial: Callable[[torch.Tensor], torch.Tensor] | None = None,
@@ -342,7 +352,7 @@ def loss(params: dict, batch: dict, cfg: Qwen3Config, *, moe_impl: str = "auto",
     :func:`shift_labels` of the tokens (equal to Hugging Face's ``labels=input_ids``). Cross-entropy is the
     mean over non-ignored targets, in float32.
 
-    ``embed, gather_input, reduce_partial, head`` are :func:`apply`'s hooks; ``cross_entropy(logits,
+    ``moe_dispatchers, embed, gather_input, reduce_partial, head`` are :func:`apply`'s; ``cross_entropy(logits,
     labels)`` (default ``F.cross_entropy`` in float32, mean over non-ignored targets) receives what
     ``head`` returned, e.g. a vocabulary or sequence block (see :mod:`hpfunc.models.qwen3.parallel_plan`).
 
@@ -362,7 +372,8 @@ def loss(params: dict, batch: dict, cfg: Qwen3Config, *, moe_impl: str = "auto",
     if labels.shape != tokens.shape:
         raise ValueError(f"loss: labels must have the tokens' shape {tuple(tokens.shape)}, "
                          f"found {tuple(labels.shape)}")
-    logits, aux = apply(params, tokens, cfg, return_aux=True, moe_impl=moe_impl, embed=embed,
+    logits, aux = apply(params, tokens, cfg, return_aux=True, moe_impl=moe_impl, moe_dispatchers=moe_dispatchers,
+                        embed=embed,
                         gather_input=gather_input, reduce_partial=reduce_partial, head=head)
     if cross_entropy is None:
         ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),

@@ -114,7 +114,7 @@ def ep_experts(cfg: Qwen3Config) -> tuple[str, ...]:
 
 
 def apply(params: dict, tokens: torch.Tensor, cfg: Qwen3Config, *, return_aux: bool = False,
-          moe_impl: str = "auto") -> Any:
+          moe_impl: str = "auto", moe_dispatchers: Any = None) -> Any:
     """:func:`qwen3.apply <hpfunc.models.qwen3.model.apply>` in the bound tensor-/sequence-parallel layout.
 
     The logits are the full ``[B, S, V]`` under tensor parallelism; this rank's sequence block
@@ -122,20 +122,24 @@ def apply(params: dict, tokens: torch.Tensor, cfg: Qwen3Config, *, return_aux: b
     vocabulary-parallel head (with or without sequence parallelism). ``aux`` is the same on every rank.
     """
     return _model.apply(params, tokens, cfg, return_aux=return_aux, moe_impl=moe_impl,
-                        **layout_hooks(cfg, {"tokens": tokens}))
+                        moe_dispatchers=moe_dispatchers, **layout_hooks(cfg, {"tokens": tokens}))
 
 
-def loss(params: dict, batch: dict, cfg: Qwen3Config, *, moe_impl: str = "auto") -> tuple[torch.Tensor, dict]:
+def loss(params: dict, batch: dict, cfg: Qwen3Config, *, moe_impl: str = "auto",
+         moe_dispatchers: Any = None) -> tuple[torch.Tensor, dict]:
     """:func:`qwen3.loss <hpfunc.models.qwen3.model.loss>` in the bound layout (identical without a bound
     axis); the value is the same on every rank of the axis. Under a ``pp`` plan layer the loss runs
     pipelined through the plan's stages (:func:`pipeline_stages` of this config)."""
     pipe = layout.runner()
     if pipe is not None:
+        if moe_dispatchers is not None:
+            raise layout.PlanError("qwen3 parallel_plan.loss: moe_dispatchers are not passed to the pipeline's "
+                                   "stages yet; under a pp plan layer the MoE blocks use their default dispatcher")
         return pipe.run(params, batch, owner=cfg)
     hooks = layout_hooks(cfg, batch)
     if hooks:
         hooks["cross_entropy"] = functools.partial(cross_entropy, cfg=cfg)
-    return _model.loss(params, batch, cfg, moe_impl=moe_impl, **hooks)
+    return _model.loss(params, batch, cfg, moe_impl=moe_impl, moe_dispatchers=moe_dispatchers, **hooks)
 
 
 # ---- Optimizer routing ---------------------------------------------------------------------------
