@@ -41,7 +41,7 @@ import os
 import pathlib
 import shutil
 import warnings
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import attrs
 import torch
@@ -56,7 +56,8 @@ from hpfunc.checkpoint.errors import CheckpointError, CheckpointMismatchError
 from hpfunc.checkpoint.files import partial_name, publish
 from hpfunc.durable import fsync_dir, fsync_file
 
-__all__ = ["Block", "save_safetensors", "load_safetensors", "header", "INDEX_FILE", "SUFFIX"]
+__all__ = ["Block", "save_safetensors", "load_safetensors", "header", "mmap_safetensors", "write_folder",
+           "block_planner", "INDEX_FILE", "SUFFIX"]
 
 INDEX_FILE = "model.safetensors.index.json"
 SUFFIX = ".safetensors"
@@ -339,3 +340,114 @@ def file_indices(sizes: Mapping[str, int], limit: int) -> dict[str, int]:
 
 def nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
     return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+
+
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+              "BOOL": torch.bool}
+
+
+def mmap_safetensors(file: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The tensors of one safetensors file as zero-copy views of a memory map (nothing is read until used).
+
+    A private (copy-on-write) mapping: the views can be written without touching the file. Memory a
+    view occupies is page cache, which the kernel reclaims, not the process's own.
+
+    >>> import tempfile, os, torch
+    >>> from safetensors.torch import save_file
+    >>> f = os.path.join(tempfile.mkdtemp(), "a.safetensors")
+    >>> save_file({"x": torch.arange(4.).to(torch.bfloat16)}, f)
+    >>> mmap_safetensors(f)["x"]
+    tensor([0., 1., 2., 3.], dtype=torch.bfloat16)
+    """
+    import mmap
+
+    with open(file, "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        if size < 8:
+            raise CheckpointError(f"{os.fspath(file)!r} is not a safetensors file ({size} bytes)")
+        mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
+    (hlen,) = __import__("struct").unpack("<Q", mm[:8])
+    head = json.loads(mm[8:8 + hlen])
+    out: dict[str, torch.Tensor] = {}
+    for name, entry in head.items():
+        if name == "__metadata__":
+            continue
+        dtype = _ST_DTYPES.get(entry["dtype"])
+        if dtype is None:
+            raise CheckpointError(f"{os.fspath(file)!r}, tensor {name!r}: dtype {entry['dtype']} is not supported")
+        start, end = entry["data_offsets"]
+        count = math.prod(entry["shape"])
+        t = (torch.frombuffer(mm, dtype=dtype, count=count, offset=8 + hlen + start) if count
+             else torch.empty(0, dtype=dtype))
+        if t.numel() * t.element_size() != end - start:
+            raise CheckpointError(f"{os.fspath(file)!r}, tensor {name!r}: {end - start} bytes for shape "
+                                  f"{entry['shape']} {entry['dtype']}")
+        out[name] = t.view(entry["shape"])
+    return out
+
+
+def write_folder(path: str | os.PathLike, tensors: "Iterable[tuple[str, torch.Tensor]]", *, limit: int,
+                 extra: Mapping[str, bytes] | None = None) -> dict[str, str]:
+    """Write a safetensors folder from a stream of ``(name, tensor)`` in one process, file by file.
+
+    A file is written as soon as the next tensor would take it past ``limit`` bytes, so at most one
+    file's tensors are held (plus the one that opens the next). Files are named ``model-0000i-of-0000N``
+    (renamed once ``N`` is known), with an index; the folder is atomic (a hidden sibling, synced,
+    renamed). Returns the weight map.
+    """
+    from safetensors.torch import save_file
+
+    final = pathlib.Path(path).absolute()
+    tmp = partial_name(final)
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    written: list[list[str]] = []
+    total = 0
+
+    def flush(batch: dict[str, torch.Tensor]) -> None:
+        save_file({k: v.contiguous() for k, v in batch.items()}, os.fspath(tmp / f"part-{len(written):05d}"),
+                  metadata={"format": "pt"})
+        written.append(list(batch))
+
+    try:
+        batch: dict[str, torch.Tensor] = {}
+        used = 0
+        for name, t in tensors:
+            size = t.numel() * t.element_size()
+            if batch and used + size > limit:
+                flush(batch)
+                batch, used = {}, 0
+            if name in batch or any(name in w for w in written):
+                raise CheckpointError(f"write_folder: tensor {name!r} given twice")
+            batch[name] = t
+            used += size
+            total += size
+        if batch or not written:
+            flush(batch)
+        batch = {}
+        n = len(written)
+        weight_map = {}
+        for i, names in enumerate(written):
+            fname = f"model-{i + 1:05d}-of-{n:05d}{SUFFIX}"
+            os.replace(tmp / f"part-{i:05d}", tmp / fname)
+            fsync_file(tmp / fname)
+            weight_map.update(dict.fromkeys(names, fname))
+        weight_map = dict(sorted(weight_map.items()))
+        (tmp / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                                 indent=2))
+        fsync_file(tmp / INDEX_FILE)
+        for name, data in (extra or {}).items():
+            (tmp / name).write_bytes(data)
+            fsync_file(tmp / name)
+        publish(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return weight_map
+
+
+def block_planner() -> DefaultSavePlanner:
+    """A DCP save planner for flat state dicts whose values may be :class:`Block` (for ``dcp.save``)."""
+    return _BlockSavePlanner()
