@@ -198,13 +198,15 @@ class _DCPSource(_HFNamed):
         if not self._saved:
             raise CheckpointError(f"convert: checkpoint {os.fspath(path)!r} has no tensor under {prefix!r} "
                                   f"(its keys: {sorted(keys)[:8]}); pass --prefix")
-        bias = {hf_name(p) for p in self._saved if p.endswith("moe.expert_bias")}
+        self._cache: tuple[str, torch.Tensor] | None = None
+        # a zero expert bias is not published (save_pretrained's rule); the bias is E floats a layer
+        bias = {hf_name(p) for p in self._saved if p.endswith("moe.expert_bias") and bool(self._load(p).ne(0).any())}
         self.fused = False
         self._by_name: dict[str, tuple[str, int | None]] = {}
         self.names = {}
         params = _params(cfg, fused=False, bias_names=bias)
         known = {p.path for p in params}
-        extra = sorted(set(self._saved) - known)
+        extra = sorted(set(self._saved) - known - {q for q in self._saved if q.endswith("moe.expert_bias")})
         if extra:
             raise CheckpointError(f"convert: checkpoint {os.fspath(path)!r} has {len(extra)} tensor(s) under "
                                   f"{prefix!r} that the model config lacks: {extra[:8]}; give the model's config")
@@ -220,7 +222,6 @@ class _DCPSource(_HFNamed):
             else:
                 self.names[p.names[0]] = (shape, dtype)
                 self._by_name[p.names[0]] = (p.path, None)
-        self._cache: tuple[str, torch.Tensor] | None = None
 
     def _load(self, path: str) -> torch.Tensor:
         if self._cache is not None and self._cache[0] == path:
@@ -349,7 +350,16 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str | None = 
         from hpfunc.checkpoint.dcp_io import _quiet_single_process, write_flat
 
         pre = f"{prefix}." if prefix else ""
+        from hpfunc.models.qwen3.model import _is_shape as _shape_leaf, param_shapes as _param_shapes
+
+        order = [q for q, _ in _tree.leaves_with_paths(_param_shapes(cfg), is_leaf=_shape_leaf)]
         flat = {pre + p.path: _param_tensor(source, p) for p in params}
+        from hpfunc.models.qwen3.model import _is_shape, param_shapes
+
+        for path, shape in _tree.leaves_with_paths(param_shapes(cfg), is_leaf=_is_shape):
+            if path.endswith("moe.expert_bias") and pre + path not in flat:  # not published: zero
+                flat[pre + path] = Block.whole(torch.zeros(shape, dtype=torch.float32))
+        flat = dict(sorted(flat.items(), key=lambda kv: order.index(kv[0][len(pre):])))
         with _quiet_single_process():
             write_flat(dst_p, flat, step=0, metadata={"converted_from": os.fspath(src_p), "format": fmt,
                                                       "model": cfg.to_hf_dict()}, planner=block_planner())
