@@ -54,7 +54,7 @@ from torch.distributed.tensor import DTensor
 from hpfunc.checkpoint import _ranks
 from hpfunc.checkpoint.errors import CheckpointError, CheckpointMismatchError
 from hpfunc.checkpoint.files import partial_name, publish
-from hpfunc.durable import fsync_dir, fsync_file
+from hpfunc.durable import fsync_file
 
 __all__ = ["Block", "save_safetensors", "load_safetensors", "header", "mmap_safetensors", "write_folder",
            "block_planner", "INDEX_FILE", "SUFFIX"]
@@ -195,10 +195,10 @@ def _check_blocks(blocks: Mapping[str, Block], files: Mapping[str, int]) -> None
     for name, b in blocks.items():
         if not isinstance(b, Block):
             raise TypeError(f"save_safetensors: tensor {name!r} must be a Block (Block.of(x)), found {type(b).__name__}")
-        names = [n for n, off in ((name, off) for off, _ in b.pieces) if len(off) != len(b.shape)]
-        if names:
-            raise CheckpointError(f"save_safetensors: tensor {name!r}: piece offsets of another rank than its shape "
-                                  f"{b.shape}")
+        bad = [off for off, t in b.pieces if len(off) != len(b.shape) or t.ndim != len(b.shape)]
+        if bad:
+            raise CheckpointError(f"save_safetensors: tensor {name!r} of shape {b.shape}: pieces at offsets {bad} "
+                                  f"have another number of dimensions")
         if len(b.pieces) > 1:
             # the safetensors writer keeps one entry per name and file: a rank's pieces of one tensor
             # must form one block (merge adjacent ones before)
