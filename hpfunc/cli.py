@@ -1,4 +1,4 @@
-"""The ``hpfunc`` command: ``hpfunc launch ...`` and ``hpfunc train CONFIG.yaml``."""
+"""The ``hpfunc`` command: ``hpfunc launch ...``, ``hpfunc train CONFIG.yaml`` and ``hpfunc convert SRC DST``."""
 
 from __future__ import annotations
 
@@ -11,6 +11,9 @@ commands:
   launch --nproc N script.py [args]   run a script on N ranks (torch.distributed.run underneath)
   train CONFIG.yaml [--set key=value] train a model from a YAML config (on N processes, which it
                                       starts, when its parallel.mesh has N > 1 positions)
+  convert SRC DST [--to dcp|hf|torch] convert a model's checkpoint between an hpfunc (DCP) folder, a
+                                      Hugging Face safetensors folder and a .pt file, streamed
+                                      (hpfunc convert --help)
 """
 
 
@@ -28,6 +31,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         from hpfunc.train.cli import main as train_main
 
         train_main(rest)
+    elif cmd == "convert":
+        from hpfunc.models.qwen3.convert import main as convert_main
+
+        convert_main(rest)
     else:
         print(f"hpfunc: unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
         raise SystemExit(2)

@@ -105,8 +105,11 @@ def _on_rank0(fn, group: Any) -> None:
 
 
 def write_flat(path: str | os.PathLike, flat: dict[str, Any], *, step: int, metadata: Any = None,
-               group: Any = None) -> SaveResult:
-    """The collective write of a flat state (:func:`save` and the async writer's thread; every rank calls it)."""
+               group: Any = None, planner: Any = None) -> SaveResult:
+    """The collective write of a flat state (:func:`save` and the async writer's thread; every rank calls it).
+
+    ``planner``: DCP's save planner (``None``: its default); :mod:`hpfunc.checkpoint.safetensors_io`'s
+    Block planner lets values be :class:`~hpfunc.checkpoint.safetensors_io.Block` pieces."""
     start = time.perf_counter()
     final = pathlib.Path(path)
     tmp = partial_name(final)
@@ -122,7 +125,7 @@ def write_flat(path: str | os.PathLike, flat: dict[str, Any], *, step: int, meta
     for part in _ranks.all_gather({k: _marker.key_entry(v) for k, v in flat.items()}, group):
         keys.update(part)
     with _quiet_single_process():
-        dcp.save(flat, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), process_group=group,
+        dcp.save(flat, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), process_group=group, planner=planner,
                  no_dist=not _ranks.active())
     # DCP returns once rank 0 wrote .metadata after every rank's files: list, then checksum in parallel
     names = _ranks.from_rank0(sorted(p.name for p in tmp.iterdir() if p.is_file()) if _ranks.rank(group) == 0

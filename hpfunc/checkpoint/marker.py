@@ -51,6 +51,10 @@ def key_entry(value: Any) -> dict[str, Any]:
     """What the marker records of one saved leaf."""
     from torch.distributed.tensor import DTensor
 
+    from hpfunc.checkpoint.safetensors_io import Block
+
+    if isinstance(value, Block):  # pieces of a global tensor (an offline conversion's stacked experts)
+        return {"kind": "tensor", "shape": list(value.shape), "dtype": dtype_name(value.dtype)}
     if isinstance(value, torch.Tensor):
         entry: dict[str, Any] = {"kind": "tensor", "shape": list(value.shape), "dtype": dtype_name(value.dtype)}
         if isinstance(value, DTensor):

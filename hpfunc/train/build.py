@@ -40,6 +40,8 @@ def build_model_config(mc: ModelConfig) -> Any:
     """
     from hpfunc.models import config as qcfg
 
+    if mc.pretrained is not None:
+        return _pretrained_config(mc)
     if mc.preset not in qcfg.PRESETS:
         close = difflib.get_close_matches(mc.preset, qcfg.PRESETS, n=1)
         hint = f"did you mean {close[0]!r}? " if close else ""
@@ -64,6 +66,32 @@ def build_model_config(mc: ModelConfig) -> Any:
         field = msg[len("Qwen3Config."):].split(":", 1)[0] if msg.startswith("Qwen3Config.") else None
         where = f"model.{field}: " if field in overrides else ""
         raise ConfigError(f"{where}model (preset {mc.preset!r} with overrides {overrides}): {e}") from None
+
+
+def _pretrained_config(mc: ModelConfig) -> Any:
+    """``model.pretrained``'s ``config.json`` with the ``model.<field>`` overrides applied."""
+    import os
+
+    from hpfunc.models import config as qcfg
+    from hpfunc.models.qwen3.hf import load_config
+
+    if not os.path.isfile(os.path.join(mc.pretrained, "config.json")):
+        raise ConfigError(f"model.pretrained: {mc.pretrained!r} holds no config.json; expected a Hugging Face folder "
+                          f"(config.json and *.safetensors, e.g. from save_pretrained or hpfunc convert --to hf)")
+    try:
+        base = load_config(mc.pretrained)
+    except qcfg.ConfigError as e:
+        raise ConfigError(f"model.pretrained: {e}") from None
+    hints = typing.get_type_hints(qcfg.Qwen3Config)
+    fields = {f.name for f in attrs.fields(qcfg.Qwen3Config)} - _NOT_OVERRIDABLE
+    overrides = {}
+    for key, value in mc.overrides.items():
+        if key not in fields:
+            from hpfunc.train.config import _unknown_key_message
+
+            raise ConfigError(_unknown_key_message("model", key, ["preset", "dtype", "pretrained", *sorted(fields)]))
+        overrides[key] = value if hints[key] is Any else _convert(value, hints[key], f"model.{key}")
+    return attrs.evolve(base, **overrides) if overrides else base
 
 
 def build_schedule(sc: ScheduleConfig, steps: int) -> Callable[[int], float]:
@@ -162,4 +190,11 @@ def check_buildable(cfg: Config) -> Any:
         )
     build_schedule(cfg.schedule, cfg.train.steps)
     check_parallel(cfg, model_cfg)
+    from hpfunc.train.distributed import is_distributed
+
+    if cfg.model.pretrained is not None and not is_distributed(cfg.parallel):
+        # the one-process path creates its parameters in hpfunc/train/loop.py, which does not read it yet
+        raise ConfigError(f"model.pretrained: {cfg.model.pretrained!r} is read by runs on a mesh of two or more "
+                          f"processes in this version (parallel.mesh, e.g. {{fsdp: 2}} with plan: [fsdp]); a "
+                          f"one-process run starts from model.preset")
     return model_cfg

@@ -66,6 +66,9 @@ class ModelConfig:
 
     preset: str = "qwen3-moe-tiny"
     dtype: Literal["float32", "bfloat16", "float64"] = "float32"
+    # a Hugging Face folder (config.json + safetensors) to start from: its config.json is the model (the
+    # overrides apply on top, the preset is not used) and each rank reads its blocks of the weights
+    pretrained: Union[str, None] = None
     overrides: dict = attrs.field(factory=dict)
 
 
@@ -184,6 +187,7 @@ class ParallelConfig:
     mesh: dict = attrs.field(factory=dict)
     plan: tuple = ()  # of PlanEntry
     timeout_s: float = DEFAULT_TIMEOUT_S  # a collective waiting longer fails, naming rank and collective
+    sdc_check: str = "off"  # off | raise | warn: replicas of each reduced gradient compared every step
 
     @property
     def size(self) -> int:
@@ -215,6 +219,8 @@ class ParallelConfig:
     def to_data(self) -> dict[str, Any]:
         # written only when set to something other than the default (300 s)
         timeout = {} if self.timeout_s == DEFAULT_TIMEOUT_S else {"timeout_s": self.timeout_s}
+        if self.sdc_check != "off":
+            timeout["sdc_check"] = self.sdc_check
         if not self.mesh and not self.plan:
             return timeout
         return {"mesh": dict(self.mesh), "plan": [e.to_data() for e in self.plan], **timeout}
@@ -468,6 +474,9 @@ def _check_ranges(cfg: Config) -> None:
 # model and builds the hpfunc.transforms.plans.Plan).
 
 
+SDC_CHECKS = ("off", "raise", "warn")
+
+
 def _parse_parallel(data: Any, path: str) -> ParallelConfig:
     """``{mesh: {axis: size}, plan: [entry, ...]}`` -> :class:`ParallelConfig` with every axis bound.
 
@@ -479,9 +488,15 @@ def _parse_parallel(data: Any, path: str) -> ParallelConfig:
     if not isinstance(data, Mapping):
         raise ConfigError(f"{path}: expected a mapping with mesh and plan, found {_found(data)}")
     for key in data:
-        if key not in ("mesh", "plan", "timeout_s"):
-            raise ConfigError(_unknown_key_message(path, key, ["mesh", "plan", "timeout_s"]))
+        if key not in ("mesh", "plan", "timeout_s", "sdc_check"):
+            raise ConfigError(_unknown_key_message(path, key, ["mesh", "plan", "timeout_s", "sdc_check"]))
     timeout_s = _parse_timeout(data.get("timeout_s", DEFAULT_TIMEOUT_S), f"{path}.timeout_s")
+    sdc_check = data.get("sdc_check", "off")
+    if sdc_check is False:  # YAML reads a bare off as false
+        sdc_check = "off"
+    if sdc_check not in SDC_CHECKS:
+        raise ConfigError(f"{path}.sdc_check: expected one of {', '.join(SDC_CHECKS)} (compare the replicas of "
+                          f"every reduced gradient each step; raise or warn on a mismatch), found {_found(sdc_check)}")
     mesh = _parse_mesh(data.get("mesh"), f"{path}.mesh")
     raw_plan = data.get("plan")
     if raw_plan is None:
@@ -500,7 +515,7 @@ def _parse_parallel(data: Any, path: str) -> ParallelConfig:
         example = ", ".join(a if a in PLAN_KINDS else "ddp" for a, s in mesh.items())
         raise ConfigError(f"{path}.plan: missing; the mesh {_flow(mesh)} ({size} processes) needs a plan with one "
                           f"entry per mesh axis, in mesh order, e.g. plan: [{example}]")
-    return ParallelConfig(mesh=mesh, plan=_bind_axes(parsed, mesh, path), timeout_s=timeout_s)
+    return ParallelConfig(mesh=mesh, plan=_bind_axes(parsed, mesh, path), timeout_s=timeout_s, sdc_check=sdc_check)
 
 
 def _parse_timeout(value: Any, path: str) -> float:
@@ -717,7 +732,8 @@ def _resolve_paths(cfg: Config, base: pathlib.Path) -> Config:
     data = cfg.data
     paths = [resolve(p) for p in data.paths] if data.paths else data.paths
     tok = resolve(data.tokenizer) if data.tokenizer else data.tokenizer
-    return attrs.evolve(cfg, data=attrs.evolve(data, paths=paths, tokenizer=tok))
+    model = cfg.model if not cfg.model.pretrained else attrs.evolve(cfg.model, pretrained=resolve(cfg.model.pretrained))
+    return attrs.evolve(cfg, data=attrs.evolve(data, paths=paths, tokenizer=tok), model=model)
 
 
 def config_to_dict(cfg: Config) -> dict[str, Any]:

@@ -356,13 +356,35 @@ def build_parallel_step(cfg: Config, model_cfg: Any, optimizer: Any, lr: Callabl
     from hpfunc.transforms.parallelize import init_sharded, parallelize
 
     plan = build_plan(cfg.parallel, model_cfg)
+    if cfg.parallel.sdc_check != "off":
+        plan = plan.with_sdc_check(cfg.parallel.sdc_check)
     step = make_train_step(model_cfg, optimizer, expert_bias_rate=cfg.train.expert_bias_rate, lr_schedule=lr,
                            loss_fn=qwen3.parallel_plan.loss, num_microbatches=cfg.train.microbatches)
     train_step = parallelize(step, mesh, plan, params="params")
-    init = functools.partial(qwen3.init, cfg=model_cfg, dtype=dtype)
-    params = init_sharded(init, mesh, plan, init_key, shapes=qwen3.param_shapes(model_cfg))
+    if cfg.model.pretrained is not None:
+        params = _pretrained_params(cfg.model.pretrained, model_cfg, mesh, train_step, dtype)
+    else:
+        init = functools.partial(qwen3.init, cfg=model_cfg, dtype=dtype)
+        params = init_sharded(init, mesh, plan, init_key, shapes=qwen3.param_shapes(model_cfg))
     state = train_step.init_state(lambda p: init_train_state(p, optimizer), params)
     return state, train_step
+
+
+def _pretrained_params(folder: str, model_cfg: Any, mesh: Any, train_step: Any, dtype: Any) -> Any:
+    """``model.pretrained``: the Hugging Face weights, each rank reading its blocks in the plan's storage
+    layout (cast to the run's dtype; the expert bias stays float32)."""
+    import torch
+
+    from hpfunc import checkpoint
+    from hpfunc import tree as _tree
+    from hpfunc.models import qwen3
+    from hpfunc.models.qwen3.hf_sharded import import_pretrained
+
+    meta = _tree.map_with_path(lambda path, s: torch.empty(s, device="meta", dtype=torch.float32 if
+                                                           path.endswith("moe.expert_bias") else dtype),
+                               qwen3.param_shapes(model_cfg), is_leaf=lambda x: isinstance(x, torch.Size))
+    specs = train_step.state_specs({"params": meta})["params"]
+    return import_pretrained(folder, checkpoint.abstract_like(specs, mesh, meta), model_cfg)
 
 
 def parallel_summary(cfg: Config) -> str:

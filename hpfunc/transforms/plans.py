@@ -196,6 +196,7 @@ class Plan:
     reduce_dtype: torch.dtype | None = None
     gradient_scaling_factor: float | None = None
     pipeline: Any = None  # a PipelineLayer (hpfunc.transforms.pipeline_plan), from pp(...)
+    sdc_check: str | None = None
 
     def __add__(self, other: "Plan") -> "Plan":
         def one(name: str) -> Any:
@@ -210,7 +211,7 @@ class Plan:
         return Plan(self.layers + other.layers, self.rules + other.rules,
                     self.reshard_after_forward and other.reshard_after_forward,
                     one("param_dtype"), one("reduce_dtype"), one("gradient_scaling_factor"),
-                    self.pipeline if self.pipeline is not None else other.pipeline)
+                    self.pipeline if self.pipeline is not None else other.pipeline, one("sdc_check"))
 
     def with_mixed_precision(self, param_dtype: torch.dtype | None = torch.bfloat16,
                              reduce_dtype: torch.dtype | None = torch.float32) -> "Plan":
@@ -236,6 +237,22 @@ class Plan:
         if factor is not None and not (isinstance(factor, (int, float)) and math.isfinite(factor) and factor > 0):
             raise PlanError(f"with_gradient_scaling_factor: factor must be a finite number > 0 or None, found {factor!r}")
         return attrs.evolve(self, gradient_scaling_factor=None if factor is None else float(factor))
+
+    def with_sdc_check(self, policy: str | None = "raise") -> "Plan":
+        """Check every step that the replicas of each reduced gradient block are bitwise equal (silent data
+        corruption): one all_gather of an int64 checksum per parameter; a mismatch names the step, the
+        parameter and the rank(s) and raises :class:`~hpfunc.transforms.engine.sdc.SDCError`
+        (``"raise"``) or warns (``"warn"``); ``None`` turns it off. See :mod:`hpfunc.transforms.engine.sdc`.
+
+        >>> ddp("dp").with_sdc_check().sdc_check
+        'raise'
+        """
+        from hpfunc.transforms.engine.sdc import POLICIES
+
+        if policy is not None and policy not in POLICIES:
+            raise PlanError(f"with_sdc_check: policy must be one of {', '.join(map(repr, POLICIES))} or None, "
+                            f"found {policy!r}")
+        return attrs.evolve(self, sdc_check=policy)
 
     def with_rules(self, rules: Sequence[tuple[str, Any]]) -> "Plan":
         conv = tuple((pat, sp if isinstance(sp, LeafSpec) else LeafSpec.of(sp)) for pat, sp in rules)
@@ -324,6 +341,10 @@ class Plan:
                 raise PlanError(f"mesh axis {pa!r} is the pipeline axis and also used by "
                                 f"{next(l.kind for l in self.layers if l.axis == pa)}; give each its own axis")
             self.pipeline.schedule(mesh.axis_size(pa))  # the schedule fits the axis and the stages
+            if self.sdc_check is not None:
+                raise PlanError("with_sdc_check and a pp layer: the SDC check gathers one checksum per parameter "
+                                "over the whole mesh, and pipeline ranks hold different parameters; not supported "
+                                "yet (drop the SDC check for pipelined runs)")
         for l in self.layers:
             if l.axis not in mesh.axis_names:
                 raise PlanError(f"plan layer {l.kind}({l.axis!r}) names mesh axis {l.axis!r}, which the mesh "

@@ -182,3 +182,72 @@ def save_failure_is_every_ranks(path: str) -> str:
     except checkpoint.CheckpointError as e:
         return str(e)
     return "saved"
+
+
+# -- a Qwen3-MoE train state (the trainer's step under hpfunc.parallelize) --------------------------------------
+
+MOE_CONFIG = {"model": {"preset": "qwen3-moe-tiny"}, "train": {"batch_size": 4, "seq_len": 16}}
+
+
+def _moe_step(mesh_axes: dict | None, plan: list | None):
+    import hpfunc
+    from hpfunc.train.build import build_optimizer, build_schedule, check_buildable, model_dtype
+    from hpfunc.train.config import load_config_dict
+    from hpfunc.train.distributed import build_parallel_step
+
+    data = dict(MOE_CONFIG)
+    if mesh_axes is not None:
+        data["parallel"] = {"mesh": mesh_axes, "plan": plan}
+    cfg = load_config_dict(data)
+    model_cfg = check_buildable(cfg)
+    optimizer, lr = build_optimizer(cfg.optimizer, build_schedule(cfg.schedule, cfg.train.steps))
+    mesh = hpfunc.Mesh(mesh_axes or {"dp": 1})
+    return build_parallel_step(cfg, model_cfg, optimizer, lr, hpfunc.random.key(0), mesh, model_dtype(cfg.model))
+
+
+def _fill(x, k: int) -> None:
+    """Write position-dependent values into this rank's block of ``x`` (a misplaced block shows)."""
+    from torch.distributed.tensor import DTensor
+
+    from hpfunc.sharding import local_block, sharding_of
+
+    full = (torch.arange(x.numel(), dtype=torch.float64).reshape(x.shape) * 1e-3 + k).to(x.dtype)
+    if isinstance(x, DTensor):
+        sh = sharding_of(x)
+        starts, sizes = local_block(tuple(x.shape), sh.mesh, sh.spec, sh.mesh.coordinate())
+        for d, (a, n) in enumerate(zip(starts, sizes)):
+            full = full.narrow(d, a, n)
+        x.to_local().copy_(full)
+    else:
+        x.copy_(full)
+
+
+def moe_train_and_save(path: str, step: int) -> dict:
+    """The trainer's Qwen3-MoE state on fsdp 4 (``init_state`` of its step), every parameter and AdamW
+    moment filled with position-dependent values, saved as step ``step``; returns it gathered."""
+    from hpfunc import checkpoint
+    from hpfunc import tree as _tree
+    from hpfunc.testing import to_full
+
+    state, _ = _moe_step({"fsdp": 4}, ["fsdp"])
+    for k, x in enumerate(_tree.leaves(state)):
+        if isinstance(x, torch.Tensor) and x.is_floating_point():
+            _fill(x, k)
+    state = state._replace(step=torch.tensor(step, dtype=state.step.dtype))
+    checkpoint.save(path, state, step=step)
+    return to_full(state)
+
+
+def moe_restore(path: str, mesh_axes: dict | None, plan: list | None) -> dict:
+    """Restore into the layout the plan gives the same state on ``mesh_axes``: a fresh state from
+    ``init_state`` (laid out by the step's ``state_specs``) is the target (its values are not read).
+
+    (``abstract_like(train_step.state_specs(meta), ...)`` refuses this state: its optimizer state has
+    ``None`` at the untrained expert bias, which the spec tree names and the value tree does not.)"""
+    import hpfunc
+    from hpfunc import checkpoint
+    from hpfunc.testing import to_full
+
+    fresh, _ = _moe_step(mesh_axes, plan)
+    restored = checkpoint.load(path, checkpoint.abstract(fresh))
+    return {"state": to_full(restored), "layouts": hpfunc.typeof(restored.params)}

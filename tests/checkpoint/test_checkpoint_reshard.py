@@ -98,3 +98,25 @@ def _pairs(state):
     from hpfunc import tree
 
     return tree.leaves_with_paths(state)
+
+
+
+def test_qwen3_moe_train_state_saved_on_fsdp4_restores_on_other_meshes_and_plans(pools, tmp_path):
+    # the trainer's Qwen3-MoE state (params, AdamW moments) under hpfunc.parallelize, saved on fsdp 4;
+    # each target is the state that plan lays out on its mesh (init_state with its state_specs)
+    path = str(tmp_path / "step_2")
+    saved = pools(4).run0(H.moe_train_and_save, path, 2)
+    for n, axes, plan in ((2, {"fsdp": 2}, ["fsdp"]), (4, {"dp": 2, "tp": 2}, ["ddp", "tp"]),
+                          (4, {"ep": 2, "fsdp": 2}, ["ep", "fsdp"]), (1, None, None)):
+        out = pools(n).run0(H.moe_restore, path, axes, plan)
+        a, b = _pairs(out["state"]), _pairs(saved)
+        assert [p for p, _ in a] == [p for p, _ in b]
+        moments = [x for _, x in _pairs(out["state"].opt_state) if isinstance(x, torch.Tensor) and x.is_floating_point()]
+        assert len(moments) > 40 and all(bool(m.ne(0).any()) for m in moments) and int(out["state"].step) == 2
+        for (p, x), (_, y) in zip(a, b):
+            assert (torch.equal(x, y) and x.dtype == y.dtype) if isinstance(x, torch.Tensor) else x == y, (plan, p)
+        experts = out["layouts"]["layers"][0]["moe"]["experts"]["w_gate"]
+        assert experts == {"fsdp": "f32[8@fsdp,32,64]", "ep": "f32[8@ep,32@fsdp,64]"}.get(
+            plan[0] if plan else None, experts), (plan, experts)
+        if plan == ["ddp", "tp"]:
+            assert "@tp" in out["layouts"]["layers"][0]["attn"]["wq"], out["layouts"]

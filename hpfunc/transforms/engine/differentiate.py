@@ -26,6 +26,7 @@ import torch
 
 from hpfunc import layout, saved_tensors
 from hpfunc.layout import LeafLayout, PlanError
+from hpfunc.transforms.engine import sdc
 from hpfunc.transforms.engine.gather import ParamLayer, gather_group, group_key
 from hpfunc.transforms.engine.mixed import cast_for_use
 from hpfunc.transforms.engine.reduce import reduce_gradients
@@ -55,6 +56,7 @@ class EngineConfig:
         n_data = math.prod(mesh.axis_size(a) for a in mesh.axis_names if a in plan.data_axes)
         self.seed_scale = self.seed(mesh.size, n_data, plan.gradient_scaling_factor)
         self.data_axes = tuple(a for a in mesh.axis_names if a in plan.data_axes and mesh.axis_size(a) > 1)
+        self.sdc_checks = 0  # reductions checked so far (the "step" an SDC report names)
         self._executor = None  # the pipeline's schedule executor (a pp layer), built on first use
 
     def pipeline_executor(self) -> Any:
@@ -72,8 +74,13 @@ class EngineConfig:
 
     def reduce(self, grads: list[torch.Tensor], wanted: list[int]) -> list[torch.Tensor]:
         """Per-rank gradients of the leaves ``wanted`` (storage layout) -> reduced, optimizer layout."""
+        leaves = [self.leaves[i] for i in wanted]
         with torch.no_grad():
-            return reduce_gradients(grads, [self.leaves[i] for i in wanted], self.plan.reduce_dtype)
+            out = reduce_gradients(grads, leaves, self.plan.reduce_dtype)
+            if self.plan.sdc_check is not None:
+                step, self.sdc_checks = self.sdc_checks, self.sdc_checks + 1
+                sdc.check(leaves, out, self.mesh, step=step, policy=self.plan.sdc_check)
+        return out
 
 
 class _Reads:
