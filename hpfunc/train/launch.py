@@ -71,11 +71,10 @@ def launch(target: Sequence[str], nproc: int, *, module: bool = False, threads: 
     from hpfunc.launch import run_ranks, torchrun_args
 
     os.environ.setdefault("OMP_NUM_THREADS", str(threads or 1))
-    if max_restarts:
-        # torch 2.13's launcher shares its rendezvous store with the ranks and gives a restarted group no
-        # key prefix of its own: the new ranks read the gloo addresses of the dead ones ("Gloo connectFullMesh
-        # failed ... Connection refused", seen on the first restart). With the store not shared, rank 0 of
-        # each attempt hosts a fresh one.
+    # torch 2.13's launcher shares its rendezvous store with the ranks and gives a restarted group no
+    # key prefix of its own: the new ranks read the gloo addresses of the dead ones ("Gloo connectFullMesh
+    # failed ... Connection refused", seen on the first restart). With the store not shared, rank 0 of
+    # each attempt hosts a fresh one.
     unshare = bool(max_restarts) and _UNSHARE not in os.environ
     if unshare:
         os.environ[_UNSHARE] = "1"
