@@ -44,9 +44,6 @@ __all__ = ["checkpoint_root", "resolve_resume", "check_compatible", "saved_tree"
 # torch's elastic launcher numbers the attempts of a worker group (0: the first start)
 RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"
 
-# Sections whose every key shapes the saved tensors (or what they mean): a difference is an error.
-_MUST_MATCH = ("model",)
-_MUST_MATCH_KEYS = ("optimizer.name", "model.dtype")
 # Sections that may change on resume without a word: the layout, where outputs go, how often to save.
 _FREE = ("parallel", "output", "checkpoint")
 
@@ -112,24 +109,36 @@ def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
 def check_compatible(saved: dict, cfg: Config, where: str) -> list[str]:
     """Compare a checkpoint's saved config with this run's; return the keys that differ but may.
 
-    A different ``model.*`` key (the parameter shapes, the dtype) or ``optimizer.name`` (the optimizer
-    state's structure) raises :class:`ConfigError` naming the first such key; ``parallel``, ``output``
-    and ``checkpoint`` keys may differ silently (a new mesh is a resharded load); any other differing
-    key (a learning rate, the number of steps) is returned, for the run to print.
+    The model is compared as built (the preset with its overrides: ``model.hidden_size: 64`` written out
+    or left to the preset is the same model): a field that differs, ``model.dtype`` or
+    ``optimizer.name`` (the optimizer state's structure) raises :class:`ConfigError` naming the key;
+    ``parallel``, ``output`` and ``checkpoint`` keys may differ silently (a new mesh is a resharded load);
+    any other differing key (a learning rate, the number of steps) is returned, for the run to print.
     """
-    old, new = _flat(saved), _flat(config_to_dict(cfg))
-    notes = []
-    for key in sorted(set(old) | set(new)):
-        a, b = old.get(key, "<absent>"), new.get(key, "<absent>")
-        if a == b or (isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and list(a) == list(b)):
-            continue
-        section = key.split(".", 1)[0]
-        if section in _MUST_MATCH or key in _MUST_MATCH_KEYS:
+    from hpfunc.train.build import build_model_config
+    from hpfunc.train.config import load_config_dict
+
+    try:
+        old_cfg = load_config_dict(saved)
+    except ConfigError as e:
+        raise ConfigError(f"--resume: the config saved in the checkpoint {where} does not load here ({e}); resume "
+                          f"with the hpfunc version that wrote it, or start a new run") from None
+    old_model, new_model = build_model_config(old_cfg.model), build_model_config(cfg.model)
+    pairs = [(f"model.{f.name}", getattr(old_model, f.name), getattr(new_model, f.name))
+             for f in attrs.fields(type(new_model))]
+    pairs += [("model.dtype", old_cfg.model.dtype, cfg.model.dtype),
+              ("optimizer.name", old_cfg.optimizer.name, cfg.optimizer.name)]
+    for key, a, b in pairs:
+        if a != b:
             raise ConfigError(
                 f"{key}: the checkpoint {where} was saved with {a!r}, this run has {b!r}; the saved parameters or "
                 f"optimizer state would not fit. Resume with the saved value (--set {key}={a}), or start a new "
                 f"run (another output.dir, or --resume never --overwrite)")
-        if section not in _FREE:
+    old, new = _flat(config_to_dict(old_cfg)), _flat(config_to_dict(cfg))
+    notes = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key, "<absent>"), new.get(key, "<absent>")
+        if a != b and key.split(".", 1)[0] not in (*_FREE, "model"):
             notes.append(f"{key}: {a!r} -> {b!r}")
     return notes
 

@@ -57,6 +57,11 @@ class StopSignals:
         self.signum: int | None = None
         self._old: dict[int, Any] = {}
 
+    @property
+    def installed(self) -> bool:
+        """Whether the handlers are in place (inside ``with``, on the main thread)."""
+        return bool(self._old)
+
     def _handle(self, signum: int, frame: Any) -> None:
         del frame
         if signum == signal.SIGINT and self.signum is not None:

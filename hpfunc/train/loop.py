@@ -462,6 +462,7 @@ def _train(cfg: Config, model_cfg: Any, out: pathlib.Path, folder: RunFolder | N
                 if ckpts is not None and ckpts.due(done) and done != tc.steps:
                     ckpts.save(state, done, loop_state())
                 if use_words:
+                    hooks.maybe_term(done, handled=signals.signum is None and signals.installed)
                     signum = words.any_stop(signals.signum)
                     if signum is not None and done != tc.steps:
                         raise Stopped(stop_message(signum, done, last_words(done, _sig_name(signum))), signum)
