@@ -399,8 +399,9 @@ def _train(cfg: Config, model_cfg: Any, out: pathlib.Path, folder: RunFolder | N
                     what = _nonfinite_text(loss, grad_norm, step_lr)
                     if tc.on_nonfinite == "stop" or in_a_row > tc.max_skips:
                         bad = _first_nonfinite_grad(model_cfg, state.params, batch) if mesh is None else None
-                        grad = (f"; the first parameter whose gradient is not finite: {bad[0]!r} ({bad[1]} of "
-                                f"{bad[2]} values)" if bad else "")
+                        grad = ("" if mesh is not None else
+                                f"; the first parameter whose gradient is not finite: {bad[0]!r} ({bad[1]} of "
+                                f"{bad[2]} values)" if bad else "; every parameter's gradient is finite")
                         cap = (f"; {in_a_row} steps in a row were not finite, more than train.max_skips "
                                f"({tc.max_skips})" if tc.on_nonfinite == "skip" else "")
                         saved = last_words(done, f"step {step + 1} not finite")
