@@ -523,6 +523,7 @@ class Watchdog:
         self.interval = heartbeat_interval(self.timeout_s)
         self.limit = self.timeout_s + watchdog_grace(self.timeout_s)
         self.killed: dict[int, str] = {}
+        self._killed_pids: set[int] = set()  # by pid: an elastic restart brings a rank back as a new process
         self.directory: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -553,7 +554,7 @@ class Watchdog:
         me = os.getpid()
         while not self._stop.wait(self.interval):
             for rank, (pid, age) in sorted(_beats(self.directory).items()):
-                if rank in self.killed or age <= self.limit:
+                if pid in self._killed_pids or age <= self.limit:
                     continue
                 st = _stat(pid)
                 if st is None or st[1] != me or st[0] == "Z":
@@ -564,6 +565,7 @@ class Watchdog:
                         f"{age:.1f} s, longer than the collective timeout of {self.timeout_s:g} s"
                         f"{f'; {state}' if state else ''}; killing it")
                 self.killed[rank] = line
+                self._killed_pids.add(pid)
                 print(line, file=self.stream or sys.stderr, flush=True)
                 try:
                     os.kill(pid, signal.SIGKILL)

@@ -66,6 +66,11 @@ _DIVERGED_FIX = ("lower optimizer.lr, add warmup (schedule.warmup_steps) or clip
                  "the metrics logged before are kept in metrics.jsonl")
 
 
+def _finite_step(loss: float, grad_norm: float) -> bool:
+    """The guard every step passes before it is applied: its loss and gradient norm are finite."""
+    return math.isfinite(loss) and math.isfinite(grad_norm)
+
+
 def _nonfinite_text(loss: float, grad_norm: float, lr: float) -> str:
     """``the loss is nan (grad norm nan, lr 0.01)`` / ``the gradient norm is inf while the loss is 5.5 (lr 1e+10)``."""
     if not math.isfinite(loss):
@@ -393,7 +398,7 @@ def _train(cfg: Config, model_cfg: Any, out: pathlib.Path, folder: RunFolder | N
                 grad_norm, step_lr = float(metrics["grad_norm"]), float(metrics["lr"])
                 dt = time.perf_counter() - t
                 train_time += dt
-                if not (math.isfinite(loss) and math.isfinite(grad_norm)):  # every rank holds the same values
+                if not _finite_step(loss, grad_norm):  # every rank holds the same values
                     skipped += 1
                     in_a_row += 1
                     what = _nonfinite_text(loss, grad_norm, step_lr)
