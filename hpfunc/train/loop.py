@@ -42,7 +42,7 @@ import yaml
 
 from hpfunc import random
 from hpfunc.checkpoint import latest
-from hpfunc.faults import pop_failure, record_failure
+from hpfunc.faults import is_comm_failure, pop_failure, record_failure
 from hpfunc.train.build import build_optimizer, build_schedule, check_buildable, model_dtype
 from hpfunc.train.checkpointing import (ResumePlan, TrainCheckpoints, checkpoint_root, clear_checkpoints, plan_resume,
                                         restore_state, truncate_metrics)
@@ -376,6 +376,7 @@ def _train(cfg: Config, model_cfg: Any, out: pathlib.Path, folder: RunFolder | N
         return message
 
     done = start
+    finished = False  # an error of the checkpoints' closing must not hide the error that ends the run
     try:
         with MetricsWriter(folder.file("metrics.jsonl")) if main else _NoWriter() as writer, \
                 StopSignals() if use_words else contextlib.nullcontext() as signals:
@@ -389,9 +390,7 @@ def _train(cfg: Config, model_cfg: Any, out: pathlib.Path, folder: RunFolder | N
                         metrics = _local_metrics(metrics)
                     loss = float(metrics["loss"])  # the host read also ends the step's work
                 except Exception as e:
-                    from hpfunc import faults
-
-                    if faults.is_comm_failure(e):
+                    if is_comm_failure(e):
                         record_failure(f"rank {rank} lost a peer in step {step + 1}")
                     last_words(done, f"step {step + 1} failed: {type(e).__name__}")
                     raise
@@ -469,7 +468,13 @@ def _train(cfg: Config, model_cfg: Any, out: pathlib.Path, folder: RunFolder | N
                     ckpts.save(state, done, loop_state())
                 if use_words:
                     hooks.maybe_term(done, handled=signals.signum is None and signals.installed)
-                    signum = words.any_stop(signals.signum)
+                    try:
+                        signum = words.any_stop(signals.signum)
+                    except Exception as e:  # a peer lost between two steps: the state of `done` is whole
+                        if is_comm_failure(e):
+                            record_failure(f"rank {rank} lost a peer after step {done}")
+                        last_words(done, f"a peer was lost after step {done}: {type(e).__name__}")
+                        raise
                     if signum is not None and done != tc.steps:
                         raise Stopped(stop_message(signum, done, last_words(done, _sig_name(signum))), signum)
             if ckpts is not None and done == tc.steps and start < tc.steps:
@@ -490,11 +495,15 @@ def _train(cfg: Config, model_cfg: Any, out: pathlib.Path, folder: RunFolder | N
                 vrec = {"step": tc.steps, "val_loss": val}
                 writer.write(vrec)
                 records.append(vrec)
+        finished = True
     finally:
         progress.close()
         if ckpts is not None:
             try:
                 ckpts.close()
+            except Exception:
+                if finished:
+                    raise
             finally:
                 words.close()
 
