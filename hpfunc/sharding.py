@@ -357,7 +357,8 @@ def resolve_specs(tree: Any, specs: SpecsLike, *, strict_rules: bool = False) ->
         return as_spec(spec_paths[path])
 
     res = _tree.map_with_path(pick_tree, tree)
-    extra = sorted(set(spec_paths) - set(out))
+    # a None spec where the value tree has no leaf (None: e.g. a pipeline rank's other stages) is no spec
+    extra = sorted(p for p in set(spec_paths) - set(out) if spec_paths[p] is not None)
     if extra:
         raise SpecError(f"spec tree names paths that the value tree does not have: {extra[:5]}")
     return res

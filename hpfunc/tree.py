@@ -63,15 +63,17 @@ def leaves_with_paths(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -
 
 
 def map_with_path(
-    fn: Callable[..., Any], tree: Any, *rest: Any, is_leaf: Callable[[Any], bool] | None = None
+    fn: Callable[..., Any], tree: Any, *rest: Any, is_leaf: Callable[[Any], bool] | None = None,
+    none_is_leaf: bool = NONE_IS_LEAF,
 ) -> Any:
-    """``tree_map`` whose function receives the dotted path first: ``fn(path, leaf, *rest_leaves)``.
+    """``tree_map`` whose function receives the dotted path first: ``fn(path, leaf, *rest_leaves)``
+    (``none_is_leaf``: ``None`` positions are visited too, e.g. the leaves a pipeline rank does not hold).
 
     >>> map_with_path(lambda p, x: p, {"a": {"b": 1}})
     {'a': {'b': 'a.b'}}
     """
     return optree.tree_map_with_path(
-        lambda p, *xs: fn(path_str(p), *xs), tree, *rest, is_leaf=is_leaf, none_is_leaf=NONE_IS_LEAF,
+        lambda p, *xs: fn(path_str(p), *xs), tree, *rest, is_leaf=is_leaf, none_is_leaf=none_is_leaf,
         namespace=NAMESPACE
     )
 

@@ -117,7 +117,10 @@ def write_flat(path: str | os.PathLike, flat: dict[str, Any], *, step: int, meta
         tmp.mkdir(parents=True)
 
     _on_rank0(prepare, group)
-    keys = {k: _marker.key_entry(v) for k, v in flat.items()}
+    # every rank's keys: the ranks of a pipeline hold different stages (and so different keys)
+    keys: dict[str, dict] = {}
+    for part in _ranks.all_gather({k: _marker.key_entry(v) for k, v in flat.items()}, group):
+        keys.update(part)
     with _quiet_single_process():
         dcp.save(flat, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), process_group=group,
                  no_dist=not _ranks.active())
@@ -171,9 +174,12 @@ def _names(keys: list[str], limit: int = 8) -> str:
     return shown + (f", ... ({len(keys) - limit} more)" if len(keys) > limit else "")
 
 
-def _check_target(folder: pathlib.Path, saved: dict[str, dict], target: dict[str, Any]) -> None:
+def _check_target(folder: pathlib.Path, saved: dict[str, dict], target: dict[str, Any],
+                  all_targets: set[str] | None = None) -> None:
+    """The target's keys, shapes and dtypes against the saved ones. ``all_targets``: the keys of every
+    rank's target (a pipeline rank's target holds only its stages': a saved key must be in some rank's)."""
     missing = sorted(set(target) - set(saved))
-    unexpected = sorted(set(saved) - set(target))
+    unexpected = sorted(set(saved) - (set(target) if all_targets is None else all_targets))
     if missing or unexpected:
         parts = []
         if missing:
@@ -244,7 +250,16 @@ def load(path: str | os.PathLike, target: Any, *, verify: bool = True, process_g
     leaves, treedef = _tree.flatten(target, is_leaf=is_abstract_leaf)
     paths = [p for p, _ in _tree.leaves_with_paths(target, is_leaf=is_abstract_leaf)]
     flat = {p: abstract(x) if isinstance(x, torch.Tensor) else x for p, x in zip(paths, leaves)}
-    _check_target(folder, marker["keys"], flat)
+    all_targets = {k for part in _ranks.all_gather(sorted(flat), process_group) for k in part}
+    try:
+        _check_target(folder, marker["keys"], flat, all_targets)
+        problem = None
+    except CheckpointMismatchError as err:
+        problem = str(err)
+    # the ranks' targets may differ (pipeline stages): every rank raises the first rank's problem
+    found = [p for p in _ranks.all_gather(problem, process_group) if p is not None]
+    if found:
+        raise CheckpointMismatchError(found[0])
     _verify(folder, marker, checksums=verify, group=process_group)
     sd = {k: empty(v) if isinstance(v, Abstract) else v for k, v in flat.items()}
     try:

@@ -20,6 +20,9 @@ What you can ask:
 :func:`gather_block` (path, block)   the global value from this rank's block (a collective)
 :func:`global_sq_norm` (tree)        the squared norm of global tensors from their blocks
 :func:`ep_axis`                      the expert-parallel axis (:mod:`hpfunc.layout.expert_parallel`)
+:func:`runner`, :class:`Stages`      the pipeline binding: a model split into stages runs through the
+                                     bound runner (:mod:`hpfunc.layout.pipeline`)
+:func:`model_paths` (tree)           every parameter path of the model (a pipeline rank holds some)
 :func:`tp_axis`, ...                 the tensor-parallel binding (:mod:`hpfunc.layout.tensor_parallel`)
                                      and its building blocks :func:`scatter_sequence`,
                                      :func:`gather_sequence`, :func:`reduce_partial`
@@ -52,6 +55,7 @@ your own does the same (the one-device run is the reference; ``docs/parallel.md`
 from hpfunc.layout.step import (Accumulation, LeafLayout, LeafSpec, PlanError, StepLayout, bind, blocks_sq_norm,
                                 current, data_axes, data_parallel, gather_block, global_sq_norm, leaf, local_block, varying_axes)
 from hpfunc.layout.expert_parallel import ep_axis, expert_parallel
+from hpfunc.layout.pipeline import PipelineRunner, Stages, model_parameter_paths, model_paths, pipeline, runner
 from hpfunc.layout.styles import ColwiseParallel, Replicate, RowwiseParallel, SequenceParallel, Style, VocabParallel
 from hpfunc.layout.tensor_parallel import (check_sequence, gather_sequence, reduce_partial, scatter_sequence,
                                            sequence_parallel, tensor_parallel, tp_axis, vocab_parallel)
@@ -62,5 +66,6 @@ __all__ = [
     "varying_axes", "local_block", "gather_block", "global_sq_norm", "blocks_sq_norm",
     "tensor_parallel", "tp_axis", "sequence_parallel", "vocab_parallel", "scatter_sequence", "gather_sequence",
     "reduce_partial", "check_sequence", "expert_parallel", "ep_axis",
+    "Stages", "PipelineRunner", "pipeline", "runner", "model_paths", "model_parameter_paths",
     "Style", "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "VocabParallel", "Replicate",
 ]

@@ -59,7 +59,9 @@ class LeafLayout:
 
     ``gather``: the ``(dim, axes)`` all-gathered before use (storage -> compute); ``opt_extra``: the
     ``(dim, axes)`` the optimizer block is split on beyond storage (ZeRO); ``replicated``: the mesh axes
-    (of size > 1) the stored block is replicated on.
+    (of size > 1) the stored block is replicated on; ``stage_axis``: the pipeline axis when the
+    parameter belongs to one stage (held by that stage's ranks only; a parameter shared by several
+    stages, such as a tied embedding, is held by every pipeline rank and has none).
     """
 
     path: str
@@ -68,6 +70,7 @@ class LeafLayout:
     gather: tuple[tuple[int, tuple[str, ...]], ...] = ()
     opt_extra: tuple[tuple[int, tuple[str, ...]], ...] = ()
     replicated: tuple[str, ...] = ()
+    stage_axis: str | None = None  # a pipeline axis: the leaf is held by the ranks of one stage only
 
     def opt_axes(self, dim: int) -> tuple[str, ...]:
         """The mesh axes that split dimension ``dim`` of the optimizer block (gradients, moments)."""
@@ -246,21 +249,29 @@ def global_sq_norm(tree: Any, where: str = "global_sq_norm") -> torch.Tensor | N
     from hpfunc import tree as _tree
 
     layouts = ctx.leaf_layouts(tree, where)
-    return blocks_sq_norm(ctx.mesh, [lay.spec.opt for lay in layouts], _tree.leaves(tree))
+    stage = getattr(ctx, "pipeline_axis", None)
+    return blocks_sq_norm(ctx.mesh, [lay.spec.opt for lay in layouts], _tree.leaves(tree), stage_axis=stage,
+                          stage_local=[lay.stage_axis is not None for lay in layouts] if stage else None)
 
 
-def blocks_sq_norm(mesh: Any, opt_specs: list[P], blocks: list[torch.Tensor]) -> torch.Tensor:
+def blocks_sq_norm(mesh: Any, opt_specs: list[P], blocks: list[torch.Tensor], *, stage_axis: str | None = None,
+                   stage_local: list[bool] | None = None) -> torch.Tensor:
     """Sum of squares (fp64) of global tensors given as this rank's blocks laid out by ``opt_specs``
     (inside ``shard_map`` on ``mesh``): one scalar ``psum``. Each block counts once: a block replicated
-    on ``k`` ranks adds ``1/k`` of its square on each."""
+    on ``k`` ranks adds ``1/k`` of its square on each. Under a pipeline (``stage_axis``) the sum runs
+    over the pipeline ranks too: ``stage_local[k]`` leaves are held by one stage (they add whole), the
+    others by every pipeline rank (they add ``1/p`` each)."""
     from hpfunc import lax
 
     # only the axes some block is split on need a sum (on the others every block is whole on every rank)
-    split = tuple(a for a in mesh.axis_names if mesh.axis_size(a) > 1 and any(a in s.axes for s in opt_specs))
+    split = tuple(a for a in mesh.axis_names if mesh.axis_size(a) > 1 and (
+        any(a in s.axes for s in opt_specs) or a == stage_axis))
     if not blocks:
         total = torch.zeros((), dtype=torch.float64)
     else:
-        reps = [math.prod(mesh.axis_size(a) for a in split if a not in spec.axes) for spec in opt_specs]
+        local = stage_local or [False] * len(opt_specs)
+        reps = [math.prod(mesh.axis_size(a) for a in split if a not in spec.axes and not (mine and a == stage_axis))
+                for spec, mine in zip(opt_specs, local)]
         xs = [x.detach() for x in blocks]
         if all(x.device == xs[0].device for x in xs):  # one fused kernel for every block's norm
             sq = torch.stack(torch._foreach_norm(xs, 2, dtype=torch.float64)).square()

@@ -274,13 +274,33 @@ def load_balancing_loss(routings: Sequence[Routing], num_experts: int) -> torch.
     """
     if not routings:
         raise ValueError("load_balancing_loss: no MoE layer routings given")
+    return balancing_loss_from_stats(*routing_stats(routings, num_experts), num_experts)
+
+
+def routing_stats(routings: Sequence[Routing], num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(counts [E], prob_sum [E], rows [])`` of some MoE layers' routings, pooled (float32): what
+    :func:`load_balancing_loss` needs. Stats of disjoint sets of layers add (a pipeline carries them
+    from stage to stage).
+
+    >>> r = route_topk(torch.randn(5, 8), torch.randn(4, 8), top_k=2, norm_topk_prob=False)
+    >>> [tuple(t.shape) for t in routing_stats([r], 4)]
+    [(4,), (4,), ()]
+    """
     counts = sum(expert_counts(r.indices, num_experts).float() for r in routings)
     prob_sum = sum(r.probs.float().sum(0) for r in routings)
-    rows = float(sum(r.probs.shape[0] for r in routings))
+    rows = torch.tensor(float(sum(r.probs.shape[0] for r in routings)), device=prob_sum.device)
+    return counts, prob_sum, rows
+
+
+def balancing_loss_from_stats(counts: torch.Tensor, prob_sum: torch.Tensor, rows: torch.Tensor,
+                              num_experts: int) -> torch.Tensor:
+    """:func:`load_balancing_loss` from pooled :func:`routing_stats` (summed over the step's data shards
+    here, inside a parallelized step)."""
+    counts, rows = counts.detach(), rows.detach()
     axes = layout.data_axes()
     if axes:  # inside a parallelized step: the load of the whole step's batch, over every data shard
         with torch.no_grad():
-            both = lax.psum(torch.cat((counts, counts.new_full((1,), rows))), axes)
+            both = lax.psum(torch.cat((counts, rows.reshape(1).to(counts.dtype))), axes)
         counts, rows = both[:-1], both[-1]
         prob_sum = lax.psum(prob_sum, axes)  # transpose psum: each shard's probabilities get the whole gradient
     return num_experts * torch.sum((counts / rows) * (prob_sum / rows))
@@ -306,7 +326,8 @@ def update_expert_bias(params: Any, expert_load: torch.Tensor, rate: float) -> A
     >>> update_expert_bias(p, torch.tensor([[5.0, 1.0, 0.0]]), 0.1)["layers"][0]["moe"]["expert_bias"]
     tensor([-0.1000,  0.1000,  0.1000])
     """
-    paths = [p for p, _ in _tree.leaves_with_paths(params) if is_expert_bias(p)]
+    # rows follow the model's MoE layers: under a pipeline this rank holds only some of them
+    paths = [p for p in layout.model_paths(params) if is_expert_bias(p)]
     if expert_load.dim() != 2 or expert_load.shape[0] != len(paths):
         raise ValueError(
             f"update_expert_bias: expected expert_load [n_moe_layers={len(paths)}, E], "

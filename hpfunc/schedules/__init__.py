@@ -14,7 +14,7 @@ Example:
     (0.0, 4.0)
 """
 
-from .balance import balance_layers, stage_bounds, stage_costs
+from .balance import balance_layers, recompute_under_limit, stage_bounds, stage_costs
 from .csv_io import (
     action_from_torch_str,
     action_to_torch_str,
@@ -64,6 +64,7 @@ __all__ = [
     "to_torch_pipeline_order",
     "from_torch_pipeline_order",
     "balance_layers",
+    "recompute_under_limit",
     "stage_costs",
     "stage_bounds",
 ]

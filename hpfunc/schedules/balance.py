@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 from .ir import _require_int
 
-__all__ = ["balance_layers", "stage_costs", "stage_bounds"]
+__all__ = ["balance_layers", "stage_costs", "stage_bounds", "recompute_under_limit"]
 
 
 def _check_costs(costs: Sequence[float]) -> list[float]:
@@ -116,3 +116,50 @@ def stage_costs(costs: Sequence[float], layers: Sequence[int]) -> tuple[float, .
     if sum(layers) != len(values):
         raise ValueError(f"layer counts {tuple(layers)} add up to {sum(layers)}, but {len(values)} layers are costed")
     return tuple(float(sum(values[a:b])) for a, b in stage_bounds(layers))
+
+
+def recompute_under_limit(schedule, stage_bytes: Sequence[float], limit_bytes: float, *,
+                          recompute_bytes: Sequence[float] | None = None,
+                          policy: str = "nothing_saveable") -> tuple[str | None, ...]:
+    """Which stages to recompute so that each rank's activations fit ``limit_bytes``: a remat policy
+    name or ``None`` per stage, for ``plans.pp(..., remat=...)``.
+
+    ``stage_bytes[s]``: what one microbatch of stage ``s`` keeps for its backward without recompute;
+    ``recompute_bytes[s]``: what it keeps with ``policy`` (default: a tenth, roughly the stage input of a
+    transformer stage; measure it with :mod:`hpfunc.memory` for a real choice). A rank holds at most
+    ``simulate(schedule).peak_resident_until_w[rank]`` stage-microbatches at once; the bound used is
+    that count times the largest per-microbatch bytes of its stages. Stages are switched to recompute
+    greedily, the largest first, on every rank over the limit.
+
+    Raises:
+        ValueError: a rank does not fit even with every one of its stages recomputed.
+
+    Example:
+        >>> from hpfunc.schedules import one_f_one_b
+        >>> recompute_under_limit(one_f_one_b(2, 4), [100.0, 100.0], 150.0)  # rank 0 holds 2 microbatches
+        ('nothing_saveable', None)
+    """
+    from .simulate import simulate
+
+    n = schedule.num_stages
+    kept = [float(b) for b in stage_bytes]
+    if len(kept) != n:
+        raise ValueError(f"recompute_under_limit: {len(kept)} stage sizes for {n} stages")
+    small = [b / 10 for b in kept] if recompute_bytes is None else [float(b) for b in recompute_bytes]
+    peak = simulate(schedule).peak_resident_until_w
+    chosen: list[str | None] = [None] * n
+    for rank in schedule.ranks:
+        stages = schedule.stages_of(rank)
+
+        def need() -> float:
+            return peak[rank] * max((small[s] if chosen[s] else kept[s]) for s in stages)
+
+        for s in sorted(stages, key=lambda s: -kept[s]):
+            if need() <= limit_bytes:
+                break
+            chosen[s] = policy
+        if need() > limit_bytes:
+            raise ValueError(f"recompute_under_limit: rank {rank} holds up to {peak[rank]} stage-microbatches; even "
+                             f"recomputing its stages {list(stages)} it needs {need():.4g} bytes > the limit "
+                             f"{limit_bytes:.4g}; use more microbatches of fewer rows, more stages or a larger limit")
+    return tuple(chosen)

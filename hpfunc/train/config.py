@@ -159,7 +159,16 @@ PLAN_KINDS: dict[str, tuple[int, dict[str, Any]]] = {
     "hsdp": (2, {"reshard_after_forward": True}),  # (replicate axis, shard axis)
     "tp": (1, {"vocab_parallel": False, "sequence_parallel": False}),
     "ep": (1, {"reshard_after_forward": True}),  # experts split; a data axis, the rest sharded as fsdp
+    # pipeline stages over the axis (not a data axis): a schedule name or a torch-format CSV file
+    "pp": (1, {"schedule": "1f1b", "microbatches": 1, "virtual_stages": None, "layers_per_stage": None,
+               "remat": None, "max_resident": None}),
 }
+# option types where the default (None) does not say
+_OPTION_TYPES: dict[tuple[str, str], Any] = {("pp", "virtual_stages"): Union[int, None],
+                                             ("pp", "layers_per_stage"): Union[tuple[int, ...], None],
+                                             # a policy name for every stage, or one per stage (null: none)
+                                             ("pp", "remat"): Union[str, tuple[Union[str, None], ...], None],
+                                             ("pp", "max_resident"): Union[int, None]}
 _DATA_KINDS = ("ddp", "fsdp", "zero1", "zero2", "zero3", "hsdp", "ep")
 
 
@@ -178,7 +187,7 @@ class PlanEntry:
     def to_data(self) -> Any:
         """The YAML form: ``{kind: {axis: name, option: value, ...}}`` (``axes: [a, b]`` for hsdp)."""
         where = {"axes": list(self.axes)} if len(self.axes) > 1 else {"axis": self.axes[0]}
-        return {self.kind: {**where, **self.options}}
+        return {self.kind: {**where, **{k: list(v) if isinstance(v, tuple) else v for k, v in self.options.items()}}}
 
 
 @attrs.frozen
@@ -594,7 +603,7 @@ def _parse_plan_entry(entry: Any, path: str) -> tuple[str, tuple[str, ...] | Non
                                   f"found {_found(value)}")
             axes = tuple(value)
         else:
-            options[key] = _convert(value, type(defaults[key]), f"{where}.{key}")
+            options[key] = _convert(value, _OPTION_TYPES.get((kind, key), type(defaults[key])), f"{where}.{key}")
     return kind, axes, options, where
 
 

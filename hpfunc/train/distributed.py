@@ -3,8 +3,8 @@
 Inside the ranks (:func:`hpfunc.train.run` with such a config): :func:`start_mesh` joins the gloo
 process group and builds the :class:`hpfunc.Mesh`; :func:`build_parallel_step` creates the parameters
 directly sharded (``init_sharded``, the same values as ``qwen3.init``) and wraps the single-device
-``make_train_step`` with ``hpfunc.parallelize``; :func:`gather_params` makes full tensors again for
-evaluation and sampling.
+``make_train_step`` with ``hpfunc.parallelize``; the step's ``full_params`` makes full tensors again
+for evaluation and sampling (under ``pp`` each stage's from its rank).
 
 The config's ``parallel.plan`` entries map one to one onto the factories of
 :mod:`hpfunc.transforms.plans`, composed in mesh-axis order; a ``tp`` entry takes the model's own
@@ -47,7 +47,6 @@ __all__ = [
     "is_distributed",
     "start_mesh",
     "build_parallel_step",
-    "gather_params",
     "parallel_summary",
 ]
 
@@ -86,11 +85,18 @@ def is_distributed(pc: ParallelConfig) -> bool:
     return pc.size > 1
 
 
-def _entry_plan(e: PlanEntry, model_cfg: Any) -> Any:
+def _entry_plan(e: PlanEntry, model_cfg: Any, mesh: Mapping[str, int]) -> Any:
     from hpfunc.models.qwen3 import parallel_plan
     from hpfunc.transforms import plans
 
     o = e.options
+    if e.kind == "pp":
+        from hpfunc.transforms.pipeline_plan import stages_per_rank
+
+        n = mesh[e.axes[0]] * stages_per_rank(o["schedule"], o["virtual_stages"])
+        stages = parallel_plan.pipeline_stages(model_cfg, n, layers=o["layers_per_stage"])
+        return plans.pp(e.axes[0], stages, schedule=o["schedule"], microbatches=o["microbatches"],
+                        virtual_stages=o["virtual_stages"], remat=o["remat"], max_resident=o["max_resident"])
     if e.kind in ("fsdp", "zero3"):
         return plans.fsdp(e.axes[0], reshard_after_forward=o["reshard_after_forward"])
     if e.kind == "hsdp":
@@ -112,7 +118,7 @@ def build_plan(pc: ParallelConfig, model_cfg: Any) -> Any:
         return plans.Plan()
     order = {a: i for i, a in enumerate(pc.mesh)}
     entries = sorted(pc.plan, key=lambda e: order[e.axes[0]])
-    return functools.reduce(operator.add, (_entry_plan(e, model_cfg) for e in entries))
+    return functools.reduce(operator.add, (_entry_plan(e, model_cfg, pc.mesh) for e in entries))
 
 
 def _tp_entry(pc: ParallelConfig) -> tuple[int, PlanEntry] | None:
@@ -174,6 +180,7 @@ def check_parallel(cfg: Config, model_cfg: Any) -> None:
         if E % n:
             raise ConfigError(f"parallel.mesh.{axis}: expert parallelism over {n} ranks must divide the {E} experts of "
                               f"the model (model.num_experts); choose an ep size that divides {E}")
+    _check_pipeline(cfg, model_cfg)
     plan = build_plan(pc, model_cfg)
     shapes = qwen3.param_shapes(model_cfg)
     try:
@@ -183,6 +190,45 @@ def check_parallel(cfg: Config, model_cfg: Any) -> None:
         where = f"parallel.mesh.{found[1].axes[0]}" if found is not None and msg.startswith("tp") else "parallel.plan"
         raise ConfigError(f"{where}: {msg}") from None
     _check_axes_shard(pc, layouts)
+
+
+def _check_pipeline(cfg: Config, model_cfg: Any) -> None:
+    """A ``pp`` entry: microbatches that split each data shard's batch, stages that fit the layers, a
+    schedule that exists for the axis; errors name the config key."""
+    from hpfunc.transforms.pipeline_plan import stages_per_rank
+    from hpfunc.transforms.plans import PlanError
+
+    pc = cfg.parallel
+    for i, e in enumerate(pc.plan):
+        if e.kind != "pp":
+            continue
+        o, key, axis = e.options, f"parallel.plan[{i}].pp", e.axes[0]
+        m = o["microbatches"]
+        if m < 1:
+            raise ConfigError(f"{key}.microbatches: expected an integer >= 1, found {m}")
+        per = cfg.train.batch_size // max(pc.data_size, 1)
+        if per % m:
+            raise ConfigError(f"{key}.microbatches: each data shard's batch of {per} (train.batch_size "
+                              f"{cfg.train.batch_size} over {pc.data_size} data ranks) does not split into {m} "
+                              f"microbatches; use a train.batch_size that is a multiple of {pc.data_size * m}")
+        if cfg.train.microbatches != 1:
+            raise ConfigError(f"train.microbatches: {cfg.train.microbatches} with a pipeline ({key}); the pipeline "
+                              f"cuts the batch into {key}.microbatches itself: set train.microbatches to 1")
+        try:
+            n = pc.mesh[axis] * stages_per_rank(o["schedule"], o["virtual_stages"])
+        except (TypeError, ValueError) as err:
+            raise ConfigError(f"{key}.virtual_stages: {err}") from None
+        L = model_cfg.num_hidden_layers
+        if n > L:
+            raise ConfigError(f"parallel.mesh.{axis}: {pc.mesh[axis]} pipeline ranks x {n // pc.mesh[axis]} stage(s) "
+                              f"per rank ({o['schedule']}) = {n} stages, but the model has {L} layers "
+                              f"(model.num_hidden_layers); every stage needs a layer")
+        try:
+            _entry_plan(e, model_cfg, pc.mesh).check_mesh(AbstractMesh(pc.mesh))
+        except PlanError as err:
+            what = ("layers_per_stage" if "layers_per_stage" in str(err) else
+                    "remat" if "remat" in str(err) else "schedule")
+            raise ConfigError(f"{key}.{what}: {err}") from None
 
 
 # What the entries that shard promise to shard over their axis (hsdp: over its second axis only).
@@ -317,25 +363,6 @@ def build_parallel_step(cfg: Config, model_cfg: Any, optimizer: Any, lr: Callabl
     params = init_sharded(init, mesh, plan, init_key, shapes=qwen3.param_shapes(model_cfg))
     state = train_step.init_state(lambda p: init_train_state(p, optimizer), params)
     return state, train_step
-
-
-def gather_params(params: Any) -> Any:
-    """Full tensors of (sharded) parameters, on every rank: a collective, so every rank must call it."""
-    import logging
-
-    from torch.distributed.tensor import DTensor
-
-    from hpfunc import tree as _tree
-
-    # A dimension split over two axes (fsdp x ep) gathers in two steps; DTensor warns (once per rank) that
-    # the reduction order may differ between ranks, which cannot happen here: a gather reduces nothing.
-    log = logging.getLogger("torch.distributed.tensor._redistribute")
-    level = log.level
-    log.setLevel(logging.ERROR)
-    try:
-        return _tree.tree_map(lambda x: x.full_tensor() if isinstance(x, DTensor) else x, params)
-    finally:
-        log.setLevel(level)
 
 
 def parallel_summary(cfg: Config) -> str:

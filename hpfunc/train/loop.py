@@ -299,12 +299,12 @@ def _train(cfg: Config, model_cfg: Any, out: pathlib.Path, folder: RunFolder | N
                                      num_microbatches=tc.microbatches)
         full_params: Callable[[Any], Any] = lambda p: p  # noqa: E731
     else:
-        from hpfunc.train.distributed import build_parallel_step, gather_params, parallel_summary
+        from hpfunc.train.distributed import build_parallel_step, parallel_summary
 
         say(parallel_summary(cfg))
         state, train_step = build_parallel_step(cfg, model_cfg, optimizer, lr, init_key, mesh,
                                                 model_dtype(cfg.model))
-        full_params = gather_params
+        full_params = train_step.full_params  # a collective (a pipeline's stages come from their ranks)
     eval_step = make_eval_step(model_cfg)
 
     # where the run starts: step 0, or a checkpoint loaded into this run's layout (resharded)

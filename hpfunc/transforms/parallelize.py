@@ -77,6 +77,7 @@ class _Planned:
     paths: list[str]
     cfg: EngineConfig
     placements: list[tuple]  # the storage placements of the parameters, in flattening order
+    checks: Any = "trusted"  # the replication check of the state's leaves (a tree under a pp layer)
 
 
 @attrs.frozen(eq=False)
@@ -118,7 +119,14 @@ class ParallelizedStep:
         cfg = EngineConfig(self.mesh, self.plan, [res[p] for p in paths], [x.dtype for _, x in pairs])
         placements = [tuple(spec_to_placements(res[p].spec.storage, self.mesh, len(res[p].shape), where=p))
                       for p in paths]
-        hit = self._cache[key] = _Planned(res, specs, paths, cfg, placements)
+        checks: Any = "trusted"
+        if self.plan.pipeline is not None:
+            # a leaf of one pipeline stage exists on that stage's ranks only: nothing to compare across
+            # the pipeline axis (the replication check runs over whole axes), so it is not checked
+            checks = _tree.unflatten(treedef, [
+                False if _stage_local(path, k, is_param, paths, res) else "trusted"
+                for k, (path, _) in enumerate(_tree.leaves_with_paths(state))])
+        hit = self._cache[key] = _Planned(res, specs, paths, cfg, placements, checks)
         return hit
 
     def _metrics_specs(self, metrics: Any, res: Mapping[str, LeafLayout]) -> Any:
@@ -133,7 +141,7 @@ class ParallelizedStep:
 
     # -- running ----------------------------------------------------------------------------------
     def _run(self, fn: Callable, state_in: Any, planned: _Planned, args: tuple, arg_specs: tuple,
-             out_specs: Any) -> Any:
+             out_specs: Any, state_checks: Any = "trusted") -> Any:
         mesh, pp = self.mesh, self.params
 
         def body(state: Any, *rest: Any) -> Any:
@@ -141,7 +149,8 @@ class ParallelizedStep:
             storage, treedef = _tree.flatten(params)
             ctx = RankStep(planned.cfg, planned.paths, storage)
             user_state = replace_path(state, pp, _tree.unflatten(treedef, ctx.opt_blocks))
-            with layout.bind(ctx):
+            model_paths = None if self.plan.pipeline is None else self.plan.pipeline.stages.paths
+            with layout.bind(ctx), layout.model_parameter_paths(model_paths):
                 new_state, *extra = fn(user_state, *rest)
             new_leaves, new_def = _tree.flatten(get_path(new_state, pp))
             if new_def != treedef:
@@ -153,8 +162,17 @@ class ParallelizedStep:
         # replicated by construction (the state: reduced gradients, identical updates; the metrics: the
         # engine's reductions): checked only when HPFUNC_CHECK_REP asks (the test suite: exact), so that the
         # hot path pays no collective for it
+        if isinstance(state_checks, str):
+            check: Any = "trusted"
+        else:  # a pipeline: neither state nor metrics leaves of one stage (its gradients) are compared over it
+
+            def check(out: Any) -> tuple:
+                rest = [_tree.map_with_path(lambda path, x: False if _stage_local(path, -1, {}, planned.paths,
+                                                                                   planned.res) else "trusted", o)
+                        for o in out[1:]]
+                return (state_checks, *rest)
         return shard_map(body, mesh=mesh, in_specs=(planned.specs, *arg_specs), out_specs=out_specs,
-                         check_rep="trusted")(state_in, *args)
+                         check_rep=check)(state_in, *args)
 
     def _check_context(self) -> None:
         """Refuse orders of transforms that cannot make sense, naming both."""
@@ -182,19 +200,41 @@ class ParallelizedStep:
                               if isinstance(x, torch.Tensor) else x, params)
         abstract = init_fn(meta)
         get_path(abstract, pp)  # the state must hold the parameters where `params=` says
-        out_specs = self._planned(abstract).specs
+        out_planned = self._planned(abstract)
+        out_specs = out_planned.specs
         first_state = holder(pp, params)
         planned = self._planned(first_state)
 
         def first(state: Any) -> tuple:
             return (init_fn(get_path(state, pp)),)
 
-        return self._run(first, first_state, planned, (), (), (out_specs,))[0]
+        return self._run(first, first_state, planned, (), (), (out_specs,), out_planned.checks)[0]
 
     def shard_params(self, params: Any) -> Any:
-        """Full parameters (identical on every rank) -> DTensors with the plan's storage specs."""
+        """Full parameters (identical on every rank) -> DTensors with the plan's storage specs (under a
+        ``pp`` layer: those of this rank's stages; the others become ``None``)."""
+        params = self.plan.local_params(params, self.mesh)
         res = self.plan.resolve(params, self.mesh)
-        return shard(params, self.mesh, _tree.map_with_path(lambda p, x: res[p].spec.storage, params))
+        return shard(params, self.mesh, lambda p, x: res[p].spec.storage)
+
+    def full_params(self, params: Any) -> Any:
+        """Full tensors of the (sharded) parameters on every rank: a collective, every rank calls it.
+        Under a ``pp`` layer every leaf comes from the pipeline rank that holds it (a broadcast over the
+        pipeline axis), so each rank gets the whole model."""
+        import logging
+
+        # a dimension split over two axes (fsdp x ep) gathers in two steps; DTensor warns (once per rank)
+        # that the reduction order may differ between ranks, which cannot happen here: a gather reduces nothing
+        log = logging.getLogger("torch.distributed.tensor._redistribute")
+        level = log.level
+        log.setLevel(logging.ERROR)
+        try:
+            local = _tree.tree_map(lambda x: x.full_tensor() if isinstance(x, DTensor) else x, params)
+        finally:
+            log.setLevel(level)
+        if self.plan.pipeline is None:
+            return local
+        return _broadcast_stages(local, self.plan, self.mesh)
 
     def __call__(self, state: Any, batch: Any) -> tuple[Any, Any]:
         self._check_context()
@@ -210,7 +250,39 @@ class ParallelizedStep:
             return out
 
         return self._run(fn, state, planned, (batch,), (batch_spec,),
-                         lambda out: (planned.specs, self._metrics_specs(out[1], planned.res)))
+                         lambda out: (planned.specs, self._metrics_specs(out[1], planned.res)), planned.checks)
+
+
+def _broadcast_stages(local: Any, plan: Plan, mesh: Mesh) -> Any:
+    """Every pipeline rank's full parameters, from the tree of this rank's (``None`` for other stages')."""
+    import torch.distributed as dist
+
+    layer = plan.pipeline
+    sched = plan.pipeline_schedule(mesh)
+    group = mesh.group(layer.axis)
+    held = dict(_tree.leaves_with_paths(local))
+    metas: list = [None] * mesh.axis_size(layer.axis)
+    dist.all_gather_object(metas, {p: (tuple(x.shape), str(x.dtype).removeprefix("torch.")) for p, x in held.items()},
+                           group=group)
+    found = {}
+    for path in layer.stages.paths:
+        owner = sched.stage_to_rank[layer.stages.stage_of(path)[0]]
+        shape, dtype = metas[owner][path]
+        x = held[path] if path in held else torch.empty(shape, dtype=getattr(torch, dtype))
+        x = x.contiguous()
+        dist.broadcast(x, src=dist.get_global_rank(group, owner), group=group)
+        found[path] = x
+    return _tree.map_with_path(lambda path, x: found[path], local, none_is_leaf=True)
+
+
+def _stage_local(path: str, k: int, is_param: Mapping[int, int], paths: list[str],
+                 res: Mapping[str, LeafLayout]) -> bool:
+    """Whether state leaf ``k`` (at ``path``) belongs to one pipeline stage: a parameter of one stage, or
+    a leaf laid out like one (its optimizer state)."""
+    if k in is_param:
+        return res[paths[is_param[k]]].stage_axis is not None
+    suffix = param_suffix(path, res)
+    return suffix is not None and res[suffix].stage_axis is not None
 
 
 def _state_leaf_spec(path: str, x: Any, res: Mapping[str, LeafLayout]) -> P:
@@ -300,7 +372,9 @@ def init_sharded(init_fn: Callable, mesh: Mesh, plan: Plan, key: torch.Tensor, *
     each leaf with the :class:`~hpfunc.sharding.NamedSharding` given for it (a tree shaped like
     ``shapes``); with counter-based :mod:`hpfunc.random` each rank samples only its block, and the
     values equal the unsharded ``init_fn(key)`` (``functools.partial(qwen3.init, cfg=cfg)`` does this).
+    Under a ``pp`` layer the leaves of other pipeline ranks' stages get ``None`` and must come back ``None``.
     """
+    shapes = plan.local_params(shapes, mesh)  # a pipeline rank creates only its stages' parameters
     res = plan.resolve(shapes, mesh)
     shardings = _tree.map_with_path(lambda p, s: NamedSharding(mesh, res[p].spec.storage), shapes,
                                     is_leaf=lambda x: isinstance(x, torch.Size))

@@ -50,21 +50,24 @@ Example (2 ranks, run under ``hpfunc launch --nproc 2``)::
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping, Sequence
+import contextvars
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from fractions import Fraction
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from hpfunc import saved_tensors
+from hpfunc import comm, saved_tensors
 from hpfunc import tree as _tree
 from hpfunc.mesh import Mesh
 from hpfunc.schedules import ActionKind, Schedule, insert_comms, validate
 from hpfunc.transforms.activation_swap import ActivationSwap
 from hpfunc.transforms.backward_split import BackwardState, backward_input, backward_weight
 
-__all__ = ["PipelineError", "PipelineStep", "pipeline_map", "shard_stage_params", "split_microbatches",
-           "unshard_stage_grads"]
+__all__ = ["PipelineError", "PipelineStep", "pipeline_map", "record_timeline", "shard_stage_params",
+           "split_microbatches", "unshard_stage_grads"]
 
 K = ActionKind
 
@@ -165,6 +168,79 @@ class _Saved:
         self.swap = swap            # the saved tensors, when the schedule swaps this stage-microbatch
 
 
+_TIMELINE: contextvars.ContextVar[list | None] = contextvars.ContextVar("hpfunc_pipeline_timeline", default=None)
+
+
+@contextlib.contextmanager
+def record_timeline() -> Iterator[list]:
+    """Record this rank's pipeline events while inside: a list of ``(what, action text, seconds)``
+    with ``what`` one of ``"start"``/``"end"`` (a compute action: F, B, W, BW), ``"post"`` (a receive
+    posted), ``"arrived"`` (a receive waited for and complete) and ``"send"`` (a send posted); times
+    from ``time.perf_counter()``. ``bench/pipeline.py`` draws the timelines and measures the bubble
+    from them; the tests check that receives are posted ahead of the compute that waits for them."""
+    events: list = []
+    token = _TIMELINE.set(events)
+    try:
+        yield events
+    finally:
+        _TIMELINE.reset(token)
+
+
+def _event(what: str, action: Any) -> None:
+    events = _TIMELINE.get()
+    if events is not None:
+        events.append((what, str(action), time.perf_counter()))
+
+
+class _PendingRecv:
+    """A posted receive: its header (forward messages name their shapes) and payload works."""
+
+    __slots__ = ("step", "action", "peer", "header", "header_ops", "works", "bufs")
+
+    def __init__(self, step: "PipelineStep", action: Any, peer: int):
+        self.step, self.action, self.peer = step, action, peer
+        self.header: torch.Tensor | None = None
+        self.header_ops: list = []
+        self.works: list = []
+        self.bufs: list[torch.Tensor] | None = None
+
+    def post_payload(self, bufs: list[torch.Tensor]) -> None:
+        a, st = self.action, self.step
+        self.bufs = bufs
+        ops = self.header_ops + [dist.P2POp(dist.irecv, b, self.peer, st._pp_group,
+                                            st._tag(a.kind, a.stage, a.microbatch, j + 1)) for j, b in enumerate(bufs)]
+        self.header_ops = []
+        if ops:
+            self.works += dist.batch_isend_irecv(ops)
+
+    def wait(self) -> list[torch.Tensor]:
+        for w in self.works:
+            w.wait()
+        self.works = []
+        if self.bufs is None:  # the header told the shapes: receive the payload now
+            h = self.header
+            bufs = []
+            for j in range(int(h[0])):
+                base = 1 + j * (2 + _MAX_NDIM)
+                nd = int(h[base + 1])
+                bufs.append(torch.empty(tuple(int(d) for d in h[base + 2: base + 2 + nd]), dtype=_DTYPES[int(h[base])]))
+            self.post_payload(bufs)
+            for w in self.works:
+                w.wait()
+            self.works = []
+        elif self.header is not None:  # posted early with the first microbatch's shapes: the header must agree
+            h = self.header
+            for j, b in enumerate(self.bufs):
+                base = 1 + j * (2 + _MAX_NDIM)
+                shape = tuple(int(d) for d in h[base + 2: base + 2 + int(h[base + 1])])
+                if int(h[0]) != len(self.bufs) or shape != tuple(b.shape) or _DTYPES[int(h[base])] != b.dtype:
+                    raise PipelineError(f"{self.action}: stage input {j} arrived as {shape} but the first "
+                                        f"microbatch's was {tuple(b.shape)}; microbatches of one step must "
+                                        f"give every stage inputs of one shape")
+        _event("arrived", self.action)
+        return self.bufs
+
+
 class PipelineStep:
     """The step built by :func:`pipeline_map`; call it as ``step(params, batch) -> (loss, grads)``.
 
@@ -176,7 +252,7 @@ class PipelineStep:
 
     def __init__(self, stage_fns: Sequence[Callable], schedule: Schedule, mesh: Mesh, *, axis: str,
                  loss_fn: Callable, data_axis: str | None, fsdp_axis: str | None, first_input: Callable | None,
-                 check: bool):
+                 check: bool, with_microbatch: bool = False, loss_scale: float = 1.0):
         if not isinstance(schedule, Schedule):
             raise TypeError(f"pipeline_map: schedule must be an hpfunc.schedules.Schedule, found {type(schedule).__name__}")
         stage_fns = list(stage_fns)
@@ -217,6 +293,10 @@ class PipelineStep:
         # runtime for stages that are not FSDP-wrapped; torch's own lowering always contains them.
         self.fsdp = has_fsdp_actions and fsdp_axis is not None
         self.first_input = first_input
+        # the front door's mode (hpfunc.parallelize with a pp layer): stage_fns[s](params, x, microbatch),
+        # loss_fn(params, y, microbatch) -> (loss, aux), the last stage's loss seeded with loss_scale / m
+        self.with_microbatch = with_microbatch
+        self.loss_scale = float(loss_scale)
         self.pp_index = mesh.axis_index(axis)
         self.local_stages = schedule.stages_of(self.pp_index)
         self.actions = schedule.actions[self.pp_index]
@@ -256,28 +336,43 @@ class PipelineStep:
         for j, t in enumerate(tensors):
             ops.append(dist.P2POp(dist.isend, t.contiguous(), peer, self._pp_group,
                                   self._tag(action.kind, action.stage, action.microbatch, j + 1)))
+        _event("send", action)
+        collectors = comm.active()
+        if collectors:  # the counter sees pipeline traffic: each message's bytes (the header apart)
+            phase = "forward" if action.kind is K.SEND_F else "backward"
+            n = self.mesh.axis_size(self.axis)
+            if header:
+                comm.record(collectors, op="send", name="pipeline_header", axes=(self.axis,), n=n,
+                            payload_bytes=_HEADER * 8, phase=phase, tag="header", sent_bytes=Fraction(_HEADER * 8))
+            nbytes = sum(t.numel() * t.element_size() for t in tensors)
+            comm.record(collectors, op="send", name="pipeline_" + ("activations" if phase == "forward" else "grads"),
+                        axes=(self.axis,), n=n, payload_bytes=nbytes, phase=phase, sent_bytes=Fraction(nbytes))
         if ops:
             pending.extend(dist.batch_isend_irecv(ops))
 
-    def _recv(self, action: Any, like: Sequence[torch.Tensor] | None) -> list[torch.Tensor]:
+    def _post_recv(self, action: Any, like: Sequence[Any] | None) -> "_PendingRecv":
+        """Post the receive of ``action`` now (non-blocking): the payload into buffers shaped like
+        ``like`` (tensors, or ``(shape, dtype)`` pairs), or, with ``like=None``, its header first (then
+        the payload is posted once the header has arrived, at :meth:`_PendingRecv.wait`)."""
         peer = self._global(action.peer)
         kind, s, i = action.kind, action.stage, action.microbatch
+        pending = _PendingRecv(self, action, peer)
         if like is None:
-            h = torch.empty(_HEADER, dtype=torch.int64)
-            for w in dist.batch_isend_irecv([dist.P2POp(dist.irecv, h, peer, self._pp_group, self._tag(kind, s, i, 0))]):
-                w.wait()
-            bufs = []
-            for j in range(int(h[0])):
-                base = 1 + j * (2 + _MAX_NDIM)
-                nd = int(h[base + 1])
-                bufs.append(torch.empty(tuple(int(d) for d in h[base + 2: base + 2 + nd]), dtype=_DTYPES[int(h[base])]))
+            pending.header = torch.empty(_HEADER, dtype=torch.int64)
+            pending.works = dist.batch_isend_irecv(
+                [dist.P2POp(dist.irecv, pending.header, peer, self._pp_group, self._tag(kind, s, i, 0))])
         else:
-            bufs = [torch.empty_like(t) for t in like]
-        if bufs:
-            ops = [dist.P2POp(dist.irecv, b, peer, self._pp_group, self._tag(kind, s, i, j + 1)) for j, b in enumerate(bufs)]
-            for w in dist.batch_isend_irecv(ops):
-                w.wait()
-        return bufs
+            if self.with_microbatch and kind is K.RECV_F:  # the sender's header still comes: take it too
+                pending.header = torch.empty(_HEADER, dtype=torch.int64)
+                pending.header_ops = [dist.P2POp(dist.irecv, pending.header, peer, self._pp_group,
+                                                 self._tag(kind, s, i, 0))]
+            pending.post_payload([torch.empty_like(t) if isinstance(t, torch.Tensor) else torch.empty(t[0], dtype=t[1])
+                                  for t in like])
+        _event("post", action)
+        return pending
+
+    def _recv(self, action: Any, like: Sequence[torch.Tensor] | None) -> list[torch.Tensor]:
+        return self._post_recv(action, like).wait()
 
     # -- FSDP ----------------------------------------------------------------------------------------
     def _unshard(self, shards: Any) -> Any:
@@ -299,6 +394,22 @@ class PipelineStep:
 
     # -- the step ------------------------------------------------------------------------------------
     def __call__(self, params: Mapping[int, Any], batch: Any) -> tuple[torch.Tensor, dict[int, Any]]:
+        losses, _, out = self.execute(params, batch)
+        # The loss lives on the last stage's rank; every rank returns it.
+        sched = self.schedule
+        loss = torch.stack(losses).mean() if losses else torch.zeros((), dtype=torch.float32)
+        loss = loss.detach().to(torch.float32).clone()
+        holder = sched.stage_to_rank[sched.num_stages - 1]
+        dist.broadcast(loss, src=self._global(holder), group=self._pp_group)
+        if self.data_axis is not None:
+            dist.all_reduce(loss, group=self.mesh.group(self.data_axis))
+            loss.div_(self.mesh.axis_size(self.data_axis))
+        return loss, out
+
+    def execute(self, params: Mapping[int, Any], batch: Any) -> tuple[list[torch.Tensor], list[Any], dict[int, Any]]:
+        """Run this rank's actions: ``(losses, auxes, grads)`` -- the last stage's loss (and, in the
+        microbatch mode, its aux) per microbatch on the rank holding it (empty lists elsewhere), and the
+        gradients of the local stages' parameters (see :meth:`__call__`)."""
         sched = self.schedule
         m = sched.num_microbatches
         last = sched.num_stages - 1
@@ -333,6 +444,7 @@ class PipelineStep:
         outbox: dict[tuple[ActionKind, int, int], list[torch.Tensor]] = {}
         saved: dict[tuple[int, int], _Saved] = {}
         losses: list[torch.Tensor] = []
+        auxes: list[Any] = []
         pending: list = []
 
         def backward(s: int, i: int, *, want_dx: bool, want_dw: bool) -> None:
@@ -394,15 +506,22 @@ class PipelineStep:
                 swap = ActivationSwap(list(live[s]) + _tree.leaves(mbs[i]) +
                                       (list(xs) if s > 0 else []))
             with torch.enable_grad(), (saved_tensors.layer(swap) if swap is not None else contextlib.nullcontext()):
-                y = self.stage_fns[s](p_tree, x)
+                if self.with_microbatch:
+                    y = self.stage_fns[s](p_tree, None if s == 0 else x, mbs[i])
+                else:
+                    y = self.stage_fns[s](p_tree, x)
                 if s == last:
-                    value = self.loss_fn(y, mbs[i])
+                    if self.with_microbatch:
+                        value, aux = self.loss_fn(p_tree, y, mbs[i])
+                        auxes.append(aux)
+                    else:
+                        value = self.loss_fn(y, mbs[i])
                     if not isinstance(value, torch.Tensor) or value.numel() != 1:
                         raise PipelineError(f"{where}: loss_fn must return a scalar tensor, found "
                                             f"{type(value).__name__}")
                     value = value.reshape(())
                     losses.append(value.detach())
-                    outs = [value / m]
+                    outs = [value * (self.loss_scale / m)]
             if s != last:
                 ys = _as_tuple(y, where)
                 outs = [t for t in ys if _is_diff(t)]
@@ -412,19 +531,43 @@ class PipelineStep:
                     outbox[(K.SEND_F, s, i)] = [t.detach() for t in ys]
             saved[(s, i)] = _Saved(diff_inputs, outs, live[s], swap)
 
+        # Receives are posted as early as their buffers are known, so that the transfer runs while this
+        # rank computes other microbatches: a gradient's as soon as the forward made the outputs it
+        # mirrors; in the front door's mode (microbatches of one shape) every later forward input of a
+        # stage once the first one told the shapes. Each is waited for where the schedule puts it.
+        recv_b = {(a.stage, a.microbatch): a for a in self.actions if a.kind is K.RECV_B}
+        recv_f: dict[int, list] = {}
+        for a in self.actions:
+            if a.kind is K.RECV_F:
+                recv_f.setdefault(a.stage, []).append(a)
+        posted: dict[tuple, _PendingRecv] = {}
+        computes = (K.F, K.B, K.W, K.BW)
+
         for step, a in enumerate(self.actions):
             kind, s, i = a.kind, a.stage, a.microbatch
             where = f"pp rank {self.pp_index} step {step} ({a})"
+            if kind in computes:
+                _event("start", a)
             if kind is K.F:
                 forward(s, i, where)
+                rb = recv_b.get((s, i))
+                if rb is not None and (s, i) in saved:
+                    posted[(K.RECV_B, s, i)] = self._post_recv(rb, saved[(s, i)].outputs)
             elif kind is K.SEND_F:
                 self._send(outbox.pop((K.SEND_F, s, i)), a, pending, header=True)
             elif kind is K.RECV_F:
-                inputs[(s, i)] = tuple(self._recv(a, None))
+                got = posted.pop((K.RECV_F, s, i), None)
+                got = tuple((got or self._post_recv(a, None)).wait())
+                inputs[(s, i)] = got
+                if self.with_microbatch and recv_f.get(s) and recv_f[s][0] is a:
+                    like = [(t.shape, t.dtype) for t in got]
+                    for later in recv_f[s][1:]:
+                        posted[(K.RECV_F, s, later.microbatch)] = self._post_recv(later, like)
             elif kind is K.SEND_B:
                 self._send(outbox.pop((K.SEND_B, s, i)), a, pending, header=False)
             elif kind is K.RECV_B:
-                saved[(s, i)].out_grads = self._recv(a, saved[(s, i)].outputs)
+                got = posted.pop((K.RECV_B, s, i), None)
+                saved[(s, i)].out_grads = (got or self._post_recv(a, saved[(s, i)].outputs)).wait()
             elif kind is K.B:
                 if saved[(s, i)].done_b:
                     raise PipelineError(f"{where}: second B for stage {s} microbatch {i}")
@@ -458,6 +601,10 @@ class PipelineStep:
                 del rec
             else:  # pragma: no cover - every kind is handled above
                 raise PipelineError(f"{where}: unsupported action kind {kind}")
+            if kind in computes:
+                _event("end", a)
+        if posted:  # pragma: no cover - every posted receive has its RECV action
+            raise PipelineError(f"pp rank {self.pp_index}: receives posted but never waited for: {sorted(posted)}")
         for w in pending:
             w.wait()
         if saved:
@@ -483,16 +630,7 @@ class PipelineStep:
                     g.div_(self.mesh.axis_size(self.data_axis))
                 gs.append(g)
             out[s] = _tree.unflatten(specs[s], gs)
-
-        # The loss lives on the last stage's rank; every rank returns it.
-        loss = torch.stack(losses).mean() if losses else torch.zeros((), dtype=torch.float32)
-        loss = loss.detach().to(torch.float32).clone()
-        holder = sched.stage_to_rank[last]
-        dist.broadcast(loss, src=self._global(holder), group=self._pp_group)
-        if self.data_axis is not None:
-            dist.all_reduce(loss, group=self.mesh.group(self.data_axis))
-            loss.div_(self.mesh.axis_size(self.data_axis))
-        return loss, out
+        return losses, auxes, out
 
 
 def pipeline_map(stage_fns: Sequence[Callable], schedule: Schedule, mesh: Mesh, *, axis: str = "pp",

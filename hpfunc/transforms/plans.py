@@ -39,7 +39,7 @@ from hpfunc.layout import (ColwiseParallel, LeafLayout, LeafSpec, PlanError, Rep
 from hpfunc.mesh import Mesh
 from hpfunc.sharding import P, _rule_matches
 
-__all__ = ["PlanError", "LeafSpec", "LeafLayout", "Plan", "ddp", "fsdp", "zero1", "zero2", "zero3", "hsdp", "tp", "ep",
+__all__ = ["PlanError", "LeafSpec", "LeafLayout", "Plan", "ddp", "fsdp", "zero1", "zero2", "zero3", "hsdp", "tp", "ep", "pp",
            "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "VocabParallel", "Replicate", "Style"]
 
 
@@ -195,6 +195,7 @@ class Plan:
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     gradient_scaling_factor: float | None = None
+    pipeline: Any = None  # a PipelineLayer (hpfunc.transforms.pipeline_plan), from pp(...)
 
     def __add__(self, other: "Plan") -> "Plan":
         def one(name: str) -> Any:
@@ -203,9 +204,13 @@ class Plan:
                 raise PlanError(f"plans combined with +: {name} {a} on the left, {b} on the right; set it once")
             return a if a is not None else b
 
+        if self.pipeline is not None and other.pipeline is not None:
+            raise PlanError(f"a plan takes one pipeline layer; found pp({self.pipeline.axis!r}) and "
+                            f"pp({other.pipeline.axis!r})")
         return Plan(self.layers + other.layers, self.rules + other.rules,
                     self.reshard_after_forward and other.reshard_after_forward,
-                    one("param_dtype"), one("reduce_dtype"), one("gradient_scaling_factor"))
+                    one("param_dtype"), one("reduce_dtype"), one("gradient_scaling_factor"),
+                    self.pipeline if self.pipeline is not None else other.pipeline)
 
     def with_mixed_precision(self, param_dtype: torch.dtype | None = torch.bfloat16,
                              reduce_dtype: torch.dtype | None = torch.float32) -> "Plan":
@@ -252,6 +257,28 @@ class Plan:
         return axes[0] if axes else None
 
     @property
+    def pp_axis(self) -> str | None:
+        """The pipeline axis (stages placed over it), or ``None``."""
+        return None if self.pipeline is None else self.pipeline.axis
+
+    def pipeline_schedule(self, mesh: Mesh) -> Any:
+        """The pipeline's :class:`~hpfunc.schedules.Schedule` on ``mesh`` (``None`` without a ``pp`` layer)."""
+        return None if self.pipeline is None else self.pipeline.schedule(mesh.axis_size(self.pipeline.axis))
+
+    def local_stages(self, mesh: Mesh) -> tuple[int, ...] | None:
+        """The pipeline stages this process's rank holds (``None`` without a ``pp`` layer)."""
+        if self.pipeline is None:
+            return None
+        return self.pipeline_schedule(mesh).stages_of(mesh.axis_index(self.pipeline.axis))
+
+    def local_params(self, tree: Any, mesh: Mesh) -> Any:
+        """``tree`` (parameters or their shapes) with the leaves this rank's pipeline stages do not hold
+        set to ``None``; ``tree`` itself without a ``pp`` layer."""
+        if self.pipeline is None:
+            return tree
+        return self.pipeline.local(tree, self.local_stages(mesh))
+
+    @property
     def tp_vocab_parallel(self) -> bool:
         """The embedding and head are split by vocabulary rows over :attr:`tp_axis`."""
         return any(l.kind == "tp" and l.vocab for l in self.layers)
@@ -276,6 +303,11 @@ class Plan:
                                 f"over the data axes {axes} ({n} ranks)")
             if tp is not None:
                 check_sequence(x, path, tp, mesh.axis_size(tp))
+            m = 1 if self.pipeline is None else self.pipeline.microbatches
+            if m > 1 and (x.shape[0] // n) % m:
+                raise PlanError(f"batch leaf {path!r} of shape {tuple(x.shape)}: each data shard's {x.shape[0] // n} "
+                                f"rows do not split into pp microbatches={m}; make the batch size a multiple of "
+                                f"{n * m} (data ranks x microbatches)")
 
     def batch_spec(self, mesh: Mesh) -> P:
         """Dimension 0 of every batch leaf split over the data axes (mesh order)."""
@@ -283,6 +315,15 @@ class Plan:
         return P(axes) if axes else P()
 
     def check_mesh(self, mesh: Mesh) -> None:
+        if self.pipeline is not None:
+            pa = self.pipeline.axis
+            if pa not in mesh.axis_names:
+                raise PlanError(f"plan layer pp({pa!r}) names mesh axis {pa!r}, which the mesh does not have; mesh "
+                                f"axes are {mesh.axis_names}")
+            if any(l.axis == pa for l in self.layers):
+                raise PlanError(f"mesh axis {pa!r} is the pipeline axis and also used by "
+                                f"{next(l.kind for l in self.layers if l.axis == pa)}; give each its own axis")
+            self.pipeline.schedule(mesh.axis_size(pa))  # the schedule fits the axis and the stages
         for l in self.layers:
             if l.axis not in mesh.axis_names:
                 raise PlanError(f"plan layer {l.kind}({l.axis!r}) names mesh axis {l.axis!r}, which the mesh "
@@ -312,6 +353,8 @@ class Plan:
         self.check_mesh(mesh)
         shapes = {p: tuple(x.shape if isinstance(x, torch.Tensor) else x)
                   for p, x in _tree.leaves_with_paths(params, is_leaf=lambda x: isinstance(x, torch.Size))}
+        if self.pipeline is not None:
+            self.pipeline.check_paths(list(shapes))
         used = {pat: False for pat, _ in self.rules}
         out = {}
         for path, shape in shapes.items():
@@ -329,6 +372,13 @@ class Plan:
             else:
                 spec = explicit
             out[path] = _check_leaf(path, shape, spec, mesh)
+            if self.pipeline is not None and not self.pipeline.is_shared(path):
+                # held by one stage's ranks: not a replica over the pipeline axis (a shared leaf is one,
+                # and its per-stage gradients are summed over it like any replica's)
+                pa = self.pipeline.axis
+                out[path] = attrs.evolve(out[path], stage_axis=pa,
+                                         replicated=tuple(a for a in out[path].replicated if a != pa))
+
         for layer in self.layers:  # a style pattern that matches nothing is a typo (or the wrong model's table)
             for pat in [pat for pat, _ in layer.styles] + list(layer.experts):
                 used.setdefault(pat, any(_rule_matches(pat, p) for p in shapes))
@@ -489,6 +539,45 @@ def ep(axis: str = "ep", experts: Sequence[str] = (), *, reshard_after_forward: 
         raise PlanError(f"ep({axis!r}): experts must name the expert stacks by path patterns, found {experts!r}; "
                         f"pass the model's, e.g. hpfunc.models.qwen3.parallel_plan.ep_experts(cfg)")
     return Plan((_Layer("ep", axis, experts=pats),), reshard_after_forward=reshard_after_forward)
+
+
+def pp(axis: str, stages: Any, *, schedule: Any = "1f1b", microbatches: int, virtual_stages: int | None = None,
+       remat: Any = None, max_resident: int | None = None) -> Plan:
+    """Pipeline parallelism over ``axis``: the model's stages placed on its ranks by ``schedule``.
+
+    Args:
+        axis: the mesh axis; the batch is *not* split over it (every pipeline rank sees the same data
+            shard; the first stage reads the tokens, the last the labels).
+        stages: the model split into stages, from its parallel plan:
+            ``hpfunc.models.qwen3.parallel_plan.pipeline_stages(cfg, num_stages, layers=...)``. Its stage
+            count must be the schedule's (pp size, x2 for ``zbv``/``dualpipev``, x ``virtual_stages`` for
+            ``interleaved``).
+        schedule: ``gpipe``, ``1f1b``, ``interleaved`` (with ``virtual_stages``), ``zb_h1``, ``zb_h2``,
+            ``zbv``, ``dualpipev``, a CSV file in torch's format, or an :class:`hpfunc.schedules.Schedule`.
+        microbatches: the number of microbatches each data shard's batch is cut into.
+        remat: recompute per stage: a policy of :mod:`hpfunc.transforms.policies` (``nothing_saveable``,
+            ``dots_saveable``, ...) for every stage, or ``{stage: policy}`` / a list with one per stage
+            (``None``: that stage keeps its activations). A stage's forward then keeps only what its
+            policy saves until its backward, which recomputes the rest.
+        max_resident: swap activations to host memory so that at most this many stage-microbatches stay
+            on the device between forward and backward on each rank (``schedules.insert_swaps``; the
+            schedule's ``SWAP_OUT`` / ``SWAP_IN`` are executed through ``offload``'s host copies).
+
+    Inside the step the model's loss (for Qwen3, :func:`hpfunc.models.qwen3.parallel_plan.loss`) runs the
+    schedule: forwards, input-gradient and weight-gradient passes per microbatch, activations and their
+    gradients sent between pipeline ranks by counted point-to-point transfers. The loss is the mean
+    over microbatches (equal to the whole batch's for a mean loss with equal targets per microbatch);
+    a mixture-of-experts load-balancing loss is that of each microbatch, as with gradient accumulation.
+
+    >>> from hpfunc.models import qwen3
+    >>> from hpfunc.models.qwen3 import parallel_plan
+    >>> plan = pp("pp", parallel_plan.pipeline_stages(qwen3.preset("qwen3-dense-tiny"), 2), microbatches=4) + fsdp("fsdp")
+    >>> plan.pp_axis, plan.data_axes
+    ('pp', ('fsdp',))
+    """
+    from hpfunc.transforms.pipeline_plan import PipelineLayer
+
+    return Plan(pipeline=PipelineLayer(axis, stages, schedule, microbatches, virtual_stages, remat, max_resident))
 
 
 def total_numel(resolved: Mapping[str, LeafLayout]) -> int:

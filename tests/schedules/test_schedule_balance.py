@@ -77,3 +77,19 @@ def test_balanced_stages_simulate_faster() -> None:
     t_bal = simulate(s_bal, stage_scale=dict(enumerate(stage_costs(costs, s_bal.stage_layers))))
     assert t_bal.makespan < t_naive.makespan
     assert s_bal.stage_layers == balanced and sum(balanced) == len(costs)
+
+
+def test_recompute_under_limit_switches_the_largest_stages_of_the_ranks_over_it():
+    from hpfunc.schedules import one_f_one_b, recompute_under_limit, zbv
+
+    # 1F1B on 2 ranks, 4 microbatches: rank 0 holds 2 stage-microbatches at once, rank 1 one
+    assert recompute_under_limit(one_f_one_b(2, 4), [100.0, 100.0], 200.0) == (None, None)
+    assert recompute_under_limit(one_f_one_b(2, 4), [100.0, 100.0], 150.0) == ("nothing_saveable", None)
+    assert recompute_under_limit(one_f_one_b(2, 4), [100.0, 300.0], 150.0) == ("nothing_saveable", "nothing_saveable")
+    # ZBV: 4 resident per rank; rank 0 holds stages 0 and 3: the larger one goes first
+    got = recompute_under_limit(zbv(2, 4), [10.0, 10.0, 10.0, 50.0], 100.0, recompute_bytes=[1.0] * 4)
+    assert got == (None, None, None, "nothing_saveable")
+    with pytest.raises(ValueError, match=r"rank 0 holds up to 2 stage-microbatches; even recomputing its stages \[0\]"):
+        recompute_under_limit(one_f_one_b(2, 4), [100.0, 100.0], 15.0)
+    with pytest.raises(ValueError, match="3 stage sizes for 2 stages"):
+        recompute_under_limit(one_f_one_b(2, 4), [1.0, 1.0, 1.0], 15.0)

@@ -166,3 +166,54 @@ def test_expert_parallel_that_does_not_divide_the_experts_fails_before_launch(tm
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "parallel.mesh.ep" in err and "4 experts" in err and "model.num_experts" in err, err
+
+
+@pytest.mark.parametrize("model,parallel,reference", [
+    # MoE: the pipeline's load-balancing loss is per microbatch, as single-device gradient accumulation's
+    ({"num_hidden_layers": 4}, {"mesh": {"pp": 2}, "plan": [{"pp": {"schedule": "1f1b", "microbatches": 2}}]},
+     ["train.microbatches=2"]),
+    # dense, pp x fsdp with a V schedule and an uneven split: the whole batch's loss
+    ({"preset": "qwen3-dense-tiny", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 5},
+     {"mesh": {"pp": 2, "fsdp": 2},
+      "plan": [{"pp": {"axis": "pp", "schedule": "zbv", "microbatches": 2, "layers_per_stage": [1, 2, 1, 1]}},
+               {"fsdp": {"axis": "fsdp"}}]}, []),
+], ids=["moe-pp2-1f1b", "dense-pp2-fsdp2-zbv"])
+def test_pipeline_parallel_train_matches_one_device(tmp_path, model, parallel, reference):
+    """``hpfunc train`` with ``pp`` in the plan: every per-step loss equals the single-device run of the
+    same config (rtol 1e-5), evaluation and sampling see the whole model gathered from the stages."""
+    from hpfunc.train.config import load_config
+    from hpfunc.train.loop import run
+
+    steps = 4
+    path = _config(tmp_path, model=model if "preset" in model else {**TINY["model"], **model}, parallel=parallel,
+                   train={**TINY["train"], "steps": steps, "log_every": 1, "eval_every": 0, "expert_bias_rate": 1e-2,
+                          "aux_loss_coef": 0.1})
+    proc = subprocess.run([sys.executable, "-m", "hpfunc.cli", "train", str(path)], capture_output=True, text=True,
+                          env=_env(), timeout=240, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "pp('pp'" in proc.stdout, proc.stdout
+    single = run(load_config(path, ["parallel=null", f"output.dir={tmp_path / 'single'}", *reference]), echo=False)
+    par = [r for r in read_metrics(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
+    want = [r for r in single.records if "loss" in r]
+    assert len(par) == len(want) == steps
+    for key in ("loss", "grad_norm"):
+        assert [r[key] for r in par] == pytest.approx([r[key] for r in want], rel=1e-5), key
+    val = [r["val_loss"] for r in read_metrics(tmp_path / "out" / "metrics.jsonl") if "val_loss" in r]
+    assert val == pytest.approx([single.summary["val_loss"]], rel=1e-4)
+
+
+@pytest.mark.parametrize("parallel,train,needle", [
+    ({"mesh": {"pp": 2}, "plan": [{"pp": {"microbatches": 3}}]}, {}, "parallel.plan[0].pp.microbatches"),
+    ({"mesh": {"pp": 4}, "plan": ["pp"]}, {}, "model.num_hidden_layers"),
+    ({"mesh": {"pp": 2}, "plan": [{"pp": {"layers_per_stage": [2, 1]}}]}, {},
+     "parallel.plan[0].pp.layers_per_stage"),
+    ({"mesh": {"pp": 2}, "plan": [{"pp": {"schedule": "1f2b"}}]}, {}, "parallel.plan[0].pp.schedule"),
+    ({"mesh": {"pp": 2}, "plan": [{"pp": {"microbatches": 2}}]}, {"microbatches": 2}, "train.microbatches"),
+], ids=["microbatches", "stages-vs-layers", "layers_per_stage", "schedule", "accumulation"])
+def test_a_pipeline_that_does_not_fit_fails_before_launch(tmp_path, capsys, parallel, train, needle):
+    path = _config(tmp_path, parallel=parallel, train={**TINY["train"], **train})
+    with pytest.raises(SystemExit) as e:
+        train_main([str(path), "--check"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert needle in err, err

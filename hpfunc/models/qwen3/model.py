@@ -101,7 +101,8 @@ def init(key: torch.Tensor, cfg: Qwen3Config, dtype: torch.dtype = torch.float32
 
     ``shardings``: a tree of :class:`~hpfunc.sharding.NamedSharding` shaped like :func:`param_shapes`
     (what ``hpfunc.transforms.parallelize.init_sharded`` passes): each leaf is created directly as a
-    DTensor, every rank filling or sampling only its own block, with the values of the unsharded init.
+    DTensor, every rank filling or sampling only its own block, with the values of the unsharded init;
+    a leaf whose sharding is ``None`` is not created (``None``: a pipeline rank holding other stages).
 
     >>> from hpfunc.models import preset
     >>> p = init(_random.key(0), preset("qwen3-moe-tiny"))
@@ -119,6 +120,8 @@ def init(key: torch.Tensor, cfg: Qwen3Config, dtype: torch.dtype = torch.float32
         leaf_dtype = torch.float32 if name == "expert_bias" else dtype
         if meta:
             return torch.empty(shape, dtype=leaf_dtype, device="meta")
+        if shardings is not None and path not in by_path:
+            return None  # no sharding given: a leaf this rank does not hold (another pipeline stage's)
         sharding = by_path.get(path)
         if name in _ONES or name in _ZEROS:
             out = full(tuple(shape), 1.0 if name in _ONES else 0.0, dtype=leaf_dtype, sharding=sharding)
@@ -186,6 +189,43 @@ def check_tokens(tokens: torch.Tensor, vocab_size: int) -> None:
                          f"(vocab_size={vocab_size}; min id {lo}, max id {hi})")
 
 
+def rope_for(h: torch.Tensor, positions: torch.Tensor, cfg: Qwen3Config) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary tables ``(cos, sin)`` for ``positions`` in the hidden states' dtype."""
+    inv_freq, rope_scale = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
+                                         max_position_embeddings=cfg.max_position_embeddings)
+    return rope_tables(positions, inv_freq, rope_scale, dtype=h.dtype)
+
+
+def decoder_layer(layer: dict, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: Qwen3Config, *,
+                  moe_impl: str = "auto", gather_input: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                  reduce_partial: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[torch.Tensor, Any]:
+    """One decoder layer (attention then MLP or MoE, pre-norm residuals): ``(h, routing)`` with the MoE
+    routing (``None`` for a dense layer). :func:`apply`'s hooks, as there."""
+    eps = cfg.rms_norm_eps
+    gather = (lambda x: x) if gather_input is None else gather_input  # noqa: E731
+    a = layer["attn"]
+    out = gqa_attention(gather(rms_norm(h, layer["attn_norm"], eps)), a["wq"], a["wk"], a["wv"], a["wo"],
+                        a["q_norm"], a["k_norm"], cos, sin, eps=eps,
+                        bq=a.get("bq"), bk=a.get("bk"), bv=a.get("bv"),
+                        bo=a.get("bo") if reduce_partial is None else None)
+    if reduce_partial is not None:
+        out = reduce_partial(out)
+        if "bo" in a:  # added once, after the reduction
+            out = out + a["bo"]
+    h = h + out
+    x = gather(rms_norm(h, layer["mlp_norm"], eps))
+    routing = None
+    if "moe" in layer:
+        m = layer["moe"]
+        y, routing = moe_block(x, m["router"], m["experts"]["w_gate"], m["experts"]["w_up"],
+                               m["experts"]["w_down"], top_k=cfg.num_experts_per_tok,
+                               norm_topk_prob=cfg.norm_topk_prob, expert_bias=m.get("expert_bias"),
+                               shared=m.get("shared"), impl=moe_impl)
+    else:
+        y = swiglu_mlp(x, layer["mlp"]["w_gate"], layer["mlp"]["w_up"], layer["mlp"]["w_down"])
+    return h + (y if reduce_partial is None else reduce_partial(y)), routing
+
+
 def apply(params: dict, tokens: torch.Tensor, cfg: Qwen3Config, *, positions: torch.Tensor | None = None,
           return_aux: bool = False, moe_impl: str = "auto",
           embed: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
@@ -227,34 +267,14 @@ def apply(params: dict, tokens: torch.Tensor, cfg: Qwen3Config, *, positions: to
     h = F.embedding(tokens, params["embed"]) if embed is None else embed(tokens, params["embed"])
     if positions is None:
         positions = torch.arange(S, device=tokens.device)
-    inv_freq, rope_scale = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
-                                         max_position_embeddings=cfg.max_position_embeddings)
-    cos, sin = rope_tables(positions, inv_freq, rope_scale, dtype=h.dtype)
-    eps = cfg.rms_norm_eps
-    gather = (lambda x: x) if gather_input is None else gather_input  # noqa: E731
+    cos, sin = rope_for(h, positions, cfg)
     routings = []
     for layer in params["layers"]:
-        a = layer["attn"]
-        out = gqa_attention(gather(rms_norm(h, layer["attn_norm"], eps)), a["wq"], a["wk"], a["wv"], a["wo"],
-                            a["q_norm"], a["k_norm"], cos, sin, eps=eps,
-                            bq=a.get("bq"), bk=a.get("bk"), bv=a.get("bv"),
-                            bo=a.get("bo") if reduce_partial is None else None)
-        if reduce_partial is not None:
-            out = reduce_partial(out)
-            if "bo" in a:  # added once, after the reduction
-                out = out + a["bo"]
-        h = h + out
-        x = gather(rms_norm(h, layer["mlp_norm"], eps))
-        if "moe" in layer:
-            m = layer["moe"]
-            y, routing = moe_block(x, m["router"], m["experts"]["w_gate"], m["experts"]["w_up"],
-                                   m["experts"]["w_down"], top_k=cfg.num_experts_per_tok,
-                                   norm_topk_prob=cfg.norm_topk_prob, expert_bias=m.get("expert_bias"),
-                                   shared=m.get("shared"), impl=moe_impl)
+        h, routing = decoder_layer(layer, h, cos, sin, cfg, moe_impl=moe_impl, gather_input=gather_input,
+                                   reduce_partial=reduce_partial)
+        if routing is not None:
             routings.append(routing)
-        else:
-            y = swiglu_mlp(x, layer["mlp"]["w_gate"], layer["mlp"]["w_up"], layer["mlp"]["w_down"])
-        h = h + (y if reduce_partial is None else reduce_partial(y))
+    eps = cfg.rms_norm_eps
     h = rms_norm(h, params["final_norm"], eps)
     w_out = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
     logits = F.linear(h, w_out) if head is None else head(h, w_out)
@@ -327,4 +347,5 @@ def loss(params: dict, batch: dict, cfg: Qwen3Config, *, moe_impl: str = "auto",
 
 __all__ = ["Qwen3Config", "RopeScaling", "ConfigError", "preset", "param_shapes", "init", "apply", "loss",
            "shift_labels", "count_params", "active_params", "check_tokens", "update_expert_bias", "is_expert_bias",
+           "decoder_layer", "rope_for",
            "IGNORE_INDEX"]

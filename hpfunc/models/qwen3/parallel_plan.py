@@ -8,6 +8,8 @@ torchtitan keeps ``parallelize.py`` next to each ``model.py``); generic code nam
 * :func:`ep_experts`: the expert stacks that ``plans.ep(axis, ep_experts(cfg))`` splits over the
   expert-parallel axis (the MoE blocks then dispatch tokens to their experts' ranks,
   :mod:`hpfunc.models.dispatch`);
+* :func:`pipeline_stages`: the model split into pipeline stages for ``plans.pp(axis, pipeline_stages(cfg, n))``
+  (:mod:`hpfunc.models.qwen3.stages`);
 * :func:`apply` / :func:`loss`: :func:`~hpfunc.models.qwen3.model.apply` / ``loss`` with the hooks of
   the layout that the step binds (:mod:`hpfunc.layout`); with no tensor-parallel axis bound they *are*
   the single-device functions.
@@ -47,15 +49,16 @@ import functools
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from hpfunc import lax, layout
-from hpfunc.layout import (ColwiseParallel, RowwiseParallel, SequenceParallel, Style, VocabParallel,
-                           gather_sequence, reduce_partial, scatter_sequence)
+from hpfunc import layout
+from hpfunc.layout import ColwiseParallel, RowwiseParallel, SequenceParallel, Style, VocabParallel
 from hpfunc.models.config import Qwen3Config
 from hpfunc.models.qwen3 import model as _model
+from hpfunc.models.qwen3.hooks import cross_entropy, layout_hooks
+from hpfunc.models.qwen3.stages import layers_per_stage, pipeline_stages
 
-__all__ = ["tp_styles", "ep_experts", "apply", "loss", "adamw_when", "decay_mask"]
+__all__ = ["tp_styles", "ep_experts", "pipeline_stages", "layers_per_stage", "apply", "loss", "adamw_when",
+           "decay_mask"]
 
 
 def tp_styles(cfg: Qwen3Config, *, vocab_parallel: bool = False, sequence_parallel: bool = False) -> dict[str, Style]:
@@ -110,72 +113,6 @@ def ep_experts(cfg: Qwen3Config) -> tuple[str, ...]:
     return tuple(f"layers.*.moe.experts.{w}" for w in ("w_gate", "w_up", "w_down"))
 
 
-# ---------------------------------------------------------------------------------------------
-# The hooks of qwen3.apply / qwen3.loss for the bound layout
-
-
-def _embed(tokens: torch.Tensor, table: torch.Tensor, cfg: Qwen3Config) -> torch.Tensor:
-    """Embedding lookup: a replicated table looks up this rank's sequence block (no communication); a
-    table split by vocabulary rows looks up its own ids and sums over the axis (reduce-scatters along the
-    sequence under sequence parallelism)."""
-    rows = table.shape[0]
-    if not layout.vocab_parallel() or rows == cfg.vocab_size:
-        return F.embedding(scatter_sequence(tokens), table)
-    local = tokens - lax.axis_index(layout.tp_axis()) * rows
-    mine = (local >= 0) & (local < rows)
-    h = F.embedding(local.clamp(0, rows - 1), table) * mine.unsqueeze(-1).to(table.dtype)
-    return reduce_partial(h)
-
-
-def _head(h: torch.Tensor, weight: torch.Tensor, cfg: Qwen3Config) -> torch.Tensor:
-    """Logits; a head split by vocabulary rows needs every position, gathered under sequence parallelism
-    (then these are this rank's vocabulary columns of the logits)."""
-    if layout.vocab_parallel() and weight.shape[0] != cfg.vocab_size:
-        h = gather_sequence(h)
-    return F.linear(h, weight)
-
-
-def _cross_entropy(logits: torch.Tensor, labels: torch.Tensor, cfg: Qwen3Config) -> torch.Tensor:
-    """Mean cross-entropy over non-ignored targets, for logits that are this rank's sequence block
-    (one scalar all-reduce of the summed losses) or this rank's vocabulary columns (three small
-    all-reduces of [tokens]: a max, a sum of exponentials and the target logit)."""
-    axis = layout.tp_axis()
-    ignore = _model.IGNORE_INDEX
-    x = logits.float()
-    cols = x.shape[-1]
-    if x.shape[1] != labels.shape[1]:  # this rank's sequence block, full vocabulary
-        count = (labels != ignore).sum()
-        y = scatter_sequence(labels)
-        nll = F.cross_entropy(x.reshape(-1, cols), y.reshape(-1), ignore_index=ignore, reduction="sum")
-        return lax.psum(nll, axis) / count
-    x, y = x.reshape(-1, cols), labels.reshape(-1)
-    if cols == cfg.vocab_size:
-        return F.cross_entropy(x, y, ignore_index=ignore)
-    valid = y != ignore
-    # log-sum-exp is shift invariant: the max needs no gradient
-    m = lax.pmax(x.detach().amax(-1), axis)
-    sumexp = lax.psum(torch.exp(x - m[:, None]).sum(-1), axis)
-    local = y - lax.axis_index(axis) * cols
-    mine = (local >= 0) & (local < cols) & valid
-    target = lax.psum(x.gather(1, local.clamp(0, cols - 1)[:, None]).squeeze(1) * mine, axis)
-    nll = torch.log(sumexp) + m - target
-    return (nll * valid).sum() / valid.sum()
-
-
-def _hooks(cfg: Qwen3Config, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """qwen3's hooks for the bound layout (none without an axis), after checking the sequence length."""
-    axis = layout.tp_axis()
-    if axis is None:
-        return {}
-    if layout.sequence_parallel():
-        n = lax.axis_size(axis)
-        for name, x in batch.items():
-            if isinstance(x, torch.Tensor):
-                layout.check_sequence(x, name, axis, n)
-    return {"embed": functools.partial(_embed, cfg=cfg), "gather_input": gather_sequence,
-            "reduce_partial": reduce_partial, "head": functools.partial(_head, cfg=cfg)}
-
-
 def apply(params: dict, tokens: torch.Tensor, cfg: Qwen3Config, *, return_aux: bool = False,
           moe_impl: str = "auto") -> Any:
     """:func:`qwen3.apply <hpfunc.models.qwen3.model.apply>` in the bound tensor-/sequence-parallel layout.
@@ -185,15 +122,19 @@ def apply(params: dict, tokens: torch.Tensor, cfg: Qwen3Config, *, return_aux: b
     vocabulary-parallel head (with or without sequence parallelism). ``aux`` is the same on every rank.
     """
     return _model.apply(params, tokens, cfg, return_aux=return_aux, moe_impl=moe_impl,
-                        **_hooks(cfg, {"tokens": tokens}))
+                        **layout_hooks(cfg, {"tokens": tokens}))
 
 
 def loss(params: dict, batch: dict, cfg: Qwen3Config, *, moe_impl: str = "auto") -> tuple[torch.Tensor, dict]:
     """:func:`qwen3.loss <hpfunc.models.qwen3.model.loss>` in the bound layout (identical without a bound
-    axis); the value is the same on every rank of the axis."""
-    hooks = _hooks(cfg, batch)
+    axis); the value is the same on every rank of the axis. Under a ``pp`` plan layer the loss runs
+    pipelined through the plan's stages (:func:`pipeline_stages` of this config)."""
+    pipe = layout.runner()
+    if pipe is not None:
+        return pipe.run(params, batch, owner=cfg)
+    hooks = layout_hooks(cfg, batch)
     if hooks:
-        hooks["cross_entropy"] = functools.partial(_cross_entropy, cfg=cfg)
+        hooks["cross_entropy"] = functools.partial(cross_entropy, cfg=cfg)
     return _model.loss(params, batch, cfg, moe_impl=moe_impl, **hooks)
 
 

@@ -25,7 +25,7 @@ from typing import Any, Callable
 import torch
 
 from hpfunc import layout, saved_tensors
-from hpfunc.layout import LeafLayout
+from hpfunc.layout import LeafLayout, PlanError
 from hpfunc.transforms.engine.gather import ParamLayer, gather_group, group_key
 from hpfunc.transforms.engine.mixed import cast_for_use
 from hpfunc.transforms.engine.reduce import reduce_gradients
@@ -55,6 +55,15 @@ class EngineConfig:
         n_data = math.prod(mesh.axis_size(a) for a in mesh.axis_names if a in plan.data_axes)
         self.seed_scale = self.seed(mesh.size, n_data, plan.gradient_scaling_factor)
         self.data_axes = tuple(a for a in mesh.axis_names if a in plan.data_axes and mesh.axis_size(a) > 1)
+        self._executor = None  # the pipeline's schedule executor (a pp layer), built on first use
+
+    def pipeline_executor(self) -> Any:
+        """The plan's pipeline executor on this mesh (built once: it validates the schedule)."""
+        if self._executor is None:
+            from hpfunc.transforms.engine.pipelined import build_executor
+
+            self._executor = build_executor(self)
+        return self._executor
 
     @staticmethod
     def seed(mesh_size: int, data_ranks: int, factor: float | None) -> float:
@@ -122,10 +131,27 @@ def value_and_grad(cfg: EngineConfig, blocks: list[torch.Tensor], call: Callable
     ws = [tag(x, reads, i, requires_grad=x.is_floating_point()) for i, x in enumerate(blocks)]
     reads.ws = ws
     layer.own_blocks(ws)
+    pipe = None
+    if plan.pipeline is not None:
+        from hpfunc.transforms.engine.pipelined import StagePipeline
+
+        pipe = StagePipeline(cfg, layer)
     with torch.enable_grad(), saved_tensors.layer(layer), layout.tensor_parallel(
             plan.tp_axis, vocab_parallel=plan.tp_vocab_parallel, sequence_parallel=plan.tp_sequence_parallel), \
-            layout.expert_parallel(plan.ep_axis), layout.data_parallel(cfg.data_axes):
-        out = call(ws, reads)
+            layout.expert_parallel(plan.ep_axis), layout.data_parallel(cfg.data_axes), layout.pipeline(pipe):
+        try:
+            out = call(ws, reads)
+        except (TypeError, KeyError, IndexError, AttributeError) as err:
+            if pipe is None or pipe.used:
+                raise
+            raise PlanError(f"{where} under a pp plan: the differentiated function failed ({type(err).__name__}: "
+                            f"{err}) without running the model's pipeline stages; each pipeline rank holds only "
+                            f"its stages' parameters (the others are None), so the function must compute the loss "
+                            f"through the model's pipelined loss (for Qwen3, qwen3.parallel_plan.loss)") from err
+    if pipe is not None and not pipe.used:
+        raise PlanError(f"{where} under a pp plan: the differentiated function did not run the model's pipeline "
+                        f"stages; compute the loss with the model's pipelined loss (for Qwen3, "
+                        f"qwen3.parallel_plan.loss), which the pp layer's stages belong to")
     reads.ready.clear()  # gathered with a layer but never read: free now
     if has_aux:
         if not (isinstance(out, tuple) and len(out) == 2):

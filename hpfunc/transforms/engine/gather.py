@@ -20,8 +20,9 @@ everything else it owns is kept as it is.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -83,6 +84,16 @@ class ParamLayer(saved_tensors.Layer):
         self._groups: dict[int, Callable[[], list[torch.Tensor]]] = {}  # gid -> gather it again
         self._pending: dict[int, list] = {}  # gid -> [markers not yet unpacked, regathered tensors]
         self._last: tuple | None = None  # (tensor, its lookup): the last tensor asked about
+
+    @contextlib.contextmanager
+    def keeping_gathered(self) -> Iterator[None]:
+        """Inside: gathered parameters saved by autograd are kept as they are (a pipeline holds its
+        stages' gathered parameters for the whole schedule, and its split backward unpacks them twice)."""
+        reshard, self.reshard = self.reshard, False
+        try:
+            yield
+        finally:
+            self.reshard = reshard
 
     def own(self, t: torch.Tensor) -> None:
         """Claim ``t``'s storage (a cast copy): kept as it is, never moved."""

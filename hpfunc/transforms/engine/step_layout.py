@@ -81,6 +81,7 @@ class RankStep:
         self.opt_blocks = [tag(narrow_to_opt(x, lay.opt_extra), self, i)
                            for i, (x, lay) in enumerate(zip(storage, cfg.leaves))]
         self.block_shapes = cfg.block_shapes
+        self.pipeline_axis = cfg.plan.pp_axis  # norms sum over it: each pipeline rank holds some stages
         self._acc: _Accumulation | None = None
 
     # -- the StepLayout protocol ------------------------------------------------------------------
@@ -110,6 +111,9 @@ class RankStep:
     def accumulate(self) -> Iterator[_Accumulation]:
         if self._acc is not None:
             raise PlanError("hpfunc.microbatch: micro-batching inside micro-batching is not supported")
+        if self.pipeline_axis is not None:
+            raise PlanError("hpfunc.microbatch inside a step with a pp plan layer: the pipeline already cuts the "
+                            "batch into microbatches; set plans.pp(..., microbatches=m) (train.microbatches: 1)")
         self._acc = _Accumulation(self)
         try:
             yield self._acc

@@ -1,0 +1,158 @@
+"""Qwen3 split into pipeline stages, for ``plans.pp(axis, pipeline_stages(cfg, n), ...)``.
+
+Stage 0 holds the embedding and its first layers, the last stage its last layers, the final norm and
+the head (a tied embedding is used by both: the plan keeps it on every pipeline rank and sums its
+gradient over them); each stage runs :func:`~hpfunc.models.qwen3.model.decoder_layer` on its layers
+with the hooks of the bound tensor-parallel layout (:mod:`hpfunc.models.qwen3.parallel_plan`).
+
+What passes from a stage to the next (the *carry*): the hidden states ``h [b, s, H]`` and, for a
+mixture-of-experts model, the routing statistics of the layers so far, pooled as the load-balancing
+loss pools them (expert counts ``[E]``, router probability sums ``[E]`` and rows) plus the expert load
+``[n_moe_layers, E]``. The last stage therefore computes the auxiliary loss of the whole model from
+every layer's routing, exactly as :func:`qwen3.loss <hpfunc.models.qwen3.model.loss>` does for that
+microbatch, and the probability sums carry its gradient back to each stage's routers.
+
+    >>> import torch
+    >>> from hpfunc import random
+    >>> from hpfunc.models import qwen3
+    >>> cfg = qwen3.preset("qwen3-moe-tiny")
+    >>> stages = pipeline_stages(cfg, 2)
+    >>> stages.layers, stages.stage_of("embed"), stages.stage_of("layers.1.moe.router")
+    ((1, 1), (0,), (1,))
+    >>> p, b = qwen3.init(random.key(0), cfg), {"tokens": torch.randint(0, 256, (2, 8))}
+    >>> torch.testing.assert_close(stages.run(p, b)[0], qwen3.loss(p, b, cfg)[0])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from hpfunc import tree as _tree
+from hpfunc.layout import PlanError, Stages
+from hpfunc.models.config import Qwen3Config
+from hpfunc.models.layers import rms_norm
+from hpfunc.models.moe import balancing_loss_from_stats, expert_counts, routing_stats
+from hpfunc.models.qwen3 import model as _model
+from hpfunc.models.qwen3.hooks import cross_entropy, layout_hooks
+
+__all__ = ["pipeline_stages", "layers_per_stage"]
+
+
+def layers_per_stage(num_layers: int, num_stages: int) -> tuple[int, ...]:
+    """An even split of ``num_layers`` over ``num_stages`` (the remainder to the middle stages, which
+    hold neither the embedding nor the head).
+
+    >>> layers_per_stage(7, 3), layers_per_stage(4, 4)
+    ((2, 3, 2), (1, 1, 1, 1))
+    """
+    if num_stages > num_layers:
+        raise PlanError(f"pipeline: {num_stages} stages but the model has {num_layers} layers "
+                        f"(model.num_hidden_layers); every stage needs at least one layer: use at most "
+                        f"{num_layers} stages (pp size x virtual stages)")
+    base, extra = divmod(num_layers, num_stages)
+    order = sorted(range(num_stages), key=lambda s: (s in (0, num_stages - 1), abs(s - (num_stages - 1) / 2)))
+    bonus = set(order[:extra])
+    return tuple(base + (s in bonus) for s in range(num_stages))
+
+
+def _check_split(cfg: Qwen3Config, num_stages: int, layers: Sequence[int] | None) -> tuple[int, ...]:
+    L = cfg.num_hidden_layers
+    if layers is None:
+        return layers_per_stage(L, num_stages)
+    layers = tuple(int(n) for n in layers)
+    if len(layers) != num_stages or any(n < 1 for n in layers) or sum(layers) != L:
+        raise PlanError(f"pipeline: layers_per_stage={list(layers)} must give each of the {num_stages} stages at "
+                        f"least one layer and sum to model.num_hidden_layers={L}")
+    return layers
+
+
+def pipeline_stages(cfg: Qwen3Config, num_stages: int, *, layers: Sequence[int] | None = None,
+                    moe_impl: str = "auto") -> Stages:
+    """Qwen3 as ``num_stages`` pipeline stages (``layers[s]`` decoder layers on stage ``s``; default an
+    even split, :func:`layers_per_stage`; ``schedules.balance_layers`` chooses one from costs)."""
+    layers = _check_split(cfg, num_stages, layers)
+    bounds, start = [], 0
+    for n in layers:
+        bounds.append((start, start + n))
+        start += n
+    layer_stage = {i: s for s, (a, b) in enumerate(bounds) for i in range(a, b)}
+    last = num_stages - 1
+    paths = tuple(p for p, _ in _tree.leaves_with_paths(_model.param_shapes(cfg),
+                                                        is_leaf=lambda x: isinstance(x, torch.Size)))
+    moe_rows = {i: k for k, i in enumerate(cfg.moe_layers)}
+
+    def stage_of(path: str) -> tuple[int, ...]:
+        head = path.split(".")[0]
+        if head == "layers":
+            return (layer_stage[int(path.split(".")[1])],)
+        if head == "embed":
+            return (0, last) if cfg.tie_word_embeddings and last != 0 else (0,)
+        if head in ("final_norm", "lm_head"):
+            return (last,)
+        raise PlanError(f"qwen3 pipeline: no stage for parameter {path!r}")
+
+    def hooks(mb: dict) -> dict:
+        return layout_hooks(cfg, mb)
+
+    def forward(s: int, params: Any, carry: Any, mb: dict) -> tuple:
+        hk = hooks(mb)
+        tokens = mb["tokens"]
+        if s == 0:
+            _model.check_tokens(tokens, cfg.vocab_size)
+            embed = hk.get("embed")
+            h = F.embedding(tokens, params["embed"]) if embed is None else embed(tokens, params["embed"])
+            stats = None
+            if cfg.moe_layers:
+                E = cfg.num_experts
+                z = h.new_zeros(E, dtype=torch.float32)
+                stats = (z, z.clone(), h.new_zeros((), dtype=torch.float32),
+                         torch.zeros(len(cfg.moe_layers), E, dtype=torch.int64, device=h.device))
+        else:
+            h, stats = carry[0], (tuple(carry[1:]) if len(carry) > 1 else None)
+        cos, sin = _model.rope_for(h, torch.arange(tokens.shape[1], device=tokens.device), cfg)
+        a, b = bounds[s]
+        for i in range(a, b):
+            h, routing = _model.decoder_layer(params["layers"][i], h, cos, sin, cfg, moe_impl=moe_impl,
+                                              gather_input=hk.get("gather_input"),
+                                              reduce_partial=hk.get("reduce_partial"))
+            if routing is not None:
+                counts, prob_sum, rows = routing_stats([routing], cfg.num_experts)
+                load = stats[3].clone()
+                load[moe_rows[i]] = expert_counts(routing.indices, cfg.num_experts)
+                stats = (stats[0] + counts, stats[1] + prob_sum, stats[2] + rows, load)
+        return (h,) if stats is None else (h, *stats)
+
+    def loss(params: Any, carry: tuple, mb: dict) -> tuple[torch.Tensor, dict]:
+        hk = hooks(mb)
+        tokens, labels = mb["tokens"], mb.get("labels")
+        labels = _model.shift_labels(tokens) if labels is None else labels
+        h = rms_norm(carry[0], params["final_norm"], cfg.rms_norm_eps)
+        w_out = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
+        logits = F.linear(h, w_out) if "head" not in hk else hk["head"](h, w_out)
+        if hk:
+            ce = cross_entropy(logits, labels, cfg)
+        else:
+            ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                 ignore_index=_model.IGNORE_INDEX)
+        if cfg.moe_layers:
+            counts, prob_sum, rows, load = carry[1:]
+            aux_loss = balancing_loss_from_stats(counts, prob_sum, rows, cfg.num_experts)
+            total = ce + cfg.router_aux_loss_coef * aux_loss
+        else:
+            aux_loss, load = ce.new_zeros(()), torch.zeros(0, 0, dtype=torch.int64, device=ce.device)
+            total = ce
+        return total, {"ce_loss": ce.detach(), "aux_loss": aux_loss.detach(), "expert_load": load,
+                       "tokens": (labels != _model.IGNORE_INDEX).sum()}
+
+    def aux_template(mb: dict) -> dict:
+        n, E = (len(cfg.moe_layers), cfg.num_experts) if cfg.moe_layers else (0, 0)
+        z = torch.zeros((), dtype=torch.float32)
+        return {"ce_loss": z, "aux_loss": z.clone(), "expert_load": torch.zeros(n, E, dtype=torch.int64),
+                "tokens": torch.zeros((), dtype=torch.int64)}
+
+    return Stages(num_stages=num_stages, paths=paths, stage_of=stage_of, forward=forward, loss=loss,
+                  aux_template=aux_template, owner=cfg, layers=layers)

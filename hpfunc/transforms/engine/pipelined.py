@@ -1,0 +1,149 @@
+"""A loss run as a pipeline inside a parallelized step: the runner a ``pp`` plan layer binds.
+
+When the function a step differentiates calls a pipelined model's loss (Qwen3's
+:func:`~hpfunc.models.qwen3.parallel_plan.loss` hands itself to :func:`hpfunc.layout.runner`),
+:class:`StagePipeline` runs the whole schedule right there: every forward, input-gradient and
+weight-gradient pass of every microbatch of this rank's stages
+(:class:`~hpfunc.transforms.pipeline.PipelineStep`, with its weight-only ``W`` and executed swaps),
+activations and their gradients sent to the neighbouring pipeline ranks by counted point-to-point
+transfers. The loss it returns is the mean over microbatches (the same on every pipeline rank),
+attached to this rank's parameters *as used* (gathered over FSDP axes, cast under mixed precision) by
+an autograd function whose backward hands out the gradients the schedule computed. So the step's own
+``value_and_grad`` goes on as without a pipeline: the gradients flow through the gather's transpose
+(reduce-scatter) to the storage blocks and are reduced over the data axes by the engine.
+
+Gradient seeds follow :mod:`hpfunc.lax`'s per-rank semantics: the last stage's loss is seeded with the
+engine's seed times the pipeline size (the loss is computed on one pipeline rank, not split among
+them), and a parameter shared by several stages (a tied embedding, held by every pipeline rank) is a
+replica over the pipeline axis: the engine sums its per-stage gradients there as for any replica.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from hpfunc import lax
+from hpfunc import tree as _tree
+from hpfunc.layout import PlanError
+
+__all__ = ["StagePipeline"]
+
+
+def _materialize(view: Any) -> Any:
+    """Read every leaf of a lazy parameter view (gathering it), keeping the structure (``None`` stays)."""
+    if isinstance(view, torch.Tensor) or view is None:
+        return view
+    if isinstance(view, Mapping):
+        return {k: _materialize(view[k]) for k in view}
+    if isinstance(view, (list, tuple)) or hasattr(view, "__getitem__") and hasattr(view, "__len__"):
+        return [_materialize(view[i]) for i in range(len(view))]
+    return view
+
+
+class _Attach(torch.autograd.Function):
+    """``loss`` as a function of ``params`` whose gradient is the precomputed one (scaled by the
+    incoming gradient over the seed it was computed with)."""
+
+    @staticmethod
+    def forward(ctx, loss, grads, seed, *params):
+        ctx.grads, ctx.seed = grads, seed
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        scale = g / ctx.seed
+        return (None, None, None, *[None if gr is None else gr * scale.to(gr.dtype) for gr in ctx.grads])
+
+
+def build_executor(cfg: Any) -> Any:
+    """The :class:`~hpfunc.transforms.pipeline.PipelineStep` of a plan's pipeline on ``cfg.mesh`` (built
+    once per step layout: it validates the schedule)."""
+    from hpfunc.transforms.pipeline import PipelineStep
+
+    layer, mesh = cfg.plan.pipeline, cfg.mesh
+    stages = layer.stages
+    p = mesh.axis_size(layer.axis)
+
+    def stage_fn(s: int):
+        def fn(params: Any, x: Any, mb: Any) -> Any:
+            carry = None if s == 0 else (x if isinstance(x, tuple) else (x,))
+            return stages.forward(s, params, carry, mb)
+
+        policy = layer.remat_policy(s)
+        if policy is False:
+            return fn
+        from hpfunc.transforms.remat import remat
+
+        return remat(fn, policy=policy)
+
+    def loss_fn(params: Any, y: Any, mb: Any) -> tuple:
+        return stages.loss(params, y if isinstance(y, tuple) else (y,), mb)
+
+    return PipelineStep([stage_fn(s) for s in range(stages.num_stages)], layer.schedule(p), mesh, axis=layer.axis,
+                        loss_fn=loss_fn, data_axis=None, fsdp_axis=None, first_input=None, check=True,
+                        with_microbatch=True, loss_scale=cfg.seed_scale * p)
+
+
+class StagePipeline:
+    """The pipeline runner of one differentiation (see the module docstring)."""
+
+    def __init__(self, cfg: Any, params_layer: Any):
+        self.params_layer = params_layer  # the step's saved-tensor layer (gather.ParamLayer)
+        self.layer = cfg.plan.pipeline
+        self.axis, self.stages = self.layer.axis, self.layer.stages
+        self.seed = cfg.seed_scale
+        self.executor = cfg.pipeline_executor()
+        self.local_stages = self.executor.local_stages
+        self.used = False
+
+    def run(self, params: Any, batch: Any, *, owner: Any = None) -> tuple[torch.Tensor, dict]:
+        stages = self.stages
+        if owner is not None and stages.owner is not None and owner is not stages.owner and owner != stages.owner:
+            raise PlanError("pp: the loss of one model config ran under a pipeline plan built for another; build "
+                            "the plan's stages from the same config (qwen3.parallel_plan.pipeline_stages(cfg, n))")
+        if self.used:
+            raise PlanError("pp: the pipelined loss ran twice in one differentiation; a step differentiates the "
+                            "model's loss once (use plans.pp(..., microbatches=m) instead of hpfunc.microbatch)")
+        self.used = True
+        full = _materialize(params)
+        pairs = _tree.leaves_with_paths(full)
+        # per local stage: the leaves it uses (the others None), so each stage differentiates its own
+        trees = {s: _tree.map_with_path(lambda path, x, s=s: x if s in stages.stage_of(path) else None, full)
+                 for s in self.local_stages}
+        with self.params_layer.keeping_gathered():
+            losses, auxes, grads = self.executor.execute(trees, batch)
+        # the gradient of every leaf this rank holds, summed over its local stages (a leaf shared by
+        # stages on several pipeline ranks is a replica over the pipeline axis: the engine sums it there)
+        by_path: dict[str, torch.Tensor] = {}
+        for s in self.local_stages:
+            for path, g in _tree.leaves_with_paths(grads[s]):
+                by_path[path] = g if path not in by_path else by_path[path] + g
+        inputs = [x for _, x in pairs]
+        gs = [by_path.get(path) if x.requires_grad else None for path, x in pairs]
+        with torch.no_grad():
+            # only the last stage's rank has the losses
+            value = torch.stack(losses).mean().float() if losses else torch.zeros((), dtype=torch.float32)
+            value = lax.psum(value, self.axis)  # from the last stage's rank to every pipeline rank
+            aux = self._aux(auxes, batch)
+        wants = [x for x in inputs if x.requires_grad]
+        if not wants:
+            return value, aux
+        keep = [g for g, x in zip(gs, inputs) if x.requires_grad]
+        return _Attach.apply(value, keep, self.seed, *wants), aux
+
+    def _aux(self, auxes: list[dict], batch: Any) -> dict:
+        """The aux of the microbatches (floats averaged, integers summed) on every pipeline rank."""
+        template = self.stages.aux_template(batch)
+        out = {}
+        for k, z in template.items():
+            if auxes:
+                vals = [torch.as_tensor(a[k]).detach() for a in auxes]
+                v = torch.stack(vals)
+                v = v.float().mean(0).to(z.dtype) if z.is_floating_point() else v.sum(0)
+            else:
+                v = z
+            out[k] = lax.psum(v.to(z.dtype), self.axis)
+        return out

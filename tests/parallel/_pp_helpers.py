@@ -1,0 +1,167 @@
+"""Rank-side helpers for the pipeline tests: a Qwen3 step under ``plans.pp`` (alone, with fsdp, tp, ep)
+against single-device training on the same global batch, microbatch by microbatch."""
+
+from __future__ import annotations
+
+import torch
+
+LR = 1e-3
+ADAM_EPS = 1e-5
+
+
+def plan_of(cfg, mesh_shape: dict, roles: list[str], schedule: str, m: int, layers=None, virtual_stages=None,
+            remat=None, max_resident=None):
+    from hpfunc.models.qwen3 import parallel_plan
+    from hpfunc.transforms import plans
+    from hpfunc.transforms.pipeline_plan import stages_per_rank
+
+    plan = plans.Plan()
+    for axis, role in zip(mesh_shape, roles):
+        if role == "pp":
+            n = mesh_shape[axis] * stages_per_rank(schedule, virtual_stages)
+            stages = parallel_plan.pipeline_stages(cfg, n, layers=layers)
+            plan = plan + plans.pp(axis, stages, schedule=schedule, microbatches=m, virtual_stages=virtual_stages,
+                                   remat=remat, max_resident=max_resident)
+        else:
+            plan = plan + {"ep": lambda a: plans.ep(a, parallel_plan.ep_experts(cfg)),
+                           "fsdp": lambda a: plans.fsdp(a), "ddp": lambda a: plans.ddp(a),
+                           "tp": lambda a: plans.tp(a, parallel_plan.tp_styles(cfg))}[role](axis)
+    return plan
+
+
+def model_cfg(kind: str, layers: int, tied: bool):
+    from hpfunc.models import qwen3
+
+    if kind == "moe":
+        return qwen3.preset("qwen3-moe-tiny", num_hidden_layers=layers, router_aux_loss_coef=0.1,
+                            tie_word_embeddings=tied)
+    return qwen3.preset("qwen3-dense-tiny", num_hidden_layers=layers, tie_word_embeddings=tied)
+
+
+def microbatches_of(batch: dict, n_data: int, m: int) -> list[dict]:
+    """The pipelined run's microbatch ``i``: chunk ``i`` of every data shard, all shards together."""
+    shards = [{k: v.chunk(n_data)[j] for k, v in batch.items()} for j in range(n_data)]
+    return [{k: torch.cat([s[k].chunk(m)[i] for s in shards]) for k in batch} for i in range(m)]
+
+
+def run_pp_parity(mesh_shape: dict, roles: list[str], *, schedule: str = "1f1b", m: int = 4, kind: str = "dense",
+                  layers: int = 4, split=None, tied: bool = False, seed: int = 0, steps: int = 2, batch: int = 8,
+                  seq: int = 8, virtual_stages=None, count_comm: bool = False, remat=None,
+                  max_resident=None) -> dict:
+    """``steps`` AdamW steps of a tiny Qwen3 under the plan and on one device: loss, aux, gradients and
+    updated parameters of this rank's stages agree (fp32, rtol 1e-5)."""
+    import hpfunc
+    from hpfunc import optim
+    from hpfunc.models import qwen3
+    from hpfunc.models.qwen3 import parallel_plan
+    from hpfunc.testing import assert_trees_close, to_full
+    from hpfunc.transforms.parallelize import parallel_train_step
+
+    cfg = model_cfg(kind, layers, tied)
+    mesh = hpfunc.Mesh(mesh_shape)
+    plan = plan_of(cfg, mesh_shape, roles, schedule, m, split, virtual_stages, remat, max_resident)
+    n_data = 1
+    for axis in plan.data_axes:
+        n_data *= mesh.axis_size(axis)
+    full = qwen3.init(hpfunc.random.key(seed), cfg)
+
+    def loss_fn(p, b):
+        value, aux = parallel_plan.loss(p, b, cfg)
+        return value, {"aux_loss": aux["aux_loss"], "expert_load": aux["expert_load"], "ce_loss": aux["ce_loss"]}
+
+    def ref_loss(p, b):  # one device: the mean over the pipeline's microbatches
+        total, ce, auxl, load = 0.0, 0.0, 0.0, 0
+        for mb in microbatches_of(b, n_data, m):
+            value, aux = qwen3.loss(p, mb, cfg)
+            total, ce, auxl, load = total + value / m, ce + aux["ce_loss"] / m, auxl + aux["aux_loss"] / m, \
+                load + aux["expert_load"]
+        return total, {"aux_loss": auxl, "expert_load": load, "ce_loss": ce}
+
+    opt = optim.adamw(LR, eps=ADAM_EPS)
+    step = parallel_train_step(loss_fn, opt, mesh, plan, has_aux=True, return_grads=True)
+    params = step.shard_params(full)
+    state = step.init_opt_state(params)
+    ref_params, ref_state = full, opt.init(full)
+    g = torch.Generator().manual_seed(seed + 1)
+    out: dict = {"local_paths": [p for p, _ in hpfunc.tree.leaves_with_paths(params)]}
+    # the bytes of this rank's stages' parameters, whole (what FSDP gathers once per step)
+    out["stage_bytes"] = sum(x.numel() * x.element_size() for _, x in hpfunc.tree.leaves_with_paths(
+        plan.local_params(full, mesh)))
+    for i in range(steps):
+        b = {"tokens": torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)}
+        if count_comm and i == 0:
+            with hpfunc.comm_stats() as stats:
+                params, state, metrics, grads = step(params, state, b)
+            out["records"] = [(r.op, r.name, r.axes, r.payload_bytes, r.phase, float(r.sent_bytes), r.tag)
+                              for r in stats.records]
+        else:
+            params, state, metrics, grads = step(params, state, b)
+        (value, aux), ref_grads = hpfunc.value_and_grad(ref_loss, has_aux=True)(ref_params, b)
+        what = f"{mesh_shape} {roles} {schedule} m{m} {kind} L{layers} {split} tied={tied} step {i}"
+        assert_trees_close(metrics["loss"], value, rtol=1e-5, atol=1e-6, what=f"{what} loss")
+        assert_trees_close(metrics["ce_loss"], aux["ce_loss"], rtol=1e-5, atol=1e-6, what=f"{what} ce")
+        assert_trees_close(metrics["aux_loss"], aux["aux_loss"], rtol=1e-5, atol=1e-7, what=f"{what} aux loss")
+        assert torch.equal(to_full(metrics["expert_load"]).to(torch.int64),
+                           torch.as_tensor(aux["expert_load"]).to(torch.int64)), f"{what} expert load"
+        ref_local = plan.local_params(ref_grads, mesh)
+        got = hpfunc.tree.leaves_with_paths(to_full(grads))
+        want = dict(hpfunc.tree.leaves_with_paths(ref_local))
+        assert [p for p, _ in got] == list(want), f"{what}: local gradient paths"
+        for path, gr in got:
+            r = want[path]
+            scale = float(r.abs().max()) or 1.0
+            assert_trees_close(gr, r, rtol=1e-5, atol=1e-5 * scale, what=f"{what} grad {path}")
+        updates, ref_state = opt.update(ref_grads, ref_state, ref_params)
+        ref_params = optim.apply_updates(ref_params, updates)
+        assert_trees_close(to_full(params), plan.local_params(ref_params, mesh), rtol=1e-5,
+                           atol=0.05 * LR * (i + 1), what=f"{what} params")
+        out["grad_norm"] = float(to_full(metrics["grad_norm"]))
+        out["ref_grad_norm"] = float(optim.global_norm(ref_grads))
+        assert abs(out["grad_norm"] - out["ref_grad_norm"]) <= 1e-5 * out["ref_grad_norm"], f"{what} grad norm"
+    out["loss"] = float(to_full(metrics["loss"]))
+    return out
+
+
+def run_timeline(schedule: str = "1f1b", m: int = 4) -> dict:
+    """One pipelined step of the tiny dense Qwen3 on 2 pipeline ranks with the timeline recorded:
+    ``{action: [(what, seconds), ...]}`` plus this rank's action order."""
+    import hpfunc
+    from hpfunc import optim
+    from hpfunc.models.qwen3 import parallel_plan
+    from hpfunc.transforms.parallelize import parallel_train_step
+    from hpfunc.transforms.pipeline import record_timeline
+
+    cfg = model_cfg("dense", 4, False)
+    mesh = hpfunc.Mesh({"pp": 2})
+    plan = plan_of(cfg, {"pp": 2}, ["pp"], schedule, m)
+    step = parallel_train_step(lambda p, b: parallel_plan.loss(p, b, cfg), optim.adamw(LR), mesh, plan,
+                               has_aux=True)
+    from hpfunc.models import qwen3
+
+    params = step.shard_params(qwen3.init(hpfunc.random.key(0), cfg))
+    state = step.init_opt_state(params)
+    b = {"tokens": torch.randint(0, cfg.vocab_size, (8, 8), generator=torch.Generator().manual_seed(0))}
+    step(params, state, b)  # warm
+    with record_timeline() as events:
+        step(params, state, b)
+    return {"events": events, "actions": [str(a) for a in plan.pipeline_schedule(mesh).actions[mesh.axis_index("pp")]]}
+
+
+def run_unpipelined_loss() -> str:
+    """A step whose loss is the model's single-device ``qwen3.loss`` under a pp plan: the error it raises."""
+    import hpfunc
+    from hpfunc import optim
+    from hpfunc.layout import PlanError
+    from hpfunc.models import qwen3
+    from hpfunc.transforms.parallelize import parallel_train_step
+
+    cfg = model_cfg("dense", 4, False)
+    mesh = hpfunc.Mesh({"pp": 2})
+    step = parallel_train_step(lambda p, b: qwen3.loss(p, b, cfg), optim.adamw(LR), mesh,
+                               plan_of(cfg, {"pp": 2}, ["pp"], "1f1b", 2), has_aux=True)
+    params = step.shard_params(qwen3.init(hpfunc.random.key(0), cfg))
+    try:
+        step(params, step.init_opt_state(params), {"tokens": torch.zeros(4, 8, dtype=torch.long)})
+    except PlanError as err:
+        return str(err)
+    return "no error"

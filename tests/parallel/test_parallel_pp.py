@@ -1,0 +1,229 @@
+"""Pipeline parallelism inside the front door (``plans.pp``): parity with one device through
+``hpfunc.parallelize`` for every schedule, pp x fsdp / tp / ep and pp x fsdp x tp on 8 ranks, dense
+and MoE, uneven layers and tied embeddings; the pipeline's point-to-point bytes against the schedule's
+sends; the plan's errors before any communication.
+
+The reference is the single-device step on the same global batch, its loss the mean over the
+pipeline's microbatches (a MoE load-balancing loss is that of each microbatch, as with gradient
+accumulation; for the dense model this is the whole batch's loss).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import _pp_helpers as H
+from hpfunc.layout import PlanError
+from hpfunc.train.distributed import AbstractMesh
+from hpfunc.transforms import plans
+
+pytestmark = pytest.mark.multirank
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb_h1", "zb_h2", "zbv", "dualpipev")
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_pp2_every_schedule_matches_single_device(pools, schedule):
+    out = pools(2).run(H.run_pp_parity, {"pp": 2}, ["pp"], schedule=schedule, m=4)
+    # each rank holds only its stages' parameters: stage 0's rank the embedding, the last's the head
+    first, last = out[0]["local_paths"], out[1]["local_paths"]
+    if schedule not in ("zbv", "dualpipev"):  # a V puts the first and the last stage on rank 0
+        assert "embed" in first and "lm_head" in last and "embed" not in last and "lm_head" not in first
+    assert not set(first) & set(last)
+
+
+@pytest.mark.parametrize("case", [
+    dict(schedule="1f1b", m=2, kind="moe", layers=2),
+    dict(schedule="zbv", m=4, kind="moe", layers=4, tied=True),
+    dict(schedule="1f1b", m=2, tied=True, split=(1, 3)),
+    dict(schedule="gpipe", m=3, split=(3, 1), batch=6),
+], ids=["moe", "moe-zbv-tied", "tied-uneven", "uneven-m3"])
+def test_pp2_moe_tied_and_uneven_layers(pools, case):
+    out = pools(2).run(H.run_pp_parity, {"pp": 2}, ["pp"], **case)
+    if case.get("tied"):  # a tied embedding is held by every pipeline rank (its gradient summed over them)
+        assert all("embed" in o["local_paths"] for o in out)
+
+
+@pytest.mark.parametrize("mesh,roles,case", [
+    ({"pp": 2, "fsdp": 2}, ["pp", "fsdp"], dict(schedule="1f1b", m=2)),
+    ({"fsdp": 2, "pp": 2}, ["fsdp", "pp"], dict(schedule="gpipe", m=2, kind="moe", layers=2, tied=True)),
+    ({"pp": 2, "tp": 2}, ["pp", "tp"], dict(schedule="zbv", m=2)),
+    ({"pp": 2, "ep": 2}, ["pp", "ep"], dict(schedule="1f1b", m=2, kind="moe", layers=2)),
+    ({"pp": 4}, ["pp"], dict(schedule="1f1b", m=4)),
+    ({"pp": 4}, ["pp"], dict(schedule="interleaved", m=4, layers=8)),
+], ids=["pp-fsdp", "fsdp-pp-moe-tied", "pp-tp-zbv", "pp-ep-moe", "pp4-1f1b", "pp4-interleaved"])
+def test_pp_composes_on_4_ranks(pools, mesh, roles, case):
+    pools(4).run(H.run_pp_parity, mesh, roles, **case)
+
+
+@pytest.mark.parametrize("case", [
+    dict(schedule="1f1b", m=2, remat="nothing_saveable"),
+    dict(schedule="zbv", m=4, remat={0: "nothing_saveable", 2: "nothing_saveable"}),  # full recompute under B/W
+    dict(schedule="interleaved", m=4, remat=["dots_saveable", None, "nothing_saveable", "dots_saveable"]),
+    dict(schedule="zb_h1", m=4, kind="moe", remat=["nothing_saveable", None]),
+], ids=["all-stages", "zbv-some", "interleaved-per-stage", "moe-zb_h1"])
+def test_per_stage_recompute_matches_single_device(pools, case):
+    pools(2).run(H.run_pp_parity, {"pp": 2}, ["pp"], steps=1, **case)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_swapped_activations_change_nothing(pools, schedule):
+    """``max_resident=1``: the schedule swaps activations to host and back (executed), same results."""
+    pools(2).run(H.run_pp_parity, {"pp": 2}, ["pp"], schedule=schedule, m=4, steps=1, max_resident=1)
+
+
+def test_selective_recompute_on_a_split_backward_is_a_plan_error():
+    cfg, shapes, pplan = _dense()
+    plan = plans.pp("pp", pplan.pipeline_stages(cfg, 4), schedule="zbv", microbatches=4, remat="dots_saveable")
+    with pytest.raises(PlanError, match=r"stage 0 has the selective remat policy dots_saveable but schedule 'zbv' "
+                                        r"splits its backward"):
+        plan.resolve(shapes, AbstractMesh({"pp": 2}))
+    with pytest.raises(PlanError, match=r"unknown remat policy 'dots'"):
+        plans.pp("pp", pplan.pipeline_stages(cfg, 2), microbatches=2, remat="dots").resolve(
+            shapes, AbstractMesh({"pp": 2}))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "zb_h1", "zb_h2", "zbv", "dualpipev"])
+def test_pp4_more_schedules_match_single_device(pools, schedule):
+    two = schedule in ("zbv", "dualpipev")
+    pools(4).run(H.run_pp_parity, {"pp": 4}, ["pp"], schedule=schedule, m=8 if schedule == "dualpipev" else 4,
+                 layers=8 if two else 4, steps=1)
+
+
+def test_pp_fsdp_tp_on_8_ranks(pools):
+    mesh, roles = {"pp": 2, "fsdp": 2, "tp": 2}, ["pp", "fsdp", "tp"]
+    pools(8).run(H.run_pp_parity, mesh, roles, schedule="1f1b", m=2, steps=1)
+    pools(8).run(H.run_pp_parity, mesh, roles, schedule="zbv", m=2, kind="moe", layers=4, steps=1)
+
+
+@settings(max_examples=4, deadline=None, derandomize=True)
+@given(data=st.data())
+def test_random_schedules_microbatches_and_splits(pools, data):
+    schedule = data.draw(st.sampled_from(SCHEDULES), label="schedule")
+    per_rank = 2 if schedule in ("zbv", "dualpipev", "interleaved") else 1
+    n = 2 * per_rank
+    layers = data.draw(st.integers(n, n + 2), label="layers")
+    cuts = sorted(data.draw(st.lists(st.integers(1, layers - 1), min_size=n - 1, max_size=n - 1, unique=True),
+                            label="cuts"))
+    split = tuple(b - a for a, b in zip([0] + cuts, cuts + [layers]))
+    m = 4 if schedule == "dualpipev" else data.draw(st.sampled_from([2, 4]), label="microbatches")  # m >= 2p
+    kind = data.draw(st.sampled_from(["dense", "moe"]), label="kind")
+    pools(2).run(H.run_pp_parity, {"pp": 2}, ["pp"], schedule=schedule, m=m, kind=kind, layers=layers,
+                 split=split, steps=1, seed=data.draw(st.integers(0, 100), label="seed"))
+
+
+def test_pipeline_sends_are_counted_as_the_schedule_says(pools):
+    """1F1B on 2 ranks, 4 microbatches of [2, 8, 64] fp32 hidden states: rank 0 sends 4 activations,
+    rank 1 sends 4 gradients back, each b/m x s x H x 4 bytes (plus a header per forward message)."""
+    out = pools(2).run(H.run_pp_parity, {"pp": 2}, ["pp"], schedule="1f1b", m=4, steps=1, count_comm=True)
+    nbytes = 2 * 8 * 64 * 4
+    for rank, name, phase in ((0, "pipeline_activations", "forward"), (1, "pipeline_grads", "backward")):
+        sends = [r for r in out[rank]["records"] if r[0] == "send" and r[6] != "header"]
+        assert [(r[1], r[4], r[3], r[5]) for r in sends] == [(name, phase, nbytes, float(nbytes))] * 4, rank
+    assert sum(r[0] == "send" and r[6] == "header" for r in out[0]["records"]) == 4
+
+
+def test_fsdp_inside_stages_gathers_each_stage_once_per_step(pools):
+    """pp 2 x fsdp 2: each rank all-gathers its stages' parameters once per step (payload = their whole
+    bytes, every leaf being sharded) and reduce-scatters their gradients once, over ``fsdp`` only; the
+    pipeline's sends go over ``pp`` only."""
+    out = pools(4).run(H.run_pp_parity, {"pp": 2, "fsdp": 2}, ["pp", "fsdp"], schedule="1f1b", m=2, steps=1,
+                       count_comm=True)
+    for rank, o in enumerate(out):
+        def total(op, axes):
+            return sum(r[3] for r in o["records"] if r[0] == op and r[2] == axes)
+        assert total("all_gather", ("fsdp",)) == o["stage_bytes"], rank
+        assert total("reduce_scatter", ("fsdp",)) == o["stage_bytes"], rank
+        assert {r[2] for r in o["records"] if r[0] == "send"} == {("pp",)}, rank
+        assert not [r for r in o["records"] if r[0] in ("all_gather", "reduce_scatter") and "pp" in r[2]], rank
+
+
+# ---- errors before any communication
+
+
+def _dense(layers: int = 4, **kw):
+    from hpfunc.models import qwen3
+    from hpfunc.models.qwen3 import parallel_plan
+
+    cfg = qwen3.preset("qwen3-dense-tiny", num_hidden_layers=layers, **kw)
+    return cfg, qwen3.param_shapes(cfg), parallel_plan
+
+
+def test_more_stages_than_layers_is_a_plan_error():
+    cfg, _, pplan = _dense(2)
+    with pytest.raises(PlanError, match=r"4 stages but the model has 2 layers \(model.num_hidden_layers\)"):
+        pplan.pipeline_stages(cfg, 4)
+    with pytest.raises(PlanError, match=r"layers_per_stage=\[1, 2\] must give each of the 2 stages"):
+        pplan.pipeline_stages(cfg, 2, layers=[1, 2])
+
+
+def test_a_schedule_for_another_rank_count_or_stage_count_is_a_plan_error():
+    from hpfunc.schedules import one_f_one_b
+
+    cfg, shapes, pplan = _dense()
+    stages = pplan.pipeline_stages(cfg, 2)
+    with pytest.raises(PlanError, match=r"runs on 4 ranks .* but the pipeline axis has 2"):
+        plans.pp("pp", pplan.pipeline_stages(cfg, 4), schedule=one_f_one_b(4, 4), microbatches=4).resolve(
+            shapes, AbstractMesh({"pp": 2}))
+    with pytest.raises(PlanError, match=r"'zbv' on 2 ranks has 4 stages but the model was split into 2"):
+        plans.pp("pp", stages, schedule="zbv", microbatches=4).resolve(shapes, AbstractMesh({"pp": 2}))
+    with pytest.raises(PlanError, match=r"unknown schedule 'one_f_one_b'; use one of gpipe, 1f1b"):
+        plans.pp("pp", stages, schedule="one_f_one_b", microbatches=4).resolve(shapes, AbstractMesh({"pp": 2}))
+    with pytest.raises(PlanError, match=r"pp\('pp'\) names mesh axis 'pp', which the mesh does not have"):
+        plans.pp("pp", stages, microbatches=4).resolve(shapes, AbstractMesh({"fsdp": 2}))
+    with pytest.raises(PlanError, match=r"microbatches must be an int >= 1"):
+        plans.pp("pp", stages, microbatches=0)
+    other, other_shapes, _ = _dense(6)
+    with pytest.raises(PlanError, match=r"'layers.4.attn.k_norm' is not a parameter of the model the pipeline stages were built for"):
+        plans.pp("pp", stages, microbatches=2).resolve(other_shapes, AbstractMesh({"pp": 2}))
+
+
+def test_microbatches_that_do_not_divide_the_batch_are_a_plan_error():
+    cfg, _, pplan = _dense()
+    plan = plans.pp("pp", pplan.pipeline_stages(cfg, 2), microbatches=4) + plans.fsdp("fsdp")
+    with pytest.raises(PlanError, match=r"each data shard's 3 rows do not split into pp microbatches=4.*multiple of 8"):
+        plan.check_batch({"tokens": torch.zeros(6, 8, dtype=torch.long)}, AbstractMesh({"pp": 2, "fsdp": 2}))
+    plan.check_batch({"tokens": torch.zeros(8, 8, dtype=torch.long)}, AbstractMesh({"pp": 2, "fsdp": 2}))
+
+
+def test_stages_run_one_after_the_other_are_the_model():
+    """The split itself, on one device: dense, MoE, tied, uneven."""
+    from hpfunc import random
+    from hpfunc.models import qwen3
+    from hpfunc.models.qwen3 import parallel_plan
+
+    b = {"tokens": torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(0))}
+    for cfg, n, layers in ((qwen3.preset("qwen3-dense-tiny", num_hidden_layers=3), 3, None),
+                           (qwen3.preset("qwen3-moe-tiny", num_hidden_layers=4, router_aux_loss_coef=0.1), 2, (3, 1)),
+                           (qwen3.preset("qwen3-dense-tiny", tie_word_embeddings=True), 2, None)):
+        p = qwen3.init(random.key(1), cfg)
+        stages = parallel_plan.pipeline_stages(cfg, n, layers=layers)
+        (got, aux), (want, ref) = stages.run(p, b), qwen3.loss(p, b, cfg)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(aux["aux_loss"], ref["aux_loss"], rtol=1e-6, atol=1e-7)
+        assert torch.equal(aux["expert_load"], ref["expert_load"])
+        assert set(stages.paths) == {path for path, _ in __import__("hpfunc").tree.leaves_with_paths(p)}
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_receives_are_posted_ahead_of_the_compute_that_waits_for_them(pools, schedule):
+    """The recorded timeline of one step: every receive but each stage's first forward input (whose
+    header tells the shapes) is posted before at least one compute action that runs ahead of its
+    arrival, so its transfer overlaps that compute (on gloo the transfer runs on gloo's threads)."""
+    for rank, out in enumerate(pools(2).run(H.run_timeline, schedule)):
+        ev = out["events"]
+        posts = {a: t for what, a, t in ev if what == "post"}
+        arrived = {a: t for what, a, t in ev if what == "arrived"}
+        starts = [t for what, a, t in ev if what == "start"]
+        assert posts and set(posts) == set(arrived), rank
+        overlapped = {a for a, t in posts.items() if any(t < ts < arrived[a] for ts in starts)}
+        firsts = {a for a in posts if a.endswith("RECV_F0")}
+        assert set(posts) - overlapped == firsts, (rank, sorted(set(posts) - overlapped), out["actions"])
+
+
+def test_a_loss_that_skips_the_pipeline_stages_is_a_plan_error(pools):
+    for msg in pools(2).run(H.run_unpipelined_loss):
+        assert "under a pp plan" in msg and "qwen3.parallel_plan.loss" in msg, msg
