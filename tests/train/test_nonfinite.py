@@ -31,8 +31,13 @@ def _skip_vs_fewer_steps(tmp_path, parallel):
     """(params after 4 steps whose 4th is NaN and skipped, params after 3 steps, the skipped run's result)."""
     import os
 
-    from hpfunc.train.distributed import gather_params
+    from torch.distributed.tensor import DTensor
+
+    from hpfunc import tree
     from hpfunc.train.loop import run
+
+    def full(params):  # full tensors on every rank (a collective)
+        return tree.tree_map(lambda x: x.full_tensor() if isinstance(x, DTensor) else x, params)
 
     over = {} if parallel is None else {"parallel": parallel}
     skipped_cfg = _config(tmp_path, 4, "skip", on_nonfinite="skip")
@@ -50,7 +55,6 @@ def _skip_vs_fewer_steps(tmp_path, parallel):
     finally:
         del os.environ[FAULTS]
     fewer = run(fewer_cfg, echo=False)
-    full = gather_params if parallel else (lambda p: p)
     return full(skipped.state.params), full(fewer.state.params), skipped.records, skipped.summary, \
         int(skipped.state.step)
 
