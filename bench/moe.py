@@ -6,6 +6,7 @@ MoE layer (router + ``E`` SwiGLU experts, top-``k``) on each rank's ``T`` tokens
 
 - ``replicated``: every rank holds every expert (``plans.ddp``): no all-to-all, gradients all-reduced;
 - ``ep``: the experts split over the ranks (``plans.ep``): two all-to-alls forward, two backward;
+- ``ep 2 chunks``: the same with ``AllToAll(chunks=2)``: each half's all-to-alls overlap the other's experts;
 - ``ep x etp`` (4 ranks): experts split 2 ways over ``ep`` and their hidden features 2 ways over ``tp``.
 
 Per mode and routing (``uniform``: the router's own; ``skewed``: an expert bias sending most pairs to
@@ -52,8 +53,12 @@ def rank_bench(args: dict) -> dict:
     world = torch.distributed.get_world_size()
     rank = torch.distributed.get_rank()
     E, H, I, k, T = args["experts"], args["hidden"], args["inter"], args["top_k"], args["tokens"]
+    from hpfunc.models.dispatch import AllToAll
+
     modes = {"replicated": ({"dp": world}, plans.ddp("dp")),
-             "ep": ({"ep": world}, plans.ep("ep", ["w_*"]))}
+             "ep": ({"ep": world}, plans.ep("ep", ["w_*"])),
+             "ep 2 chunks": ({"ep": world}, plans.ep("ep", ["w_*"]))}  # dispatch overlapped with compute
+    dispatchers = {"ep 2 chunks": AllToAll(chunks=2)}
     if world == 4:
         etp = {"w_gate": ColwiseParallel(), "w_up": ColwiseParallel(), "w_down": RowwiseParallel()}
         modes["ep x etp"] = ({"ep": 2, "tp": 2}, plans.ep("ep", ["w_*"]) + plans.tp("tp", etp))
@@ -74,10 +79,11 @@ def rank_bench(args: dict) -> dict:
             n_ep = axes.get("ep", 1)
             bias = routing_bias(routing, n_ep)
             received = []
+            dispatcher = dispatchers.get(name)
 
             def loss(p, b):
                 y, r = moe_block(b["x"], p["router"], p["w_gate"], p["w_up"], p["w_down"], top_k=k,
-                                 norm_topk_prob=True, expert_bias=bias)
+                                 norm_topk_prob=True, expert_bias=bias, dispatcher=dispatcher)
                 y = layout.reduce_partial(y)  # ETP: the experts' partial outputs summed over tp
                 received.append(r.indices.detach())
                 return (y.float() ** 2).mean()
@@ -108,7 +114,7 @@ def rank_bench(args: dict) -> dict:
                 with mesh, layout.expert_parallel("ep" if "ep" in axes else None), \
                         layout.tensor_parallel("tp" if "tp" in axes else None):
                     y, _ = moe_block(x, p["router"], p["w_gate"], p["w_up"], p["w_down"], top_k=k,
-                                     norm_topk_prob=True, expert_bias=bias)
+                                     norm_topk_prob=True, expert_bias=bias, dispatcher=dispatcher)
                     return layout.reduce_partial(y).float().pow(2).mean()
 
             gathered = {p: (full[p].chunk(axes["tp"], dim=2 if p == "w_down" else 1)[rank % 2]
@@ -121,9 +127,9 @@ def rank_bench(args: dict) -> dict:
             n_rows = int(per_rank[rank // axes.get("tp", 1)]) if n_ep > 1 else my_x.shape[0] * k  # rows computed here
             i_local = gathered["w_gate"].shape[1]
             # the backward needs the experts' input rows, their gate and up outputs and the hidden product
-            # (for the three weight gradients and SwiGLU's derivative), the layer input (router gradient)
-            # and the router probabilities: 4 bytes each
-            minimum = 4 * (n_rows * (H + 3 * i_local) + my_x.shape[0] * (H + E))
+            # (for the three weight gradients and SwiGLU's derivative), the layer input (router gradient),
+            # the router probabilities and the layer output (the loss squares it): 4 bytes each
+            minimum = 4 * (n_rows * (H + 3 * i_local) + my_x.shape[0] * (2 * H + E))
             results[f"{routing}/{name}"] = {
                 "ms": statistics.median(times),
                 "sent_bytes": {op: float(stats.total_sent_bytes(op=op)) for op in

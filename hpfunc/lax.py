@@ -18,6 +18,9 @@ collective         forward                          backward (transpose)
 ``ppermute``       send along ``perm``              send along the inverse permutation
 =================  ===============================  ==========================================
 
+``all_to_all_start`` issues the row all-to-all without waiting (its ``.wait()`` gives the result); its
+transpose is the reverse all-to-all, issued without waiting too.
+
 ``shard_map`` completes this at its boundary: the gradient of an input that is replicated along an
 axis is summed over that axis (the gradients of all replicas of one value), and the cotangent of an
 output replicated along an axis is split evenly among its replicas. With that, no gradient is ever
@@ -64,6 +67,8 @@ __all__ = [
     "all_gather",
     "psum_scatter",
     "all_to_all",
+    "all_to_all_start",
+    "PendingAllToAll",
     "ppermute",
     "axis_index",
     "axis_size",
@@ -568,6 +573,174 @@ def all_to_all(
     return _call(_ALL_TO_ALL_FNS, x, axis_name, split_axis, concat_axis,
                            None if split_sizes is None else tuple(int(s) for s in split_sizes),
                            None if recv_sizes is None else tuple(int(s) for s in recv_sizes))
+
+
+# ---------------------------------------------------------------------------------------------
+# all_to_all_start: the row all-to-all issued without waiting (overlap with compute)
+
+
+class _Flight:
+    """One exchange in flight (the forward's, then its transpose's): the work, the send buffer it reads
+    until done, and how to put the received rows in logical rank order."""
+
+    __slots__ = ("work", "send", "finish")
+
+    def __init__(self, work: object, send: torch.Tensor | None, finish) -> None:
+        self.work, self.send, self.finish = work, send, finish
+
+    def wait(self, out: torch.Tensor, axes: tuple[str, ...], n: int) -> torch.Tensor:
+        if self.work is not None:
+            try:
+                self.work.wait()
+            except RuntimeError as e:
+                _faults.raise_collective_error(e, "all_to_all", axes, n)
+                raise
+        self.work = self.send = None  # the send buffer is free now
+        return self.finish(out)
+
+
+def _a2a_issue(x: torch.Tensor, ax: _Axes, split_sizes: Sequence[int], recv_sizes: Sequence[int], collectors,
+               ) -> tuple[torch.Tensor, _Flight]:
+    """Issue the all-to-all of the rows of ``x`` (``split_sizes[l]`` rows to logical rank ``l``,
+    ``recv_sizes[l]`` from it) with ``async_op=True``: the output buffer (filled when the work is done)
+    and the flight to wait on."""
+    n = ax.n
+    x = x.detach()
+    if n == 1:
+        return x.clone(memory_format=torch.contiguous_format), _Flight(None, None, lambda out: out)
+    if ax.identity_order:
+        send = x.contiguous()
+    else:  # send blocks in group-rank order
+        chunks = torch.split(x, list(split_sizes), dim=0)
+        send = torch.cat([chunks[ax.g2l[g]] for g in range(n)], dim=0)
+    in_split = [int(split_sizes[ax.g2l[g]]) for g in range(n)]
+    out_split = [int(recv_sizes[ax.g2l[g]]) for g in range(n)]
+    out = send.new_empty((sum(out_split),) + tuple(send.shape[1:]))
+    if collectors:
+        row = _nbytes(send) // max(send.shape[0], 1)
+        _comm.record(collectors, op="all_to_all", name="all_to_all_start", axes=ax.names, n=n,
+                     payload_bytes=_nbytes(send), phase=_phase(),
+                     sent_bytes=Fraction((send.shape[0] - int(split_sizes[ax.me])) * row))
+    try:
+        work = dist.all_to_all_single(out, send, out_split, in_split, group=ax.group, async_op=True)
+    except RuntimeError as e:
+        _faults.raise_collective_error(e, "all_to_all", ax.names, ax.n)
+        raise
+
+    def finish(o: torch.Tensor) -> torch.Tensor:
+        if ax.identity_order:
+            return o
+        by_group = torch.split(o, out_split, dim=0)
+        return torch.cat([by_group[ax.l2g[li]] for li in range(n)], dim=0)
+
+    return out, _Flight(work, send, finish)
+
+
+class PendingAllToAll:
+    """A row all-to-all in flight (:func:`all_to_all_start`); :meth:`wait` returns its result, a
+    differentiable tensor. The transpose is the reverse all-to-all, itself issued without waiting in the
+    backward (by the wait's transpose) and waited for by the start's transpose, so the backward overlaps
+    the same way as the forward."""
+
+    __slots__ = ("axes", "split_sizes", "recv_sizes", "mesh", "collectors", "flight", "grad_flight", "grad_out",
+                 "_buf", "_done")
+
+    def __init__(self, axes: AxisName, split_sizes: tuple[int, ...], recv_sizes: tuple[int, ...]) -> None:
+        self.axes, self.split_sizes, self.recv_sizes = axes, split_sizes, recv_sizes
+        self.mesh = current_mesh()
+        self.collectors = _comm.active()
+        self.flight: _Flight | None = None
+        self.grad_flight: _Flight | None = None
+        self.grad_out: torch.Tensor | None = None
+        self._buf: torch.Tensor | None = None
+        self._done = False
+
+    def wait(self) -> torch.Tensor:
+        """Block until this rank's rows have arrived; the received rows in logical rank order."""
+        if self._done:
+            raise RuntimeError("PendingAllToAll.wait: this all-to-all was already waited for; wait once and "
+                               "keep the result")
+        self._done = True
+        buf, self._buf = self._buf, None
+        return _A2AWait.apply(buf, self)
+
+
+class _A2AStart(torch.autograd.Function):
+    @staticmethod
+    def forward(x, pending):
+        ax = _axes_of(pending.mesh, pending.axes)
+        out, pending.flight = _a2a_issue(x, ax, pending.split_sizes, pending.recv_sizes, pending.collectors)
+        return out
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.pending = inputs[1]
+
+    @staticmethod
+    def backward(ctx, g):  # g: only the edge from the wait's transpose; the rows come in p.grad_out
+        p = ctx.pending
+        out, p.grad_out = p.grad_out, None
+        return p.grad_flight.wait(out, normalize_axes(p.axes), _pending_size(p)), None
+
+
+class _A2AWait(torch.autograd.Function):
+    @staticmethod
+    def forward(buf, pending):
+        return pending.flight.wait(buf, normalize_axes(pending.axes), _pending_size(pending))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.pending = inputs[1]
+
+    @staticmethod
+    def backward(ctx, g):
+        # Issue the reverse exchange and return at once; the start's transpose waits for it. Its buffer
+        # (the start input's shape) cannot travel on the autograd edge, which must carry this output's
+        # shape: it waits in the pending object, and the edge carries g itself (never read).
+        p = ctx.pending
+        with p.mesh:
+            ax = _axes_of(p.mesh, p.axes)
+            p.grad_out, p.grad_flight = _a2a_issue(g, ax, p.recv_sizes, p.split_sizes, p.collectors)
+        return g, None
+
+
+def _pending_size(p: "PendingAllToAll") -> int:
+    return p.mesh.axis_size(normalize_axes(p.axes))
+
+
+def all_to_all_start(x: torch.Tensor, axis_name: AxisName, *, split_sizes: Sequence[int] | None = None,
+                     recv_sizes: Sequence[int] | None = None) -> PendingAllToAll:
+    """:func:`all_to_all` of the rows of ``x`` (``split_axis = concat_axis = 0``) issued without waiting
+    (``async_op=True``): compute runs while the rows travel; ``.wait()`` gives the result. The counter
+    (:func:`hpfunc.comm_stats`) records it when issued (``name="all_to_all_start"``); the transpose is
+    the reverse all-to-all, issued in the backward without waiting too.
+
+    Equal splits by default; ``split_sizes`` (rows to each rank) with ``recv_sizes`` (rows from each;
+    exchanged first when not given) for unequal ones. The caller keeps ``x`` unmodified until the wait.
+
+    Example (in a 2-rank program)::
+
+        pending = lax.all_to_all_start(rows, "ep", split_sizes=send, recv_sizes=recv)
+        other = expert_compute(previous_rows)     # overlaps the exchange
+        received = pending.wait()
+    """
+    ax = _resolve(axis_name)
+    n = ax.n
+    if split_sizes is None:
+        if x.shape[0] % n:
+            raise ValueError(f"all_to_all_start over {ax.names} (size {n}) needs dimension 0 of size {x.shape[0]} "
+                             f"to be divisible by {n}, or explicit split_sizes")
+        split_sizes = recv_sizes = [x.shape[0] // n] * n
+    else:
+        split_sizes = [int(v) for v in split_sizes]
+        if len(split_sizes) != n or sum(split_sizes) != x.shape[0]:
+            raise ValueError(f"all_to_all_start split_sizes {split_sizes} must have {n} entries summing to "
+                             f"dimension 0 of size {x.shape[0]} (axis {ax.names})")
+        if recv_sizes is None:
+            recv_sizes = _exchange_sizes(split_sizes, ax)
+    pending = PendingAllToAll(axis_name, tuple(int(v) for v in split_sizes), tuple(int(v) for v in recv_sizes))
+    pending._buf = _A2AStart.apply(x, pending)
+    return pending
 
 
 def _exchange_sizes(split_sizes: Sequence[int], ax: _Axes) -> list[int]:

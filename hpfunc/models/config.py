@@ -6,7 +6,8 @@ Only fields that change the function (or its initialisation) are kept; everythin
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from typing import Any, Literal
 
 import attrs
 
@@ -21,6 +22,10 @@ class ConfigError(ValueError):
 
 def _tuple_of_ints(x: Any) -> tuple[int, ...]:
     return tuple(int(i) for i in (x or ()))
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def _token_ids(x: Any) -> Any:
@@ -108,6 +113,17 @@ class Qwen3Config:
     initializer_range: float = 0.02
     bos_token_id: int | None = None
     eos_token_id: Any = attrs.field(default=None, converter=_token_ids)
+    # How an MoE layer sends its (token, expert) pairs under expert parallelism (hpfunc.models.dispatch);
+    # not part of a Hugging Face config.json. "alltoall": exact splits, one host read per layer, dropless
+    # unless moe_capacity_factor caps each expert at ceil(c T k / E) pairs per source rank; "padded":
+    # fixed buffers of ceil(moe_buffer_factor T k / n) rows per destination, no host read, overflow
+    # dropped. A capacity factor or the padded dispatcher applies on one device too (n = 1).
+    moe_dispatcher: Literal["alltoall", "padded"] = "alltoall"
+    moe_capacity_factor: float | None = None
+    moe_buffer_factor: float = 1.5
+    # "alltoall" only: cut each MoE layer's tokens into this many chunks whose all-to-alls overlap the
+    # expert compute of another chunk (dropless only)
+    moe_dispatch_chunks: int = 1
 
     def __attrs_post_init__(self) -> None:
         rs = self.rope_scaling
@@ -136,9 +152,31 @@ class Qwen3Config:
             if self.moe_intermediate_size <= 0:
                 raise ConfigError("Qwen3Config.moe_intermediate_size: expected > 0 for an MoE model, "
                                   f"found {self.moe_intermediate_size}")
+        self._check_dispatch()
         if len(self.moe_layers) < self.num_hidden_layers and self.intermediate_size <= 0:
             raise ConfigError("Qwen3Config.intermediate_size: dense layers need intermediate_size > 0, "
                               f"found {self.intermediate_size}")
+
+    def _check_dispatch(self) -> None:
+        if self.moe_dispatcher not in ("alltoall", "padded"):
+            raise ConfigError(f"Qwen3Config.moe_dispatcher: expected 'alltoall' or 'padded', found {self.moe_dispatcher!r}")
+        c = self.moe_capacity_factor
+        if c is not None and not (_is_number(c) and math.isfinite(c) and c > 0):
+            raise ConfigError(f"Qwen3Config.moe_capacity_factor: expected a finite number > 0 (each expert takes at "
+                              f"most ceil(c * tokens * top_k / experts) pairs per rank) or null (dropless), found {c!r}")
+        if c is not None and self.moe_dispatcher != "alltoall":
+            raise ConfigError(f"Qwen3Config.moe_capacity_factor: a capacity factor ({c}) applies to the 'alltoall' "
+                              f"dispatcher; the 'padded' one drops by moe_buffer_factor instead: set one of the two")
+        ch = self.moe_dispatch_chunks
+        if not (isinstance(ch, int) and not isinstance(ch, bool) and ch >= 1):
+            raise ConfigError(f"Qwen3Config.moe_dispatch_chunks: expected an int >= 1, found {ch!r}")
+        if ch > 1 and (self.moe_dispatcher != "alltoall" or c is not None):
+            raise ConfigError(f"Qwen3Config.moe_dispatch_chunks: {ch} chunks overlap the dropless 'alltoall' dispatch "
+                              f"only; found moe_dispatcher={self.moe_dispatcher!r}, moe_capacity_factor={c!r}")
+        f = self.moe_buffer_factor
+        if not (_is_number(f) and math.isfinite(f) and f > 0):
+            raise ConfigError(f"Qwen3Config.moe_buffer_factor: expected a finite number > 0 (rows per destination "
+                              f"rank = ceil(f * tokens * top_k / ranks)), found {f!r}")
 
     def is_moe_layer(self, i: int) -> bool:
         return (self.num_experts > 0 and i not in self.mlp_only_layers

@@ -33,7 +33,10 @@ fraction ``(n - 1) / n`` leaves the rank under uniform routing.
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+import contextlib
+import contextvars
+import time
+from typing import Any, Callable, ClassVar, Iterator, NamedTuple
 
 import attrs
 import torch
@@ -41,7 +44,7 @@ import torch
 from hpfunc import lax
 from hpfunc.layout import PlanError
 
-__all__ = ["AllToAll", "Dispatched", "PaddedAllToAll", "PaddedDispatched"]
+__all__ = ["AllToAll", "Dispatched", "PaddedAllToAll", "PaddedDispatched", "inverse_permutation", "sum_pairs", "trace_exchange"]
 
 
 def _split_experts(num_experts: int, axis: str | None) -> tuple[int, int]:
@@ -53,12 +56,33 @@ def _split_experts(num_experts: int, axis: str | None) -> tuple[int, int]:
     return n, num_experts // n
 
 
-def _inverse(perm: torch.Tensor) -> torch.Tensor:
-    """The inverse of a permutation (no gradient: indices)."""
+def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
+    """The inverse of a permutation (no gradient: indices).
+
+    >>> inverse_permutation(torch.tensor([2, 0, 1])).tolist()
+    [1, 2, 0]
+    """
     with torch.no_grad():
         inv = torch.empty_like(perm)
         inv[perm] = torch.arange(perm.numel(), device=perm.device)
     return inv
+
+
+def sum_pairs(rows: torch.Tensor, position: torch.Tensor, T: int, k: int, *, missing: bool = False) -> torch.Tensor:
+    """``out[t] = sum_j rows[position[t k + j]]`` ``[T, H]``: the outputs of each token's ``k`` pairs
+    (already weighted), ``rows [M, H]`` in any order. With ``missing``, ``position = M`` marks a pair
+    that was not computed (dropped): it adds 0.
+
+    A gather then a sum over the ``k`` slots, whose backward keeps only ``position`` (an ``index_add``
+    of the rows would keep the rows themselves, ``T k`` rows of ``H``, for the shape of its gradient).
+
+    >>> rows = torch.tensor([[1.0], [2.0], [4.0]])
+    >>> sum_pairs(rows, torch.tensor([2, 0, 3, 1]), T=2, k=2, missing=True).tolist()
+    [[5.0], [2.0]]
+    """
+    if missing:  # the row of the pairs not computed
+        rows = torch.cat((rows, rows.new_zeros(1, rows.shape[-1])))
+    return rows[position].view(T, k, rows.shape[-1]).sum(1)
 
 
 def _weighted_sum(rows: torch.Tensor, order: torch.Tensor, k: int, weights: torch.Tensor) -> torch.Tensor:
@@ -80,6 +104,8 @@ class Dispatched(NamedTuple):
     k: int
     axis: str | None
     dropped: torch.Tensor | None = None  # pairs over capacity (0-d int64), with a capacity factor
+    scale: torch.Tensor | None = None  # [N, 1] the received rows' combine weights (dispatched with weights=)
+    position: torch.Tensor | None = None  # [T k] each pair's row in the returned order (M: dropped)
 
 
 def _check_factor(_self: Any, _attr: Any, value: float | None) -> None:
@@ -104,10 +130,53 @@ class AllToAll:
     """
 
     capacity_factor: float | None = attrs.field(default=None, validator=_check_factor)
+    chunks: int = attrs.field(default=1, kw_only=True)
 
-    def dispatch(self, x: torch.Tensor, indices: torch.Tensor, *, num_experts: int, axis: str | None) -> Dispatched:
+    weights_at_experts: ClassVar[bool] = True  # dispatch(weights=) sends each row's combine weight along
+
+    @chunks.validator
+    def _check_chunks(self, _attr: Any, value: int) -> None:
+        if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            raise ValueError(f"AllToAll: chunks must be an int >= 1, found {value!r}")
+        if value > 1 and self.capacity_factor is not None:
+            raise ValueError(f"AllToAll: chunks={value} overlaps the dropless dispatch only; found capacity_factor="
+                             f"{self.capacity_factor} (a capacity per chunk would drop other pairs): use one of the two")
+
+    def exchange(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
+                 experts: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor], *,
+                 num_experts: int, axis: str | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The whole exchange of one MoE layer: ``(out [T, H'], dropped)`` where ``out[t] = sum_j (output of
+        pair (t, j))`` and ``experts(tokens, counts, scale)`` computes the local experts' weighted outputs
+        (:func:`hpfunc.models.moe.expert_ffn` with ``scale``).
+
+        With ``chunks = c > 1`` the tokens are cut into ``c`` contiguous chunks whose all-to-alls are
+        issued without waiting (:func:`hpfunc.lax.all_to_all_start`): chunk ``i + 1``'s dispatch is in
+        flight while chunk ``i``'s experts compute, and chunk ``i``'s combine while chunk ``i + 1``'s do;
+        the backward overlaps the same way (each transpose is issued without waiting too). One count
+        exchange and one host read serve all the chunks. The result equals ``chunks=1`` up to the order
+        of the floating-point sums of the expert weights' gradients.
+
+        >>> d = AllToAll(chunks=2)
+        >>> x, idx, w = torch.randn(3, 4), torch.tensor([[0, 1], [1, 1], [0, 0]]), torch.rand(3, 2)
+        >>> y, _ = d.exchange(x, idx, w, lambda t, c, s: 2.0 * t * s, num_experts=2, axis=None)
+        >>> bool(torch.allclose(y, 2.0 * x * w.sum(-1, keepdim=True)))
+        True
+        """
+        n = lax.axis_size(axis) if axis is not None else 1
+        if self.chunks == 1 or n == 1:
+            sent = self.dispatch(x, indices, num_experts=num_experts, axis=axis, weights=weights)
+            return self.combine(experts(sent.tokens, sent.counts, sent.scale), sent), sent.dropped
+        return _chunked_exchange(x, indices, weights, experts, num_experts, axis, self.chunks), None
+
+    def dispatch(self, x: torch.Tensor, indices: torch.Tensor, *, num_experts: int, axis: str | None,
+                 weights: torch.Tensor | None = None) -> Dispatched:
         """Send the rows of ``x [T, H]`` to the ranks of ``axis`` holding the experts ``indices [T, k]``
-        (global ids in ``[0, num_experts)``); ``axis=None``: this rank holds every expert."""
+        (global ids in ``[0, num_experts)``); ``axis=None``: this rank holds every expert.
+
+        ``weights [T, k]`` (the router's combine weights): each travels with its row, one more column,
+        and comes out as :attr:`Dispatched.scale` for the experts to apply before their down
+        projection (:func:`hpfunc.models.moe.expert_ffn`'s ``scale``); then :meth:`combine` takes no
+        weights and the backward keeps no expert output for the weights' gradient."""
         T, k = indices.shape
         n, local = _split_experts(num_experts, axis)
         flat = indices.reshape(-1)
@@ -130,18 +199,116 @@ class AllToAll:
             send_sizes, recv_sizes = tuple(sizes[:n]), tuple(sizes[n:])
             expert_of = torch.repeat_interleave(torch.arange(local, device=x.device).repeat(n), recv.reshape(-1))
             regroup = torch.argsort(expert_of, stable=True)
-        rows = x[order // k]
+            position = torch.full((T * k,), order.numel(), dtype=torch.int64, device=x.device)
+            position[order] = torch.arange(order.numel(), device=x.device)
+        H = x.shape[1]
+        rows = x[order // k]  # a gather: its backward keeps the index only
+        if weights is not None:
+            rows = torch.cat((rows, weights.reshape(-1)[order].unsqueeze(-1).to(rows.dtype)), 1)
         if n > 1:
             rows = lax.all_to_all(rows, axis, 0, 0, split_sizes=send_sizes, recv_sizes=recv_sizes)
-        return Dispatched(rows[regroup], recv.sum(0), order, regroup, send_sizes, recv_sizes, k, axis, dropped)
+        # one gather per part straight from the received buffer, which is then free: nothing keeps it
+        tokens, scale = (rows[regroup], None) if weights is None else (rows[:, :H][regroup], rows[:, H:][regroup])
+        return Dispatched(tokens, recv.sum(0), order, regroup, send_sizes, recv_sizes, k, axis, dropped, scale,
+                          position)
 
-    def combine(self, y: torch.Tensor, sent: Dispatched, weights: torch.Tensor) -> torch.Tensor:
+    def combine(self, y: torch.Tensor, sent: Dispatched, weights: torch.Tensor | None = None) -> torch.Tensor:
         """``out[t] = sum_j weights[t, j] * (output of pair (t, j))`` for the experts' outputs ``y [N, H']``
-        (rows as :meth:`dispatch` grouped them); ``[T, H']``."""
-        rows = y[_inverse(sent.regroup)]  # grouped by source rank again
+        (rows as :meth:`dispatch` grouped them); ``[T, H']``. ``weights=None``: the outputs are already
+        weighted (dispatched with ``weights=``) and are summed per token."""
+        rows = y[inverse_permutation(sent.regroup)]  # grouped by source rank again
         if sent.axis is not None and len(sent.send_sizes) > 1:
             rows = lax.all_to_all(rows, sent.axis, 0, 0, split_sizes=sent.recv_sizes, recv_sizes=sent.send_sizes)
-        return _weighted_sum(rows, sent.order, sent.k, weights)
+        if weights is not None:
+            return _weighted_sum(rows, sent.order, sent.k, weights)
+        return sum_pairs(rows, sent.position, sent.position.numel() // sent.k, sent.k, missing=sent.dropped is not None)
+
+
+_TRACE: contextvars.ContextVar[list | None] = contextvars.ContextVar("hpfunc_dispatch_trace", default=None)
+
+
+@contextlib.contextmanager
+def trace_exchange() -> Iterator[list[tuple[float, str, int]]]:
+    """Record the chunked exchange's events (``(time.perf_counter(), event, chunk)``: ``"dispatch issued"``,
+    ``"dispatch arrived"``, ``"compute start"``, ``"compute end"``, ``"combine issued"``, ``"combine
+    arrived"``) into the list it yields, for the calls made inside the ``with`` block (a context variable:
+    other threads and tasks record nothing).
+
+    >>> with trace_exchange() as events:
+    ...     _ = AllToAll(chunks=2).exchange(torch.ones(2, 1), torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1),
+    ...                                     lambda t, c, s: t, num_experts=1, axis=None)
+    >>> events   # one rank: no exchange, nothing to overlap
+    []
+    """
+    events: list[tuple[float, str, int]] = []
+    token = _TRACE.set(events)
+    try:
+        yield events
+    finally:
+        _TRACE.reset(token)
+
+
+def _event(name: str, chunk: int) -> None:
+    events = _TRACE.get()
+    if events is not None:
+        events.append((time.perf_counter(), name, chunk))
+
+
+def _chunked_exchange(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, experts: Callable, E: int,
+                      axis: str, chunks: int) -> torch.Tensor:
+    """:meth:`AllToAll.exchange` over ``chunks`` contiguous token chunks, overlapping each chunk's
+    all-to-alls with another chunk's expert compute."""
+    T, k = indices.shape
+    H = x.shape[1]
+    n, local = _split_experts(E, axis)
+    edges = [i * T // chunks for i in range(chunks + 1)]
+    with torch.no_grad():
+        orders, counts = [], []
+        for a, b in zip(edges, edges[1:]):
+            flat = indices[a:b].reshape(-1)
+            orders.append(torch.argsort(flat, stable=True))
+            counts.append(torch.bincount(flat, minlength=E).view(n, local))
+        # one count exchange for every chunk: block d = what this rank sends rank d, per chunk and expert
+        sending = torch.stack(counts, 1).contiguous()  # [n, chunks, local]
+        recv = lax.all_to_all(sending, axis, 0, 0)      # [n (source), chunks, local]
+        sizes = torch.cat((sending.sum(-1), recv.sum(-1))).tolist()  # the layer's one host read
+        plans = []
+        for i, order in enumerate(orders):
+            send_sizes, recv_sizes = [sizes[d][i] for d in range(n)], [sizes[n + j][i] for j in range(n)]
+            r = recv[:, i]
+            expert_of = torch.repeat_interleave(torch.arange(local, device=x.device).repeat(n), r.reshape(-1))
+            regroup = torch.argsort(expert_of, stable=True)
+            plans.append((order, send_sizes, recv_sizes, r.sum(0), regroup, inverse_permutation(order)))
+    dispatched: list[Any] = [None] * chunks
+
+    def issue(i: int) -> None:
+        order, send_sizes, recv_sizes = plans[i][:3]
+        a, b = edges[i], edges[i + 1]
+        rows = torch.cat((x[a:b][order // k], weights[a:b].reshape(-1)[order].unsqueeze(-1).to(x.dtype)), 1)
+        dispatched[i] = lax.all_to_all_start(rows, axis, split_sizes=send_sizes, recv_sizes=recv_sizes)
+        _event("dispatch issued", i)
+
+    issue(0)
+    combined = []
+    for i in range(chunks):
+        if i + 1 < chunks:
+            issue(i + 1)  # in flight while this chunk's experts compute
+        _, send_sizes, recv_sizes, local_counts, regroup, _ = plans[i]
+        rows = dispatched[i].wait()
+        dispatched[i] = None
+        _event("dispatch arrived", i)
+        _event("compute start", i)
+        y = experts(rows[:, :H][regroup], local_counts, rows[:, H:][regroup])
+        _event("compute end", i)
+        combined.append(lax.all_to_all_start(y[inverse_permutation(regroup)], axis, split_sizes=recv_sizes,
+                                             recv_sizes=send_sizes))
+        _event("combine issued", i)
+    out = []
+    for i, pending in enumerate(combined):
+        rows = pending.wait()
+        _event("combine arrived", i)
+        out.append(sum_pairs(rows, plans[i][5], edges[i + 1] - edges[i], k))
+    return torch.cat(out)
 
 
 class PaddedDispatched(NamedTuple):
@@ -156,6 +323,7 @@ class PaddedDispatched(NamedTuple):
     k: int
     axis: str | None
     overflow: torch.Tensor     # 0-d int64 on the device: pairs that did not fit (their output is 0)
+    scale: torch.Tensor | None = None  # [n B, 1] the rows' combine weights (dispatched with weights=)
 
 
 def _check_buffer(_self: Any, _attr: Any, value: float) -> None:
@@ -190,9 +358,12 @@ class PaddedAllToAll:
 
     buffer_factor: float = attrs.field(default=1.5, validator=_check_buffer)
 
+    weights_at_experts: ClassVar[bool] = True
+
     def dispatch(self, x: torch.Tensor, indices: torch.Tensor, *, num_experts: int,
-                 axis: str | None) -> PaddedDispatched:
-        """As :meth:`AllToAll.dispatch`, into fixed-size buffers of ``B`` rows per destination rank."""
+                 axis: str | None, weights: torch.Tensor | None = None) -> PaddedDispatched:
+        """As :meth:`AllToAll.dispatch` (``weights`` too), into fixed-size buffers of ``B`` rows per
+        destination rank."""
         T, k = indices.shape
         n, local = _split_experts(num_experts, axis)
         B = max(1, math.ceil(self.buffer_factor * T * k / n))
@@ -214,16 +385,30 @@ class PaddedAllToAll:
             expert_of = torch.searchsorted(torch.cumsum(recv, 1), rows_at, right=True).reshape(-1)  # local: empty
             regroup = torch.argsort(expert_of, stable=True)
             valid = expert_of[regroup] < local
-        rows = x[order // k]
-        buf = x.new_zeros(n * B + 1, x.shape[1]).index_add(0, slot, rows)[: n * B]
+            # the pair in each row of the send buffer (T k: an empty row), for one gather (its backward
+            # keeps the index only; an index_add into the buffer would keep the rows)
+            pair_at = torch.full((n * B + 1,), T * k, dtype=torch.int64, device=dev)
+            pair_at[slot] = order
+            pair_at = pair_at[: n * B]
+        H = x.shape[1]
+        rows = torch.cat((x, x.new_zeros(1, H)))[torch.where(pair_at < T * k, pair_at // k, T)]
+        if weights is not None:
+            w = torch.cat((weights.reshape(-1), weights.new_zeros(1)))[pair_at].unsqueeze(-1).to(rows.dtype)
+            rows = torch.cat((rows, w), 1)
         if n > 1:
-            buf = lax.all_to_all(buf, axis, 0, 0)
-        return PaddedDispatched(buf[regroup], recv.sum(0), valid, order, slot, regroup, k, axis, overflow)
+            rows = lax.all_to_all(rows, axis, 0, 0)
+        tokens, scale = (rows[regroup], None) if weights is None else (rows[:, :H][regroup], rows[:, H:][regroup])
+        return PaddedDispatched(tokens, recv.sum(0), valid, order, slot, regroup, k, axis, overflow, scale)
 
-    def combine(self, y: torch.Tensor, sent: PaddedDispatched, weights: torch.Tensor) -> torch.Tensor:
+    def combine(self, y: torch.Tensor, sent: PaddedDispatched, weights: torch.Tensor | None = None) -> torch.Tensor:
         """As :meth:`AllToAll.combine`; the empty slots' rows (never computed) are zeroed first."""
-        buf = torch.where(sent.valid.unsqueeze(-1), y, 0.0)[_inverse(sent.regroup)]
+        buf = torch.where(sent.valid.unsqueeze(-1), y, 0.0)[inverse_permutation(sent.regroup)]
         if sent.axis is not None and lax.axis_size(sent.axis) > 1:
             buf = lax.all_to_all(buf, sent.axis, 0, 0)
-        rows = torch.cat((buf, buf.new_zeros(1, buf.shape[-1])))[sent.slot]  # a pair that did not fit: 0
-        return _weighted_sum(rows, sent.order, sent.k, weights)
+        if weights is not None:
+            rows = torch.cat((buf, buf.new_zeros(1, buf.shape[-1])))[sent.slot]  # a pair that did not fit: 0
+            return _weighted_sum(rows, sent.order, sent.k, weights)
+        with torch.no_grad():  # each pair's row in the returned buffer (n B: it did not fit)
+            position = torch.empty_like(sent.slot)
+            position[sent.order] = sent.slot
+        return sum_pairs(buf, position, position.numel() // sent.k, sent.k, missing=True)

@@ -29,20 +29,24 @@ import torch.nn.functional as F
 
 from hpfunc import lax, layout
 from hpfunc import tree as _tree
-from hpfunc.models.dispatch import AllToAll
+from hpfunc.models.dispatch import AllToAll, inverse_permutation, sum_pairs
 from hpfunc.models.layers import swiglu_mlp
+from hpfunc.models.swiglu import swiglu
 
 EXPERT_BIAS_SUFFIX = "moe.expert_bias"
 
 
 class Routing(NamedTuple):
     """What a router decided for ``T`` tokens: ``logits [T, E]`` (input dtype), ``probs [T, E]`` (float32
-    softmax), ``weights [T, k]`` (combine weights, input dtype) and ``indices [T, k]`` (expert ids)."""
+    softmax), ``weights [T, k]`` (combine weights, input dtype) and ``indices [T, k]`` (expert ids).
+    :func:`moe_block` adds ``dropped``: the pairs its dispatcher did not compute (over an expert's capacity,
+    or past a padded buffer; 0-d int64, on the device), ``None`` for a dropless dispatch."""
 
     logits: torch.Tensor
     probs: torch.Tensor
     weights: torch.Tensor
     indices: torch.Tensor
+    dropped: torch.Tensor | None = None
 
 
 def route_topk(
@@ -124,7 +128,8 @@ def grouped_experts(
         token_of = order // k
     combine = weights.reshape(-1)[order].unsqueeze(-1)
     ys = expert_ffn(x[token_of], counts, w_gate, w_up, w_down, scale=combine, impl=impl)
-    return x.new_zeros(T, ys.shape[-1]).index_add(0, token_of, ys)
+    return sum_pairs(ys, inverse_permutation(order), T, k)
+
 
 
 def expert_ffn(
@@ -169,10 +174,10 @@ def expert_ffn(
         # Two grouped matmuls, not one over torch.cat((w_gate, w_up), 1): the concatenated weight would be
         # a new tensor the backward keeps, a copy of both weights per MoE layer (38.6 GB of bf16 over the
         # 48 layers of Qwen3-30B-A3B without expert parallelism). The fused one was 3-5% faster on CPU.
-        gate, up = gmm(xs, w_gate), gmm(xs, w_up)
-        h = F.silu(gate) * up
-        # Scale before the down projection (I <= H in Qwen3: fewer multiplies); equal up to rounding.
-        return gmm(h if scale is None else h * scale, w_down)
+        # Scale before the down projection (I <= H in Qwen3: fewer multiplies), inside the SwiGLU: the
+        # backward then keeps gate, up and the scaled product only (no silu output, no unscaled product,
+        # no expert output for the scale's gradient).
+        return gmm(swiglu(gmm(xs, w_gate), gmm(xs, w_up), scale), w_down)
     if impl == "bmm":
         with torch.no_grad():
             cap = int(counts.max()) if N else 0
@@ -183,9 +188,9 @@ def expert_ffn(
             source = torch.full((E * cap,), N, dtype=torch.int64, device=xs.device)
             source[slot] = torch.arange(N, device=xs.device)
         buf = torch.cat((xs, xs.new_zeros(1, H)))[source].view(E, cap, H)
-        h = F.silu(torch.bmm(buf, w_gate.transpose(1, 2))) * torch.bmm(buf, w_up.transpose(1, 2))
-        ys = torch.bmm(h, w_down.transpose(1, 2)).view(E * cap, w_down.shape[1])[slot]  # (N may be 0)
-        return ys if scale is None else ys * scale
+        s = None if scale is None else torch.cat((scale, scale.new_zeros(1, 1)))[source].view(E, cap, 1)
+        h = swiglu(torch.bmm(buf, w_gate.transpose(1, 2)), torch.bmm(buf, w_up.transpose(1, 2)), s)
+        return torch.bmm(h, w_down.transpose(1, 2)).view(E * cap, w_down.shape[1])[slot]  # (N may be 0)
     raise ValueError(f"grouped_experts: impl must be 'auto', 'bmm' or 'grouped_mm', found {impl!r}")
 
 
@@ -224,7 +229,9 @@ def moe_block(
     Under expert parallelism (an axis bound by the step, :func:`hpfunc.layout.ep_axis`) the expert
     stacks are this rank's ``E / n`` experts: ``dispatcher`` (default
     :class:`hpfunc.models.dispatch.AllToAll`, dropless) sends each (token, expert) pair to the rank
-    holding its expert, :func:`expert_ffn` computes the local experts, and the outputs come back.
+    holding its expert, :func:`expert_ffn` computes the local experts, and the outputs come back. A
+    ``dispatcher`` given without a bound axis runs with ``axis=None`` (every expert here), so that its
+    capacity or buffer drops the same pairs on one device; ``routing.dropped`` counts them.
 
     >>> E, H, I = 4, 8, 4
     >>> y, r = moe_block(torch.randn(2, 3, H), torch.randn(E, H), torch.randn(E, I, H),
@@ -236,19 +243,34 @@ def moe_block(
     flat = x.reshape(-1, shape[-1])
     routing = route_topk(flat, router, top_k=top_k, norm_topk_prob=norm_topk_prob, expert_bias=expert_bias)
     axis = layout.ep_axis()
-    if axis is None:
+    if axis is None and dispatcher is None:
         y = grouped_experts(flat, routing.indices, routing.weights, w_gate, w_up, w_down, impl=impl)
-    else:  # expert parallel: this rank holds E / n of the experts; the pairs travel to them and back
-        E, n = router.shape[0], lax.axis_size(axis)
+    else:  # expert parallel (this rank holds E / n of the experts; the pairs travel to them and back), or a
+        # dispatcher that drops pairs, which then drops them on one device too (n = 1)
+        E, n = router.shape[0], (1 if axis is None else lax.axis_size(axis))
         if w_gate.shape[0] * n != E:
             raise layout.PlanError(
                 f"moe_block: the router scores {E} experts but this rank holds {w_gate.shape[0]} of them on the "
                 f"expert-parallel axis {axis!r} of size {n}; the expert stacks must be split on dimension 0 over "
                 f"{axis!r} (plans.ep) and the router replicated")
         dispatcher = AllToAll() if dispatcher is None else dispatcher
-        sent = dispatcher.dispatch(flat, routing.indices, num_experts=E, axis=axis)
-        y = dispatcher.combine(expert_ffn(sent.tokens, sent.counts, w_gate, w_up, w_down, impl=impl), sent,
-                               routing.weights)
+        if hasattr(dispatcher, "exchange"):  # the whole exchange in the dispatcher (it may overlap chunks)
+            y, dropped = dispatcher.exchange(
+                flat, routing.indices, routing.weights,
+                lambda t, c, s: expert_ffn(t, c, w_gate, w_up, w_down, scale=s, impl=impl), num_experts=E, axis=axis)
+            routing = routing._replace(dropped=dropped)
+        elif getattr(dispatcher, "weights_at_experts", False):
+            # the combine weights travel with the rows and scale them inside the experts' SwiGLU: the
+            # backward keeps no expert output for the weights' gradient
+            sent = dispatcher.dispatch(flat, routing.indices, num_experts=E, axis=axis, weights=routing.weights)
+            y = dispatcher.combine(expert_ffn(sent.tokens, sent.counts, w_gate, w_up, w_down, scale=sent.scale,
+                                              impl=impl), sent)
+        else:  # a dispatcher that weights the returned outputs itself
+            sent = dispatcher.dispatch(flat, routing.indices, num_experts=E, axis=axis)
+            y = dispatcher.combine(expert_ffn(sent.tokens, sent.counts, w_gate, w_up, w_down, impl=impl), sent,
+                                   routing.weights)
+        if not hasattr(dispatcher, "exchange"):
+            routing = routing._replace(dropped=getattr(sent, "dropped", getattr(sent, "overflow", None)))
     if shared is not None:
         y = y + torch.sigmoid(F.linear(flat, shared["gate"])) * swiglu_mlp(
             flat, shared["w_gate"], shared["w_up"], shared["w_down"])

@@ -58,8 +58,12 @@ def build_model_config(mc: ModelConfig) -> Any:
     try:
         return qcfg.preset(mc.preset, **overrides)
     except qcfg.ConfigError as e:
-        # Qwen3Config names its own field (Qwen3Config.head_dim); say where it came from.
-        raise ConfigError(f"model (preset {mc.preset!r} with overrides {overrides}): {e}") from None
+        # Qwen3Config names its own field (Qwen3Config.head_dim); say where it came from: the YAML key
+        # when the field is one the config sets.
+        msg = str(e)
+        field = msg[len("Qwen3Config."):].split(":", 1)[0] if msg.startswith("Qwen3Config.") else None
+        where = f"model.{field}: " if field in overrides else ""
+        raise ConfigError(f"{where}model (preset {mc.preset!r} with overrides {overrides}): {e}") from None
 
 
 def build_schedule(sc: ScheduleConfig, steps: int) -> Callable[[int], float]:

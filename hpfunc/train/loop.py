@@ -128,6 +128,17 @@ def _expert_stats(load: torch.Tensor, ep_size: int = 1) -> dict[str, Any]:
     return out
 
 
+def _dropped_stats(dropped: torch.Tensor) -> dict[str, Any]:
+    """The pairs of the step's batch that no expert computed (over capacity, or past a padded buffer):
+    per MoE layer and in all.
+
+    >>> _dropped_stats(torch.tensor([3, 0]))
+    {'dropped_pairs': 3, 'dropped_pairs_per_layer': [3, 0]}
+    """
+    per_layer = dropped.to(torch.int64).reshape(-1).tolist()
+    return {"dropped_pairs": sum(per_layer), "dropped_pairs_per_layer": per_layer}
+
+
 def _check_val_finite(step: int, val: float, last: dict[str, float]) -> None:
     if not math.isfinite(val):
         raise TrainingDiverged(f"step {step}: the validation loss is {val} (the training loss of step {step} was "
@@ -448,6 +459,7 @@ def _train(cfg: Config, model_cfg: Any, out: pathlib.Path, folder: RunFolder | N
                         "tokens_per_s": tokens_per_step * len(window) / max(window_time, 1e-9),
                         "elapsed_s": train_time,
                         **(_expert_stats(metrics["expert_load"], ep_size) if "expert_load" in metrics else {}),
+                        **(_dropped_stats(metrics["dropped_pairs"]) if "dropped_pairs" in metrics else {}),
                     }
                     if skipped:
                         record["skipped_steps"] = skipped

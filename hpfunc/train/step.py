@@ -153,7 +153,8 @@ def make_train_step(
     Returns:
       A pure function. ``metrics`` holds 0-d tensors ``loss`` (the objective), ``ce_loss``,
       ``aux_loss``, ``grad_norm`` (before clipping), ``lr`` and, for MoE models, ``expert_load``
-      (``[n_moe_layers, E]`` token counts of this batch).
+      (``[n_moe_layers, E]`` token counts of this batch) and, when the model's dispatcher can drop
+      pairs, ``dropped_pairs`` (``[n_moe_layers]``).
     """
     from hpfunc.optim import apply_updates, global_norm
 
@@ -194,6 +195,8 @@ def make_train_step(
         }
         if load is not None:
             metrics["expert_load"] = load.detach()
+        if aux.get("dropped_pairs") is not None:  # a capacity or a padded buffer: pairs no expert computed
+            metrics["dropped_pairs"] = aux["dropped_pairs"].detach()
         return TrainState(params=params, opt_state=opt_state, step=state.step + 1), metrics
 
     return train_step

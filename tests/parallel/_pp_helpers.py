@@ -44,6 +44,19 @@ def microbatches_of(batch: dict, n_data: int, m: int) -> list[dict]:
     return [{k: torch.cat([s[k].chunk(m)[i] for s in shards]) for k in batch} for i in range(m)]
 
 
+def _counted(step, args: tuple, out: dict | None):
+    """``step(*args)``; with ``out``, its communication records go to ``out["records"]``."""
+    import hpfunc
+
+    if out is None:
+        return step(*args)
+    with hpfunc.comm_stats() as stats:
+        result = step(*args)
+    out["records"] = [(r.op, r.name, r.axes, r.payload_bytes, r.phase, float(r.sent_bytes), r.tag)
+                      for r in stats.records]
+    return result
+
+
 def run_pp_parity(mesh_shape: dict, roles: list[str], *, schedule: str = "1f1b", m: int = 4, kind: str = "dense",
                   layers: int = 4, split=None, tied: bool = False, seed: int = 0, steps: int = 2, batch: int = 8,
                   seq: int = 8, virtual_stages=None, count_comm: bool = False, remat=None,
@@ -89,13 +102,7 @@ def run_pp_parity(mesh_shape: dict, roles: list[str], *, schedule: str = "1f1b",
         plan.local_params(full, mesh)))
     for i in range(steps):
         b = {"tokens": torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)}
-        if count_comm and i == 0:
-            with hpfunc.comm_stats() as stats:
-                params, state, metrics, grads = step(params, state, b)
-            out["records"] = [(r.op, r.name, r.axes, r.payload_bytes, r.phase, float(r.sent_bytes), r.tag)
-                              for r in stats.records]
-        else:
-            params, state, metrics, grads = step(params, state, b)
+        params, state, metrics, grads = _counted(step, (params, state, b), out if count_comm and i == 0 else None)
         (value, aux), ref_grads = hpfunc.value_and_grad(ref_loss, has_aux=True)(ref_params, b)
         what = f"{mesh_shape} {roles} {schedule} m{m} {kind} L{layers} {split} tied={tied} step {i}"
         assert_trees_close(metrics["loss"], value, rtol=1e-5, atol=1e-6, what=f"{what} loss")

@@ -212,12 +212,91 @@ def test_padded_dispatch_never_reads_the_host_and_counts_its_overflow(pools, wor
         assert any(o > 0 for o, _ in got), got
 
 
+def test_chunks_must_be_a_positive_int_and_dropless():
+    from hpfunc.models.dispatch import AllToAll
+
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="chunks must be an int >= 1"):
+            AllToAll(chunks=bad)
+    with pytest.raises(ValueError, match="chunks=2 overlaps the dropless dispatch only; found capacity_factor=1.0"):
+        AllToAll(1.0, chunks=2)
+
+
 def test_buffer_factor_must_be_positive():
     from hpfunc.models.dispatch import PaddedAllToAll
 
     for bad in (0, -2.0, float("inf")):
         with pytest.raises(ValueError, match="buffer_factor must be a finite number > 0"):
             PaddedAllToAll(buffer_factor=bad)
+
+
+# ---- overlap: one chunk's all-to-alls in flight while another chunk's experts compute
+
+
+@pytest.mark.parametrize("world,chunks,top_k", [(2, 2, 2), (2, 3, 4), (4, 2, 1)])
+def test_chunked_dispatch_issues_the_next_all_to_all_before_the_compute_and_matches(pools, world, chunks, top_k):
+    for r in pools(world).run(H.run_overlap, chunks, top_k):
+        ev = r["events"]
+        at = {e: i for i, e in enumerate(ev)}
+        assert r["times"] == sorted(r["times"])
+        for i in range(chunks):
+            assert at[("dispatch issued", i)] < at[("dispatch arrived", i)] < at[("compute start", i)]
+            if i + 1 < chunks:  # the next chunk's rows travel while this chunk computes
+                assert at[("dispatch issued", i + 1)] < at[("compute start", i)], ev
+                assert at[("combine issued", i)] < at[("compute start", i + 1)], ev  # and this one's go back
+                assert at[("compute end", i)] < at[("compute start", i + 1)]
+        # one count exchange; every chunk's dispatch and combine issued without waiting, forward and backward
+        assert r["a2a"].count(("all_to_all", "forward")) == 1, r["a2a"]
+        for phase in ("forward", "backward"):
+            assert r["a2a"].count(("all_to_all_start", phase)) == 2 * chunks, r["a2a"]
+
+
+# ---- activation memory: what the MoE layer keeps for its backward
+
+
+@pytest.mark.parametrize("mode", ["ep", "padded", "one"])
+def test_moe_layer_keeps_what_its_backward_needs_and_little_more(pools, mode):
+    """The permuted rows are kept once (the experts' input), the SwiGLU keeps its inputs only, and no expert
+    output is kept for the combine weights' gradient (the weights travel with the rows and scale them
+    inside the experts). What remains above the minimum is index tensors and the weights: at most 64 bytes
+    per pair and 32 per computed row (a row is H x 4 = 256 bytes here; the older code kept about 2.9 more
+    rows per pair)."""
+    for r in pools(2).run(H.run_saved_bytes, mode):
+        slack = 64 * r["pairs"] + 32 * r["rows"]
+        assert r["minimum"] <= r["saved"] <= r["minimum"] + slack, r
+
+
+# ---- the model config's dispatcher: its drops in the parallelized step's metrics
+
+
+@pytest.mark.parametrize("mesh,roles,dispatcher,factor", [
+    ({"ep": 2}, ["ep"], "alltoall", 0.5), ({"ep": 2}, ["ep"], "padded", 0.5),
+    ({"fsdp": 2, "ep": 2}, ["fsdp", "ep"], "alltoall", 1.0), ({"ep": 2, "tp": 2}, ["ep", "tp"], "padded", 0.75)])
+def test_dropped_pairs_metric_equals_the_count_by_hand(pools, mesh, roles, dispatcher, factor):
+    world = 1
+    for s in mesh.values():
+        world *= s
+    res = pools(world).run(H.run_dropped, mesh, roles, dispatcher, factor)
+    layers = len(res[0]["hand"])
+    by_hand = [sum(r["hand"][i] for r in res if r["counted"]) for i in range(layers)]
+    assert all(r["metric"] == by_hand for r in res), (res, by_hand)  # every rank reports the global count
+    assert sum(by_hand) > 0, by_hand  # the hot expert overflowed: the test counts something
+
+
+def test_dropped_pairs_on_one_device_equal_the_count_by_hand():
+    from hpfunc import random
+    from hpfunc.models import qwen3
+
+    for knobs, kind, f in [({"moe_capacity_factor": 0.75}, "alltoall", 0.75),
+                           ({"moe_dispatcher": "padded", "moe_buffer_factor": 0.6}, "padded", 0.6)]:
+        cfg = qwen3.preset("qwen3-moe-tiny", **knobs)
+        tokens = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(0))
+        _, aux = qwen3.apply(qwen3.init(random.key(0), cfg), tokens, cfg, return_aux=True)
+        hand = [H.dropped_by_hand(x, torch.zeros(8), 2, 8, dispatcher=kind, factor=f, n=1) for x in aux["router_logits"]]
+        assert aux["dropped_pairs"].tolist() == hand and sum(hand) > 0, (kind, aux["dropped_pairs"], hand)
+    _, aux = qwen3.apply(qwen3.init(random.key(0), qwen3.preset("qwen3-moe-tiny")), tokens,
+                         qwen3.preset("qwen3-moe-tiny"), return_aux=True)
+    assert "dropped_pairs" not in aux  # dropless: nothing to count
 
 
 # ---- the whole model through hpfunc.parallelize
@@ -244,13 +323,19 @@ def test_ep_composes_and_matches_single_device(pools, mesh, roles):
 @settings(max_examples=4, deadline=None)
 @given(case=st.sampled_from([({"ep": 2}, ["ep"]), ({"ep": 4}, ["ep"]), ({"fsdp": 2, "ep": 2}, ["fsdp", "ep"]),
                              ({"ep": 2, "tp": 2}, ["ep", "tp"])]),
-       top_k=st.integers(1, 2), skew=st.sampled_from(H.SKEWS), seed=st.integers(0, 2**16))
-def test_random_ep_plans_routings_seeds(pools, case, top_k, skew, seed):
+       experts=st.sampled_from([8, 16]), top_k=st.integers(1, 4), skew=st.sampled_from(H.SKEWS),
+       seed=st.integers(0, 2**16))
+def test_random_ep_plans_routings_seeds(pools, case, experts, top_k, skew, seed):
     mesh, roles = case
     world = 1
     for s in mesh.values():
         world *= s
-    pools(world).run(H.run_ep_parity, mesh, roles, top_k=top_k, skew=skew, seed=seed, steps=1)
+    out = pools(world).run(H.run_ep_parity, mesh, roles, top_k=top_k, experts=experts, skew=skew, seed=seed, steps=1)
+    load, per = out[0]["load"], experts // mesh["ep"]
+    if skew == "idle_expert":  # an expert with no token
+        assert all(row[-1] == 0 for row in load), load
+    if skew == "one_rank" and top_k <= per:  # every rank but the first receives no token
+        assert all(sum(row[per:]) == 0 for row in load), load
 
 
 # ---- the counter: four all-to-alls per MoE layer per step, and the count exchange
@@ -288,17 +373,20 @@ def test_ep_all_to_all_count_and_bytes_follow_the_formula(pools, world):
         fwd = [rec for rec in rows if rec[4] == "forward"]
         bwd = [rec for rec in rows if rec[4] == "backward"]
         assert len(fwd) == 2 * layers and len(bwd) == 2 * layers, a2a  # 4 all-to-alls per MoE layer per step
-        # the dispatch moves every pair of this rank's tokens (tokens x top-k x hidden x 4 bytes), and
-        # exactly the pairs whose expert lives on another rank leave it
-        assert [rec[3] for rec in fwd[0::2]] == [r["pairs"] * h * 4] * layers
-        assert [rec[5] for rec in fwd[0::2]] == [n * h * 4 for n in r["off_rank_rows"]]
+        # the dispatch moves every pair of this rank's tokens with its combine weight (tokens x top-k x
+        # (hidden + 1) x 4 bytes), and exactly the pairs whose expert lives on another rank leave it
+        assert [rec[3] for rec in fwd[0::2]] == [r["pairs"] * (h + 1) * 4] * layers
+        assert [rec[5] for rec in fwd[0::2]] == [n * (h + 1) * 4 for n in r["off_rank_rows"]]
         for layer in range(layers):
             dispatched[layer] += fwd[2 * layer][3]
             combined[layer] += fwd[2 * layer + 1][3]
-        # the backward runs the same two exchanges reversed, with the same sizes
-        assert sorted(rec[3] for rec in bwd) == sorted(rec[3] for rec in fwd)
-    # dropless: every dispatched pair comes back, over all ranks T x k x h x 4 bytes per layer
-    assert dispatched == combined == [world * res[0]["pairs"] * h * 4] * layers
+        # the backward runs the same two exchanges reversed: the combine's transpose sends back the rows the
+        # combine brought (every pair, hidden wide), the dispatch's the rows it brought (and the weights)
+        received = [fwd[2 * layer + 1][3] // (h * 4) for layer in range(layers)]
+        assert sorted(rec[3] for rec in bwd) == sorted([r["pairs"] * h * 4] * layers + [m * (h + 1) * 4 for m in received])
+    # dropless: every dispatched pair comes back (its weighted output, hidden wide), over all ranks
+    # T x k x h x 4 bytes per layer
+    assert [d // (h + 1) for d in dispatched] == [c // h for c in combined] == [world * res[0]["pairs"] * 4] * layers
 
 
 # ---- errors before any communication

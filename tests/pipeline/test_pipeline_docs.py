@@ -1,4 +1,5 @@
-"""The runnable example in docs/pipeline.md runs (on its own 2 gloo ranks)."""
+"""The runnable examples in docs/pipeline.md run (on the session's 2 gloo ranks): the front door's
+pipelined step equals one device, and pipeline_map's V placement."""
 
 from __future__ import annotations
 
@@ -19,6 +20,10 @@ def test_doc_example_runs(pool2, monkeypatch, capsys):
 
     monkeypatch.setattr(hpfunc.launch, "spmd", functools.partial(hpfunc.launch.spmd, pool=pool2))
     blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.S)
-    assert len(blocks) == 1
+    assert len(blocks) == 2
     exec(compile(blocks[0], f"{DOC}:block0", "exec"), {"__name__": "__doc_example__"})
+    printed = capsys.readouterr().out.strip().rsplit("] ", 1)
+    ranks, one = [float(x) for x in printed[0].strip("[").split(",")], float(printed[1])
+    assert ranks == [ranks[0]] * 2 and abs(ranks[0] - one) <= 1e-4 * abs(one), printed
+    exec(compile(blocks[1], f"{DOC}:block1", "exec"), {"__name__": "__doc_example__"})
     assert "[(0, 3), (1, 2)]" in capsys.readouterr().out

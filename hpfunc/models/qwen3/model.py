@@ -36,6 +36,7 @@ from hpfunc import layout
 from hpfunc import random as _random
 from hpfunc import tree as _tree
 from hpfunc.models.attention import gqa_attention
+from hpfunc.models.dispatch import AllToAll, PaddedAllToAll
 from hpfunc.models.config import ConfigError, Qwen3Config, RopeScaling, preset  # noqa: F401  (re-exported)
 from hpfunc.models.layers import rms_norm, swiglu_mlp
 from hpfunc.models.moe import expert_counts, is_expert_bias, load_balancing_loss, moe_block, update_expert_bias
@@ -167,6 +168,26 @@ def active_params(cfg: Qwen3Config) -> int:
     return total
 
 
+def moe_dispatcher(cfg: Qwen3Config) -> AllToAll | PaddedAllToAll | None:
+    """The token dispatcher of the config's MoE layers (``moe_dispatcher``, ``moe_capacity_factor``,
+    ``moe_buffer_factor``, ``moe_dispatch_chunks``); ``None`` for the default dropless all-to-all, which
+    leaves one device's MoE block on its single-device path.
+
+    >>> from hpfunc.models import preset
+    >>> moe_dispatcher(preset("qwen3-moe-tiny")) is None, moe_dispatcher(preset("qwen3-moe-tiny", moe_capacity_factor=1.0))
+    (True, AllToAll(capacity_factor=1.0, chunks=1))
+    >>> moe_dispatcher(preset("qwen3-moe-tiny", moe_dispatcher="padded", moe_buffer_factor=2.0))
+    PaddedAllToAll(buffer_factor=2.0)
+    """
+    if cfg.moe_dispatcher == "padded":
+        return PaddedAllToAll(buffer_factor=cfg.moe_buffer_factor)
+    if cfg.moe_capacity_factor is not None:
+        return AllToAll(capacity_factor=cfg.moe_capacity_factor)
+    if cfg.moe_dispatch_chunks > 1:
+        return AllToAll(chunks=cfg.moe_dispatch_chunks)
+    return None
+
+
 def _is_fake(t: torch.Tensor) -> bool:
     # FakeTensor / meta dry runs have no values to check.
     from torch._subclasses.fake_tensor import is_fake
@@ -198,9 +219,11 @@ def rope_for(h: torch.Tensor, positions: torch.Tensor, cfg: Qwen3Config) -> tupl
 
 def decoder_layer(layer: dict, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: Qwen3Config, *,
                   moe_impl: str = "auto", gather_input: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                  reduce_partial: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[torch.Tensor, Any]:
+                  reduce_partial: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                  dispatcher: Any = None) -> tuple[torch.Tensor, Any]:
     """One decoder layer (attention then MLP or MoE, pre-norm residuals): ``(h, routing)`` with the MoE
-    routing (``None`` for a dense layer). :func:`apply`'s hooks, as there."""
+    routing (``None`` for a dense layer). :func:`apply`'s hooks, as there; ``dispatcher``: the MoE
+    token dispatcher (:func:`moe_dispatcher` of the config)."""
     eps = cfg.rms_norm_eps
     gather = (lambda x: x) if gather_input is None else gather_input  # noqa: E731
     a = layer["attn"]
@@ -220,7 +243,7 @@ def decoder_layer(layer: dict, h: torch.Tensor, cos: torch.Tensor, sin: torch.Te
         y, routing = moe_block(x, m["router"], m["experts"]["w_gate"], m["experts"]["w_up"],
                                m["experts"]["w_down"], top_k=cfg.num_experts_per_tok,
                                norm_topk_prob=cfg.norm_topk_prob, expert_bias=m.get("expert_bias"),
-                               shared=m.get("shared"), impl=moe_impl)
+                               shared=m.get("shared"), impl=moe_impl, dispatcher=dispatcher)
     else:
         y = swiglu_mlp(x, layer["mlp"]["w_gate"], layer["mlp"]["w_up"], layer["mlp"]["w_down"])
     return h + (y if reduce_partial is None else reduce_partial(y)), routing
@@ -237,8 +260,10 @@ def apply(params: dict, tokens: torch.Tensor, cfg: Qwen3Config, *, positions: to
 
     With ``return_aux`` returns ``(logits, aux)``: ``aux["aux_loss"]`` the load-balancing loss over all
     MoE layers (0 for a dense model, not scaled by ``router_aux_loss_coef``), ``aux["expert_load"]``
-    ``[n_moe_layers, E]`` int64 (top-k assignments per expert) and ``aux["router_logits"]`` (one
-    ``[B*S, E]`` per MoE layer).
+    ``[n_moe_layers, E]`` int64 (top-k assignments per expert), ``aux["router_logits"]`` (one
+    ``[B*S, E]`` per MoE layer) and, when the config's dispatcher can drop pairs (a capacity factor, or
+    the padded dispatcher: :func:`moe_dispatcher`), ``aux["dropped_pairs"]`` ``[n_moe_layers]`` int64,
+    the pairs of these tokens that no expert computed.
 
     Hooks for parallel layouts (:mod:`hpfunc.models.qwen3.parallel_plan` supplies them; each defaults to the
     single-device operation, and the model reads the same top to bottom either way):
@@ -269,9 +294,10 @@ def apply(params: dict, tokens: torch.Tensor, cfg: Qwen3Config, *, positions: to
         positions = torch.arange(S, device=tokens.device)
     cos, sin = rope_for(h, positions, cfg)
     routings = []
+    dispatcher = moe_dispatcher(cfg)
     for layer in params["layers"]:
         h, routing = decoder_layer(layer, h, cos, sin, cfg, moe_impl=moe_impl, gather_input=gather_input,
-                                   reduce_partial=reduce_partial)
+                                   reduce_partial=reduce_partial, dispatcher=dispatcher)
         if routing is not None:
             routings.append(routing)
     eps = cfg.rms_norm_eps
@@ -287,8 +313,10 @@ def apply(params: dict, tokens: torch.Tensor, cfg: Qwen3Config, *, positions: to
     else:
         aux_loss = h.new_zeros((), dtype=torch.float32)
         load = torch.zeros(0, 0, dtype=torch.int64, device=h.device)
-    return logits, {"aux_loss": aux_loss, "expert_load": load,
-                    "router_logits": tuple(r.logits for r in routings)}
+    aux = {"aux_loss": aux_loss, "expert_load": load, "router_logits": tuple(r.logits for r in routings)}
+    if routings and routings[0].dropped is not None:  # pairs the dispatcher did not compute, per MoE layer
+        aux["dropped_pairs"] = torch.stack([r.dropped.to(torch.int64) for r in routings])
+    return logits, aux
 
 
 def shift_labels(tokens: torch.Tensor) -> torch.Tensor:
@@ -319,7 +347,8 @@ def loss(params: dict, batch: dict, cfg: Qwen3Config, *, moe_impl: str = "auto",
     ``head`` returned, e.g. a vocabulary or sequence block (see :mod:`hpfunc.models.qwen3.parallel_plan`).
 
     Returns ``(loss, aux)`` with detached ``aux``: ``ce_loss``, ``aux_loss``, ``expert_load``
-    ``[n_moe_layers, E]`` and ``tokens`` (number of counted targets).
+    ``[n_moe_layers, E]``, ``tokens`` (number of counted targets) and, with a dispatcher that can drop,
+    ``dropped_pairs`` ``[n_moe_layers]``.
 
     >>> from hpfunc.models import preset
     >>> cfg = preset("qwen3-moe-tiny")
@@ -341,11 +370,14 @@ def loss(params: dict, batch: dict, cfg: Qwen3Config, *, moe_impl: str = "auto",
     else:
         ce = cross_entropy(logits, labels)
     total = ce + cfg.router_aux_loss_coef * aux["aux_loss"] if cfg.moe_layers else ce
-    return total, {"ce_loss": ce.detach(), "aux_loss": aux["aux_loss"].detach(),
-                   "expert_load": aux["expert_load"], "tokens": (labels != IGNORE_INDEX).sum()}
+    out = {"ce_loss": ce.detach(), "aux_loss": aux["aux_loss"].detach(),
+           "expert_load": aux["expert_load"], "tokens": (labels != IGNORE_INDEX).sum()}
+    if "dropped_pairs" in aux:
+        out["dropped_pairs"] = aux["dropped_pairs"]
+    return total, out
 
 
 __all__ = ["Qwen3Config", "RopeScaling", "ConfigError", "preset", "param_shapes", "init", "apply", "loss",
-           "shift_labels", "count_params", "active_params", "check_tokens", "update_expert_bias", "is_expert_bias",
-           "decoder_layer", "rope_for",
+           "shift_labels", "moe_dispatcher", "count_params", "active_params", "check_tokens", "update_expert_bias",
+           "is_expert_bias", "decoder_layer", "rope_for",
            "IGNORE_INDEX"]

@@ -84,6 +84,9 @@ def pipeline_stages(cfg: Qwen3Config, num_stages: int, *, layers: Sequence[int] 
     paths = tuple(p for p, _ in _tree.leaves_with_paths(_model.param_shapes(cfg),
                                                         is_leaf=lambda x: isinstance(x, torch.Size)))
     moe_rows = {i: k for k, i in enumerate(cfg.moe_layers)}
+    dispatcher = _model.moe_dispatcher(cfg)
+    # a dispatcher that can drop pairs (a capacity factor, padded buffers) reports them per MoE layer
+    drops = bool(cfg.moe_layers) and (cfg.moe_capacity_factor is not None or cfg.moe_dispatcher == "padded")
 
     def stage_of(path: str) -> tuple[int, ...]:
         head = path.split(".")[0]
@@ -111,6 +114,8 @@ def pipeline_stages(cfg: Qwen3Config, num_stages: int, *, layers: Sequence[int] 
                 z = h.new_zeros(E, dtype=torch.float32)
                 stats = (z, z.clone(), h.new_zeros((), dtype=torch.float32),
                          torch.zeros(len(cfg.moe_layers), E, dtype=torch.int64, device=h.device))
+                if drops:
+                    stats += (torch.zeros(len(cfg.moe_layers), dtype=torch.int64, device=h.device),)
         else:
             h, stats = carry[0], (tuple(carry[1:]) if len(carry) > 1 else None)
         cos, sin = _model.rope_for(h, torch.arange(tokens.shape[1], device=tokens.device), cfg)
@@ -118,12 +123,17 @@ def pipeline_stages(cfg: Qwen3Config, num_stages: int, *, layers: Sequence[int] 
         for i in range(a, b):
             h, routing = _model.decoder_layer(params["layers"][i], h, cos, sin, cfg, moe_impl=moe_impl,
                                               gather_input=hk.get("gather_input"),
-                                              reduce_partial=hk.get("reduce_partial"))
+                                              reduce_partial=hk.get("reduce_partial"), dispatcher=dispatcher)
             if routing is not None:
                 counts, prob_sum, rows = routing_stats([routing], cfg.num_experts)
                 load = stats[3].clone()
                 load[moe_rows[i]] = expert_counts(routing.indices, cfg.num_experts)
-                stats = (stats[0] + counts, stats[1] + prob_sum, stats[2] + rows, load)
+                new = (stats[0] + counts, stats[1] + prob_sum, stats[2] + rows, load)
+                if drops:
+                    dropped = stats[4].clone()
+                    dropped[moe_rows[i]] = routing.dropped.to(torch.int64)
+                    new += (dropped,)
+                stats = new
         return (h,) if stats is None else (h, *stats)
 
     def loss(params: Any, carry: tuple, mb: dict) -> tuple[torch.Tensor, dict]:
@@ -139,20 +149,26 @@ def pipeline_stages(cfg: Qwen3Config, num_stages: int, *, layers: Sequence[int] 
             ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
                                  ignore_index=_model.IGNORE_INDEX)
         if cfg.moe_layers:
-            counts, prob_sum, rows, load = carry[1:]
+            counts, prob_sum, rows, load = carry[1:5]
             aux_loss = balancing_loss_from_stats(counts, prob_sum, rows, cfg.num_experts)
             total = ce + cfg.router_aux_loss_coef * aux_loss
         else:
             aux_loss, load = ce.new_zeros(()), torch.zeros(0, 0, dtype=torch.int64, device=ce.device)
             total = ce
-        return total, {"ce_loss": ce.detach(), "aux_loss": aux_loss.detach(), "expert_load": load,
-                       "tokens": (labels != _model.IGNORE_INDEX).sum()}
+        out = {"ce_loss": ce.detach(), "aux_loss": aux_loss.detach(), "expert_load": load,
+               "tokens": (labels != _model.IGNORE_INDEX).sum()}
+        if drops:
+            out["dropped_pairs"] = carry[5]
+        return total, out
 
     def aux_template(mb: dict) -> dict:
         n, E = (len(cfg.moe_layers), cfg.num_experts) if cfg.moe_layers else (0, 0)
         z = torch.zeros((), dtype=torch.float32)
-        return {"ce_loss": z, "aux_loss": z.clone(), "expert_load": torch.zeros(n, E, dtype=torch.int64),
-                "tokens": torch.zeros((), dtype=torch.int64)}
+        out = {"ce_loss": z, "aux_loss": z.clone(), "expert_load": torch.zeros(n, E, dtype=torch.int64),
+               "tokens": torch.zeros((), dtype=torch.int64)}
+        if drops:
+            out["dropped_pairs"] = torch.zeros(n, dtype=torch.int64)
+        return out
 
     return Stages(num_stages=num_stages, paths=paths, stage_of=stage_of, forward=forward, loss=loss,
                   aux_template=aux_template, owner=cfg, layers=layers)
