@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -69,7 +70,10 @@ def test_sigterm_saves_the_last_step_and_an_elastic_restart_resumes(tmp_path, po
     resumed_at = 3 * ((kill - 1) // 3)  # the newest checkpoint before the kill
     assert f"elastic restart 1 of 1: resumed at step {resumed_at};" in proc.stdout, proc.stdout + proc.stderr
     assert "s from the failure (rank 0 lost a peer in step" in proc.stdout
-    assert "has exited, and a checkpoint needs every rank's blocks" in proc.stderr  # rank 0's last words: skipped
+    # rank 0's last words are skipped: the heartbeats show rank 1 gone, or (when rank 0 looks before the
+    # kernel has marked the killed process as exited) the agreement's collective loses its peer
+    assert re.search(r"last words \(step \d+ failed: CollectiveError\): no checkpoint: (rank 1 \(pid \d+\) has exited|"
+                     r"not every rank joined)", proc.stderr), proc.stderr
     summary = json.loads((out / "summary.json").read_text())
     assert summary["restarts"] == 1 and summary["resumed_from_step"] == resumed_at and summary["recovery_s"] > 0
     print(f"recovery: {summary['recovery_s']:.1f} s from the failure to the first resumed step")
