@@ -5,7 +5,7 @@ model (qwen3-moe-tiny, the main job's batch and sequence length) and times it, i
 block in rotating order, under four settings:
 
 - ``off``: no heartbeat, no checks (the bare step and its host read of the loss);
-- ``checks``: the loop's per-step check (``hpfunc.train.loop._check_step_finite``, run on the floats
+- ``checks``: the loop's per-step check (``hpfunc.train.loop._finite_step``, run on the floats
   the loop reads anyway) and, once per block, the last-step parameter scan (``_first_nonfinite``);
 - ``heartbeat``: a :class:`hpfunc.faults.Heartbeat` beating at the interval a launch uses for the
   default 300 s timeout (1 s), plus the checks: what every rank of ``hpfunc train`` runs;
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> dict:
             state, metrics = train_step(state, batch)
             loss = float(metrics["loss"])  # the loop's host read (every setting does it)
             if checks:
-                loop._check_step_finite(i + 1, loss, metrics)
+                assert loop._finite_step(loss, float(metrics["grad_norm"]))
             times.append((time.perf_counter() - t0) * 1e3)
         if checks:  # the loop scans the parameters once, after the last step
             t0 = time.perf_counter()

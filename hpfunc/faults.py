@@ -68,6 +68,9 @@ __all__ = [
     "raise_collective_error",
     "translate",
     "guard_rank",
+    "gone_peers",
+    "record_failure",
+    "pop_failure",
     "Heartbeat",
     "Watchdog",
 ]
@@ -357,6 +360,69 @@ def translate(e: BaseException) -> CollectiveError | None:
     return err
 
 
+def gone_peers() -> list[str]:
+    """The other ranks of this launch that cannot take part in a collective any more, from their
+    heartbeats: ``"rank 1 (pid 4242) has exited"`` for a process that is gone, or ``"... sent no heartbeat
+    for 12.0 s"`` for one silent for longer than the collective timeout. Empty outside an hpfunc launch
+    (no heartbeat folder): then only a collective with a timeout can tell.
+
+    >>> import os; os.environ.pop(ENV_HEARTBEAT_DIR, None) and None; gone_peers()
+    []
+    """
+    directory = os.environ.get(ENV_HEARTBEAT_DIR)
+    if not directory:
+        return []
+    limit = timeout_from_env()
+    me = _rank()
+    out = []
+    for r, (pid, age) in sorted(_beats(directory).items()):
+        if str(r) == me:
+            continue
+        st = _stat(pid)
+        if st is None or st[0] == "Z":
+            out.append(f"rank {r} (pid {pid}) has exited")
+        elif age > limit:
+            out.append(f"rank {r} (pid {pid}) sent no heartbeat for {age:.1f} s")
+    return out
+
+
+_FAILURE = "failure.json"  # in the heartbeat folder: the first failure a rank of this launch noticed
+
+
+def record_failure(what: str) -> None:
+    """Note, for the ranks of a restarted worker group, when a rank of this launch first noticed a failure
+    (a lost peer, a failed step): the first note stands until :func:`pop_failure` takes it. Nothing
+    outside an hpfunc launch."""
+    directory = os.environ.get(ENV_HEARTBEAT_DIR)
+    if not directory:
+        return
+    import json
+
+    try:
+        fd = os.open(os.path.join(directory, _FAILURE), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    except OSError:  # noted already (or the launcher is gone)
+        return
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps({"time": time.time(), "rank": _rank(), "what": what[:300]}))
+
+
+def pop_failure() -> dict[str, Any] | None:
+    """The failure :func:`record_failure` noted (``{"time", "rank", "what"}``), removed; None if none."""
+    directory = os.environ.get(ENV_HEARTBEAT_DIR)
+    if not directory:
+        return None
+    import json
+
+    path = os.path.join(directory, _FAILURE)
+    try:
+        with open(path) as f:
+            note = json.loads(f.read())
+        os.unlink(path)
+    except (OSError, ValueError):
+        return None
+    return note if isinstance(note, dict) else None
+
+
 # ---------------------------------------------------------------------------------------------
 # The rank side: die with the launcher, beat
 
@@ -457,6 +523,7 @@ class Watchdog:
         self.interval = heartbeat_interval(self.timeout_s)
         self.limit = self.timeout_s + watchdog_grace(self.timeout_s)
         self.killed: dict[int, str] = {}
+        self._killed_pids: set[int] = set()  # by pid: an elastic restart brings a rank back as a new process
         self.directory: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -487,7 +554,7 @@ class Watchdog:
         me = os.getpid()
         while not self._stop.wait(self.interval):
             for rank, (pid, age) in sorted(_beats(self.directory).items()):
-                if rank in self.killed or age <= self.limit:
+                if pid in self._killed_pids or age <= self.limit:
                     continue
                 st = _stat(pid)
                 if st is None or st[1] != me or st[0] == "Z":
@@ -498,6 +565,7 @@ class Watchdog:
                         f"{age:.1f} s, longer than the collective timeout of {self.timeout_s:g} s"
                         f"{f'; {state}' if state else ''}; killing it")
                 self.killed[rank] = line
+                self._killed_pids.add(pid)
                 print(line, file=self.stream or sys.stderr, flush=True)
                 try:
                     os.kill(pid, signal.SIGKILL)

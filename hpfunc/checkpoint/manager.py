@@ -95,12 +95,19 @@ class CheckpointManager:
         self.keep_last, self.keep_every = keep_last, keep_every
         self._saver = AsyncSaver(after_save=self._prune) if async_save else None
 
-    def save(self, state: Any, step: int, *, metadata: Any = None) -> SaveResult | PendingSave:
-        """Save ``state`` as step ``step`` (replacing a checkpoint of that step), then prune."""
+    def save(self, state: Any, step: int, *, metadata: Any = None,
+             process_group: Any = None) -> SaveResult | PendingSave:
+        """Save ``state`` as step ``step`` (replacing a checkpoint of that step), then prune.
+
+        ``process_group`` (synchronous managers only) is the group the save's collectives run on
+        (default: the whole world), e.g. one with a short timeout for a save on the way out."""
         path = step_dir(self.root, step)
         if self._saver is not None:
+            if process_group is not None:
+                raise ValueError("CheckpointManager.save: an asynchronous manager saves on its own process group; "
+                                 "use a synchronous manager to pass process_group")
             return self._saver.save(path, state, step=step, metadata=metadata)
-        result = save(path, state, step=step, metadata=metadata)
+        result = save(path, state, step=step, metadata=metadata, process_group=process_group)
         self._prune(result)
         return result
 

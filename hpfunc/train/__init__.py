@@ -11,7 +11,9 @@ Modules: ``config`` (schema, YAML, ``--set`` overrides), ``build`` (model config
 optimizer), ``data`` (corpora, tokenising, seeded batches), ``step`` (``make_train_step``),
 ``output`` (metrics JSONL, progress, plot), ``loop`` (``run``), ``distributed`` (``parallel:`` -> a plan,
 checked against the model; the sharded step inside the ranks), ``launch`` (starting the ranks through
-``torch.distributed.run``), ``cli`` (``hpfunc train``).
+``torch.distributed.run``), ``checkpointing`` (what a run saves, ``--resume``, config compatibility),
+``last_words`` (the save on SIGTERM / SIGINT / a failed step), ``fault_hooks`` (test hooks that
+inject faults), ``cli`` (``hpfunc train``).
 See ``docs/train.md``.
 """
 

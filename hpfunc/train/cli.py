@@ -1,4 +1,4 @@
-"""``hpfunc train CONFIG.yaml [--set key.path=value ...] [--out DIR] [--steps N] [--overwrite] [--check]``.
+"""``hpfunc train CONFIG.yaml [--set key.path=value ...] [--out DIR] [--steps N] [--overwrite] [--resume auto|never|PATH] [--check]``.
 
 A config whose ``parallel.mesh`` needs more than one process is checked here, its output folder
 claimed (:class:`hpfunc.train.output.RunFolder`: the lock is held here for the whole launch and its
@@ -26,7 +26,8 @@ __all__ = ["main", "USAGE", "LOCK_ENV"]
 # How the launching process hands its claim on the output folder to rank 0 (the token of its lock).
 LOCK_ENV = "HPFUNC_TRAIN_OUTPUT_LOCK"
 
-USAGE = """usage: hpfunc train CONFIG.yaml [--set key.path=value ...] [--out DIR] [--steps N] [--overwrite] [--check]
+USAGE = """usage: hpfunc train CONFIG.yaml [--set key.path=value ...] [--out DIR] [--steps N] [--overwrite]
+                    [--resume auto|never|PATH] [--check]
 
 Train a model from a YAML config and write config.yaml, metrics.jsonl, loss.png, sample.txt and
 summary.json into the output folder, which the run owns (locked) while it runs. A `parallel:` mesh of
@@ -39,6 +40,11 @@ N > 1 processes starts N ranks (torch.distributed.run, gloo) running this same c
   --steps N               number of steps (same as --set train.steps=N)
   --overwrite             replace the run already in the output folder (without it such a folder is
                           refused); the old files go when the new run starts writing
+  --resume auto|never|PATH
+                          continue from a checkpoint (checkpoint: section): auto = the newest complete
+                          one of the run's checkpoint.dir (none: start at step 0), PATH = a checkpoint
+                          folder or a folder of them, never = start at step 0 (the default); the run
+                          continues in its output folder, metrics.jsonl cut back to the checkpoint's step
   --check                 check the config, the parallel plan against the model and the data (read
                           and checked against the model and the batch), and print the config
                           resolved, with the data and the plan per parameter, without training
@@ -52,6 +58,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out")
     p.add_argument("--steps")
     p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--resume", default="never")
     p.add_argument("--check", action="store_true")
     return p
 
@@ -118,13 +125,25 @@ def main(argv: Sequence[str] | None = None) -> None:
                               f"{cfg.parallel.mesh_text} needs {cfg.parallel.size}; run "
                               f"`hpfunc train` without a launcher (it starts the processes) or match the mesh")
         inputs = [("config", args.config)]
+        if not args.resume:
+            raise ConfigError("--resume: expected auto, never or the path of a checkpoint, found ''")
+        if cfg.parallel.max_restarts and cfg.parallel.size <= 1:
+            raise ConfigError(f"parallel.max_restarts: {cfg.parallel.max_restarts} restarts need a mesh of several "
+                              f"processes (torch's elastic launcher restarts the ranks); a one-process run is "
+                              f"continued with --resume auto")
         if cfg.parallel.size > 1 and not in_rank:
+            from hpfunc.checkpoint import latest
+            from hpfunc.train.checkpointing import checkpoint_root, plan_resume
             from hpfunc.train.data import data_inputs
             from hpfunc.train.output import RunFolder
 
+            # where the run starts is checked here too (the saved config against this one), before any rank
+            plan = plan_resume(cfg, cfg.output.dir, args.resume, overwrite=args.overwrite)
+            hint = ("; or continue it from its newest checkpoint with --resume auto"
+                    if latest(checkpoint_root(cfg, cfg.output.dir)) is not None else "")
             # the output folder is checked and claimed here, before any rank starts, and held to the end
-            with RunFolder(cfg.output.dir, overwrite=args.overwrite,
-                           inputs=[*inputs, *data_inputs(cfg.data)]) as folder:
+            with RunFolder(cfg.output.dir, overwrite=args.overwrite, inputs=[*inputs, *data_inputs(cfg.data)],
+                           resume=plan.resume, hint=hint) as folder:
                 if cfg.output.progress != "none":
                     # the ranks take a while to start (each imports torch): say what is happening
                     print(f"hpfunc train: starting {cfg.parallel.size} processes (torch.distributed.run, gloo) for "
@@ -133,7 +152,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                 os.environ[LOCK_ENV] = folder.token or ""  # the ranks inherit the environment
                 try:
                     status = launch(["hpfunc.cli", "train", *argv], cfg.parallel.size, module=True,
-                                    threads=cfg.train.num_threads, timeout_s=cfg.parallel.timeout_s)
+                                    threads=cfg.train.num_threads, timeout_s=cfg.parallel.timeout_s,
+                                    max_restarts=cfg.parallel.max_restarts,
+                                    shutdown_timeout_s=cfg.checkpoint.last_words_timeout_s + 10)
                 finally:
                     if before is None:
                         os.environ.pop(LOCK_ENV, None)
@@ -142,12 +163,16 @@ def main(argv: Sequence[str] | None = None) -> None:
             if status:
                 raise SystemExit(status)
             return
-        from hpfunc.train.loop import TrainingDiverged, run
+        from hpfunc.train.loop import Stopped, TrainingDiverged, run
         from hpfunc.train.output import OutputWriteError
 
         try:
             run(cfg, overwrite=args.overwrite, inputs=inputs,
-                lock_token=os.environ.get(LOCK_ENV) if in_rank else None)
+                lock_token=os.environ.get(LOCK_ENV) if in_rank else None, resume=args.resume)
+        except Stopped as e:
+            if rank_of_this_process() == 0:
+                print(f"{who}: {e}", file=sys.stderr, flush=True)
+            raise SystemExit(128 + e.signum) from None
         except TrainingDiverged as e:
             print(f"{who}: training diverged at {e}", file=sys.stderr)
             raise SystemExit(1) from None

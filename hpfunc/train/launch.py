@@ -25,10 +25,13 @@ Example (a script instead of the trainer, as the tests do)::
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Sequence
 
 __all__ = ["in_launched_rank", "launch", "rank_of_this_process"]
+
+_UNSHARE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
 
 def in_launched_rank() -> bool:
@@ -42,7 +45,7 @@ def rank_of_this_process() -> int:
 
 
 def launch(target: Sequence[str], nproc: int, *, module: bool = False, threads: int | None = None,
-           timeout_s: float | None = None) -> int:
+           timeout_s: float | None = None, max_restarts: int = 0, shutdown_timeout_s: float | None = None) -> int:
     """Run ``target`` (a script and its arguments, or with ``module`` a module name and its arguments)
     on ``nproc`` local ranks through ``torch.distributed.run``; return the exit status.
 
@@ -54,6 +57,11 @@ def launch(target: Sequence[str], nproc: int, *, module: bool = False, threads: 
         launcher would otherwise set 1 and print a banner saying so).
       timeout_s: the collective timeout (``parallel.timeout_s``); None: the default of
         :func:`hpfunc.launch.run_ranks` (300 s).
+      max_restarts: elastic restarts (``parallel.max_restarts``, torchrun's ``--max-restarts``): after a
+        rank fails the launcher stops the others and starts the whole group again, up to this many
+        times; the trainer's ranks of a restarted group resume from the newest checkpoint.
+      shutdown_timeout_s: how long the launcher lets the ranks finish after SIGTERM (their last words)
+        before it kills them (torchrun's ``--shutdown-timeout``; None: torch's 30 s).
 
     Returns:
       0 when every rank exited 0; otherwise the exit status of the first rank that failed (1 when it
@@ -63,5 +71,18 @@ def launch(target: Sequence[str], nproc: int, *, module: bool = False, threads: 
     from hpfunc.launch import run_ranks, torchrun_args
 
     os.environ.setdefault("OMP_NUM_THREADS", str(threads or 1))
-    argv = ["--nproc", str(nproc), *(["--module"] if module else []), *target]
-    return run_ranks(torchrun_args(argv), nproc=nproc, timeout_s=timeout_s, who="hpfunc train")
+    # torch 2.13's launcher shares its rendezvous store with the ranks and gives a restarted group no
+    # key prefix of its own: the new ranks read the gloo addresses of the dead ones ("Gloo connectFullMesh
+    # failed ... Connection refused", seen on the first restart). With the store not shared, rank 0 of
+    # each attempt hosts a fresh one.
+    unshare = bool(max_restarts) and _UNSHARE not in os.environ
+    if unshare:
+        os.environ[_UNSHARE] = "1"
+    extra = [*([f"--max-restarts={max_restarts}"] if max_restarts else []),
+             *([f"--shutdown-timeout={int(math.ceil(shutdown_timeout_s))}"] if shutdown_timeout_s else [])]
+    argv = ["--nproc", str(nproc), *extra, *(["--module"] if module else []), *target]
+    try:
+        return run_ranks(torchrun_args(argv), nproc=nproc, timeout_s=timeout_s, who="hpfunc train")
+    finally:
+        if unshare:
+            os.environ.pop(_UNSHARE, None)

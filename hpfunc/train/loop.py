@@ -29,8 +29,10 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import pathlib
+import sys
 import time
 from typing import Any, Callable, Sequence, TextIO
 
@@ -39,14 +41,20 @@ import torch
 import yaml
 
 from hpfunc import random
+from hpfunc.checkpoint import latest
+from hpfunc.faults import is_comm_failure, pop_failure, record_failure
 from hpfunc.train.build import build_optimizer, build_schedule, check_buildable, model_dtype
-from hpfunc.train.config import Config, config_to_dict
+from hpfunc.train.checkpointing import (ResumePlan, TrainCheckpoints, checkpoint_root, clear_checkpoints, plan_resume,
+                                        restore_state, truncate_metrics)
+from hpfunc.train.config import Config, ConfigError, config_to_dict
 from hpfunc.train.data import check_data, data_inputs, eval_batches, load_data, sample_batch
 from hpfunc.train.output import MetricsWriter, Progress, RunFolder, format_summary, plot_losses
 from hpfunc.train.distributed import is_distributed
+from hpfunc.train.fault_hooks import FaultHooks
+from hpfunc.train.last_words import LastWords, StopSignals, Stopped, stop_message
 from hpfunc.train.step import TrainState, init_train_state, make_eval_step, make_train_step
 
-__all__ = ["RunResult", "TrainingDiverged", "run", "data_keys"]
+__all__ = ["RunResult", "TrainingDiverged", "Stopped", "run", "data_keys"]
 
 
 class TrainingDiverged(RuntimeError):
@@ -58,14 +66,16 @@ _DIVERGED_FIX = ("lower optimizer.lr, add warmup (schedule.warmup_steps) or clip
                  "the metrics logged before are kept in metrics.jsonl")
 
 
-def _check_step_finite(step: int, loss: float, metrics: dict[str, Any]) -> None:
-    grad_norm, lr = float(metrics["grad_norm"]), float(metrics["lr"])
-    if math.isfinite(loss) and math.isfinite(grad_norm):
-        return
-    what = (f"the loss is {loss} (grad norm {grad_norm:.3g}" if not math.isfinite(loss)
-            else f"the gradient norm is {grad_norm} while the loss is {loss:.4f} (")
-    raise TrainingDiverged(f"step {step}: {what}{', ' if not math.isfinite(loss) else ''}lr {lr:.3g}); "
-                           f"{_DIVERGED_FIX}")
+def _finite_step(loss: float, grad_norm: float) -> bool:
+    """The guard every step passes before it is applied: its loss and gradient norm are finite."""
+    return math.isfinite(loss) and math.isfinite(grad_norm)
+
+
+def _nonfinite_text(loss: float, grad_norm: float, lr: float) -> str:
+    """``the loss is nan (grad norm nan, lr 0.01)`` / ``the gradient norm is inf while the loss is 5.5 (lr 1e+10)``."""
+    if not math.isfinite(loss):
+        return f"the loss is {loss} (grad norm {grad_norm:.3g}, lr {lr:.3g})"
+    return f"the gradient norm is {grad_norm} while the loss is {loss:.4f} (lr {lr:.3g})"
 
 
 def _first_nonfinite(params: Any) -> tuple[str, int, int] | None:
@@ -171,6 +181,7 @@ def run(
     overwrite: bool = False,
     inputs: Sequence[tuple[str, str | pathlib.Path]] = (),
     lock_token: str | None = None,
+    resume: str = "never",
 ) -> RunResult:
     """Train for ``cfg.train.steps`` steps and write the outputs.
 
@@ -188,6 +199,9 @@ def run(
         file): the run refuses to write over any of them.
       lock_token: the token of the output folder's lock when the launching process holds it
         (``hpfunc train`` on a mesh claims the folder before it starts the ranks).
+      resume: ``"never"`` (start from step 0), ``"auto"`` (the newest complete checkpoint of the run's
+        ``checkpoint.dir``, if any) or the path of a checkpoint (:mod:`hpfunc.train.checkpointing`).
+        A restarted attempt of an elastic launch always resumes ``auto``.
     """
     threads = torch.get_num_threads()
     if cfg.train.num_threads is not None:
@@ -195,7 +209,7 @@ def run(
         # much faster than oversubscribed ones for a tiny model.
         torch.set_num_threads(cfg.train.num_threads)
     try:
-        claim = {"overwrite": overwrite, "inputs": inputs, "lock_token": lock_token}
+        claim = {"overwrite": overwrite, "inputs": inputs, "lock_token": lock_token, "resume": resume}
         if not is_distributed(cfg.parallel):
             return _run(cfg, out_dir=out_dir, stream=stream, echo=echo, claim=claim)
         from hpfunc.train.distributed import start_mesh
@@ -206,32 +220,68 @@ def run(
         torch.set_num_threads(threads)
 
 
+def _plan_on_rank0(cfg: Config, out: pathlib.Path, claim: dict[str, Any], mesh: Any) -> ResumePlan:
+    """:func:`plan_resume` on rank 0, its answer (or its error) on every rank."""
+    if mesh is None:
+        return plan_resume(cfg, out, claim["resume"], overwrite=claim["overwrite"])
+    from hpfunc.checkpoint import _ranks
+
+    answer: Any = None
+    if torch.distributed.get_rank() == 0:
+        try:
+            answer = plan_resume(cfg, out, claim["resume"], overwrite=claim["overwrite"])
+        except ConfigError as e:
+            answer = e
+    answer = _ranks.from_rank0(answer, None)
+    if isinstance(answer, BaseException):
+        raise answer
+    return answer
+
+
 def _run(cfg: Config, *, out_dir: str | pathlib.Path | None, stream: TextIO | None, echo: bool,
          mesh: Any = None, claim: dict[str, Any]) -> RunResult:
     main = mesh is None or torch.distributed.get_rank() == 0  # the rank that prints and writes
     model_cfg = check_buildable(cfg)  # config errors first: nothing is created for a config that cannot run
     out = pathlib.Path(cfg.output.dir if out_dir is None else out_dir)
+    plan = _plan_on_rank0(cfg, out, claim, mesh)  # before any file is written
     if not main:
-        return _train(cfg, model_cfg, out, None, stream=stream, echo=echo, mesh=mesh)
-    folder = RunFolder(out, overwrite=claim["overwrite"], inputs=[*claim["inputs"], *data_inputs(cfg.data)],
-                       inherited=claim["lock_token"])
+        return _train(cfg, model_cfg, out, None, stream=stream, echo=echo, mesh=mesh, plan=plan)
+    hint = ("; or continue it from its newest checkpoint with --resume auto"
+            if latest(checkpoint_root(cfg, out)) is not None else "")
+    folder = RunFolder(out, overwrite=claim["overwrite"] and not plan.restart,
+                       inputs=[*claim["inputs"], *data_inputs(cfg.data)], inherited=claim["lock_token"],
+                       resume=plan.resume, hint=hint)
     with folder:  # held to the last write; a second run into the folder is refused meanwhile
-        return _train(cfg, model_cfg, out, folder, stream=stream, echo=echo, mesh=mesh)
+        return _train(cfg, model_cfg, out, folder, stream=stream, echo=echo, mesh=mesh, plan=plan)
+
+
+def _first_nonfinite_grad(model_cfg: Any, params: Any, batch: Any) -> tuple[str, int, int] | None:
+    """The first parameter whose gradient on ``batch`` is not finite (one process: the failure path
+    recomputes the step's gradient once, which costs one more forward and backward)."""
+    from hpfunc.autodiff import value_and_grad
+    from hpfunc.models import qwen3
+    from hpfunc.train.step import _default_is_frozen, merge_params, split_params
+
+    trained, frozen = split_params(params, _default_is_frozen())
+    _, grads = value_and_grad(lambda t: qwen3.loss(merge_params(t, frozen), batch, model_cfg)[0])(trained)
+    return _first_nonfinite(grads)
 
 
 def _train(cfg: Config, model_cfg: Any, out: pathlib.Path, folder: RunFolder | None, *, stream: TextIO | None,
-           echo: bool, mesh: Any) -> RunResult:
+           echo: bool, mesh: Any, plan: ResumePlan) -> RunResult:
     from hpfunc.models import qwen3
 
     main = folder is not None  # the rank that prints and writes
     progress_mode = cfg.output.progress if main else "none"
     quiet = not echo or progress_mode == "none"
+    out_stream = sys.stdout if stream is None else stream
 
     def say(text: str) -> None:
         if not quiet:
             print(text, file=stream, flush=True)
 
     tc = cfg.train
+    cc = cfg.checkpoint
 
     if tc.aux_loss_coef is not None:
         model_cfg = attrs.evolve(model_cfg, router_aux_loss_coef=tc.aux_loss_coef)
@@ -267,8 +317,31 @@ def _train(cfg: Config, model_cfg: Any, out: pathlib.Path, folder: RunFolder | N
                                                 model_dtype(cfg.model))
         full_params = train_step.full_params  # a collective (a pipeline's stages come from their ranks)
     eval_step = make_eval_step(model_cfg)
+
+    # where the run starts: step 0, or a checkpoint loaded into this run's layout (resharded)
+    start = 0
+    loop: dict[str, Any] = {}
+    if plan.path is not None:
+        from hpfunc import checkpoint
+
+        t = time.perf_counter()
+        loop = dict(checkpoint.info(plan.path)["metadata"]["loop"])
+        state, start = restore_state(plan.path, state)
+        say(f"resume: from {plan.path} (step {start} of {tc.steps}, {int(state.step)} optimizer steps) in "
+            f"{time.perf_counter() - t:.2f} s" + (f"; changed: {', '.join(plan.notes)}" if plan.notes else ""))
+    elif plan.restart:
+        say(f"resume: no checkpoint yet under {checkpoint_root(cfg, out)}; attempt {plan.restart + 1} starts over")
+    failure = pop_failure() if main and plan.restart else None
+    failure_seen = time.time()
+
+    root = checkpoint_root(cfg, out)
+    kept: list[dict[str, Any]] = []
     if main:  # the first write: a previous run's files go now (with overwrite), not before
         folder.start()
+        if not plan.resume and folder.overwrite:
+            clear_checkpoints(root)
+        if plan.resume:
+            kept = truncate_metrics(folder.file("metrics.jsonl"), start)  # no step twice
         folder.write_text("config.yaml", yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
     val_batches = (
         eval_batches(data.val, val_key, tc.eval_batches, tc.batch_size, tc.seq_len)
@@ -276,32 +349,104 @@ def _train(cfg: Config, model_cfg: Any, out: pathlib.Path, folder: RunFolder | N
         else []
     )
 
+    # collective on a mesh (process groups of the async saver and of the last words), in this order
+    ckpts = TrainCheckpoints(cfg, root) if cc.every > 0 else None
+    words = LastWords(ckpts, distributed=mesh is not None, timeout_s=cc.last_words_timeout_s)
+    use_words = ckpts is not None and cc.last_words
+    hooks = FaultHooks.from_env()
+    rank = torch.distributed.get_rank() if mesh is not None else 0
+
     ep_size = next((cfg.parallel.mesh[e.axes[0]] for e in cfg.parallel.plan if e.kind == "ep"), 1)
-    records: list[dict[str, Any]] = []
-    losses: list[float] = []
+    records: list[dict[str, Any]] = list(kept)
+    losses: list[float] = list(loop.get("recent", []))  # the last ones before a resume: the summary's mean
+    first_loss = loop.get("first_loss")
+    min_loss = loop.get("min_loss")
     tokens_per_step = tc.batch_size * tc.seq_len
-    train_time = 0.0
-    window: list[float] = []
-    window_time = 0.0
+    train_time = float(loop.get("train_time_s", 0.0))
+    window: list[float] = list(loop.get("window", []))
+    window_time = float(loop.get("window_time_s", 0.0))
+    skipped = int(loop.get("skipped", 0))
+    in_a_row = int(loop.get("in_a_row", 0))
+    recovery_s: float | None = None
     last: dict[str, float] = {}
     progress = Progress(tc.steps, progress_mode, stream)
+    progress.update(start)
+
+    def loop_state() -> dict[str, Any]:
+        return {"first_loss": first_loss, "recent": losses[-10:], "min_loss": min_loss, "train_time_s": train_time,
+                "window": window, "window_time_s": window_time, "skipped": skipped, "in_a_row": in_a_row}
+
+    def last_words(done: int, why: str) -> str:
+        """Save the state after ``done`` steps on the way out; the message says what happened."""
+        if not use_words:
+            return ""
+        _, message = words.save(state, done, loop_state(), why=why)
+        if main or message.startswith("no checkpoint"):
+            print(f"hpfunc train{f' [rank {rank}]' if mesh is not None else ''}: last words ({why}): {message}",
+                  file=sys.stderr, flush=True)
+        return message
+
+    done = start
+    finished = False  # an error of the checkpoints' closing must not hide the error that ends the run
     try:
-        with MetricsWriter(folder.file("metrics.jsonl")) if main else _NoWriter() as writer:
-            for step in range(tc.steps):
-                batch = sample_batch(data.train, train_key, step, tc.batch_size, tc.seq_len)
+        with MetricsWriter(folder.file("metrics.jsonl")) if main else _NoWriter() as writer, \
+                StopSignals() if use_words else contextlib.nullcontext() as signals:
+            for step in range(start, tc.steps):
+                hooks.maybe_kill(step + 1, rank=rank, attempt=plan.restart)
+                batch = hooks.batch(step + 1, sample_batch(data.train, train_key, step, tc.batch_size, tc.seq_len))
                 t = time.perf_counter()
-                state, metrics = train_step(state, batch)
-                if mesh is not None:
-                    metrics = _local_metrics(metrics)
-                loss = float(metrics["loss"])  # the host read also ends the step's work
-                _check_step_finite(step + 1, loss, metrics)  # every rank holds the same values
-                last = {"loss": loss, "grad_norm": float(metrics["grad_norm"]), "lr": float(metrics["lr"])}
+                try:
+                    new_state, metrics = train_step(state, batch)  # pure: `state` stays the last completed step's
+                    if mesh is not None:
+                        metrics = _local_metrics(metrics)
+                    loss = float(metrics["loss"])  # the host read also ends the step's work
+                except Exception as e:
+                    if is_comm_failure(e):
+                        record_failure(f"rank {rank} lost a peer in step {step + 1}")
+                    last_words(done, f"step {step + 1} failed: {type(e).__name__}")
+                    raise
+                grad_norm, step_lr = float(metrics["grad_norm"]), float(metrics["lr"])
                 dt = time.perf_counter() - t
                 train_time += dt
+                if not _finite_step(loss, grad_norm):  # every rank holds the same values
+                    skipped += 1
+                    in_a_row += 1
+                    what = _nonfinite_text(loss, grad_norm, step_lr)
+                    if tc.on_nonfinite == "stop" or in_a_row > tc.max_skips:
+                        bad = _first_nonfinite_grad(model_cfg, state.params, batch) if mesh is None else None
+                        grad = ("" if mesh is not None else
+                                f"; the first parameter whose gradient is not finite: {bad[0]!r} ({bad[1]} of "
+                                f"{bad[2]} values)" if bad else "; every parameter's gradient is finite")
+                        cap = (f"; {in_a_row} steps in a row were not finite, more than train.max_skips "
+                               f"({tc.max_skips})" if tc.on_nonfinite == "skip" else "")
+                        saved = last_words(done, f"step {step + 1} not finite")
+                        raise TrainingDiverged(
+                            f"step {step + 1}: {what}{grad}{cap}; the step was not applied (the state is that "
+                            f"of step {done}{f'; last words: {saved}' if saved else ''}); {_DIVERGED_FIX}")
+                    done = step + 1
+                    vrec = {"step": done, "skipped": True, "reason": f"{what}; the step was not applied",
+                            "skipped_steps": skipped}
+                    writer.write(vrec)
+                    records.append(vrec)
+                    progress.message(f"step {done}: {what}; skipped (not applied; {skipped} skipped so far, "
+                                     f"{in_a_row} in a row of at most {tc.max_skips})")
+                    progress.update(done)
+                    continue
+                state, in_a_row = new_state, 0
+                last = {"loss": loss, "grad_norm": grad_norm, "lr": step_lr}
                 window_time += dt
                 losses.append(loss)
                 window.append(loss)
+                first_loss = loss if first_loss is None else first_loss
+                min_loss = loss if min_loss is None else min(min_loss, loss)
                 done = step + 1
+                if recovery_s is None and plan.restart and main:
+                    recovery_s = time.time() - (failure["time"] if failure else failure_seen)
+                    since = (f"{recovery_s:.1f} s from the failure ({failure['what']}) to the first resumed step"
+                             if failure else f"{recovery_s:.1f} s from this attempt's start to its first step (no "
+                             f"rank noted the failure's time)")
+                    print(f"hpfunc train: elastic restart {plan.restart} of {cfg.parallel.max_restarts}: resumed at "
+                          f"step {start}; {since}", file=out_stream, flush=True)
                 record = None
                 if done % tc.log_every == 0 or done == 1 or done == tc.steps:
                     record = {
@@ -309,13 +454,15 @@ def _train(cfg: Config, model_cfg: Any, out: pathlib.Path, folder: RunFolder | N
                         "loss": sum(window) / len(window),
                         "ce_loss": float(metrics["ce_loss"]),
                         "aux_loss": float(metrics["aux_loss"]),
-                        "grad_norm": float(metrics["grad_norm"]),
-                        "lr": float(metrics["lr"]),
+                        "grad_norm": grad_norm,
+                        "lr": step_lr,
                         "tokens_per_s": tokens_per_step * len(window) / max(window_time, 1e-9),
                         "elapsed_s": train_time,
                         **(_expert_stats(metrics["expert_load"], ep_size) if "expert_load" in metrics else {}),
                         **(_dropped_stats(metrics["dropped_pairs"]) if "dropped_pairs" in metrics else {}),
                     }
+                    if skipped:
+                        record["skipped_steps"] = skipped
                     writer.write(record)
                     records.append(record)
                     window, window_time = [], 0.0
@@ -329,22 +476,48 @@ def _train(cfg: Config, model_cfg: Any, out: pathlib.Path, folder: RunFolder | N
                         records.append(vrec)
                         progress.message(f"step {done}: validation loss {val:.4f}")
                 progress.update(done, record)
+                if ckpts is not None and ckpts.due(done) and done != tc.steps:
+                    ckpts.save(state, done, loop_state())
+                if use_words:
+                    hooks.maybe_term(done, handled=signals.signum is None and signals.installed)
+                    try:
+                        signum = words.any_stop(signals.signum)
+                    except Exception as e:  # a peer lost between two steps: the state of `done` is whole
+                        if is_comm_failure(e):
+                            record_failure(f"rank {rank} lost a peer after step {done}")
+                        last_words(done, f"a peer was lost after step {done}: {type(e).__name__}")
+                        raise
+                    if signum is not None and done != tc.steps:
+                        raise Stopped(stop_message(signum, done, last_words(done, _sig_name(signum))), signum)
+            if ckpts is not None and done == tc.steps and start < tc.steps:
+                ckpts.save(state, done, loop_state())  # the last step's state: a run can be extended from it
+                ckpts.wait()
             final_params = full_params(state.params)  # a collective: every rank
             bad = _first_nonfinite(final_params)  # the last update has no later loss to show it
             if bad is not None:
                 path, n_bad, n = bad
                 raise TrainingDiverged(
                     f"step {tc.steps} (the last): its update left non-finite parameters ({n_bad} of the {n} values "
-                    f"of {path!r} are NaN or infinite) although the step's loss ({last['loss']:.4f}) and gradient "
-                    f"norm ({last['grad_norm']:.3g}) were finite (lr {last['lr']:.3g}); {_DIVERGED_FIX}")
+                    f"of {path!r} are NaN or infinite) although the step's loss ({last.get('loss', math.nan):.4f}) "
+                    f"and gradient norm ({last.get('grad_norm', math.nan):.3g}) were finite "
+                    f"(lr {last.get('lr', math.nan):.3g}); {_DIVERGED_FIX}")
             val = _evaluate(eval_step, final_params, val_batches) if main else None
             if val is not None:
                 _check_val_finite(tc.steps, val, last)
                 vrec = {"step": tc.steps, "val_loss": val}
                 writer.write(vrec)
                 records.append(vrec)
+        finished = True
     finally:
         progress.close()
+        if ckpts is not None:
+            try:
+                ckpts.close()
+            except Exception:
+                if finished:
+                    raise
+            finally:
+                words.close()
 
     last_window = min(10, len(losses))
     summary = {
@@ -352,14 +525,26 @@ def _train(cfg: Config, model_cfg: Any, out: pathlib.Path, folder: RunFolder | N
         "tokens": tokens_per_step * tc.steps,
         "train_time_s": train_time,
         "tokens_per_s": tokens_per_step * tc.steps / max(train_time, 1e-9),
-        "first_loss": losses[0],
-        "last_loss": sum(losses[-last_window:]) / last_window,
+        "first_loss": first_loss,
+        "last_loss": sum(losses[-last_window:]) / last_window if last_window else None,
         "last_window": last_window,
-        "min_loss": min(losses),
+        "min_loss": min_loss,
         "val_loss": val,
         "params": n_params,
         "out_dir": str(out),
     }
+    if skipped:
+        summary["skipped_steps"] = skipped
+    if plan.path is not None:
+        summary["resumed_from_step"] = start
+    if plan.restart:
+        summary["restarts"] = plan.restart
+        summary["recovery_s"] = recovery_s
+    if ckpts is not None:
+        summary["checkpoints"] = {"dir": str(root), "saves": len(ckpts.blocked_s),
+                                  "blocked_s_per_save": sum(ckpts.blocked_s) / max(len(ckpts.blocked_s), 1),
+                                  "write_s_per_save": sum(ckpts.write_s) / max(len(ckpts.write_s), 1),
+                                  "async": ckpts.asynchronous}
     if mesh is not None:
         summary["processes"] = cfg.parallel.size
         summary["mesh"] = dict(cfg.parallel.mesh)
@@ -383,3 +568,12 @@ def _train(cfg: Config, model_cfg: Any, out: pathlib.Path, folder: RunFolder | N
     folder.write_json("summary.json", summary)  # last: its presence means the run finished
     say(format_summary(summary))
     return RunResult(state=state, records=records, summary=summary, out_dir=out)
+
+
+def _sig_name(signum: int) -> str:
+    import signal
+
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return str(signum)

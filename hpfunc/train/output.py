@@ -205,13 +205,19 @@ class RunFolder:
         ``hpfunc train`` parent claims the folder before it starts the ranks and hands the token to
         rank 0, which then works under that lock).
       key: the config key the messages name.
+      resume: the run continues the one in the folder (``hpfunc train --resume``): its files are
+        accepted; :meth:`start` removes only the end-of-run files (``sample.txt``, ``loss.png``,
+        ``summary.json``) and temp files, and the trainer cuts ``metrics.jsonl`` back to the checkpoint.
+      hint: appended to the refusal of a folder holding a run (e.g. how to resume it).
     """
 
     def __init__(self, path: str | pathlib.Path, *, overwrite: bool = False,
                  inputs: Sequence[tuple[str, str | pathlib.Path]] = (), inherited: str | None = None,
-                 key: str = "output.dir"):
+                 key: str = "output.dir", resume: bool = False, hint: str = ""):
         self.path = pathlib.Path(path)
         self.overwrite = overwrite
+        self.resume = resume
+        self.hint = hint
         self.inputs = [(what, pathlib.Path(p)) for what, p in inputs]
         self.inherited = inherited
         self.key = key
@@ -314,13 +320,13 @@ class RunFolder:
 
     def _check_empty(self) -> None:
         found = self.previous_run()
-        if not found or self.overwrite:
+        if not found or self.overwrite or self.resume:
             return
         state = ("it finished" if "summary.json" in found
                  else "it did not finish: no summary.json")
         raise OutputError(f"{self.key}: the folder {self.path} already holds a run ({', '.join(found)}; {state}); "
                           f"rerun with --overwrite to replace it (run(..., overwrite=True) from Python), or "
-                          f"choose another folder (--out DIR)")
+                          f"choose another folder (--out DIR){self.hint}")
 
     # -- writing
 
@@ -329,7 +335,10 @@ class RunFolder:
         if self._started:
             return
         self._started = True
+        keep = ("config.yaml", "metrics.jsonl") if self.resume else ()
         for name in self.previous_run():
+            if name in keep:
+                continue
             p = self.path / name
             try:
                 if p.is_dir() and not p.is_symlink():

@@ -173,6 +173,9 @@ def test_a_nonfinite_gradient_norm_stops_the_run_at_its_step(tmp_path, capsys):
 
     m = re.search(r"training diverged at step (\d+): the gradient norm is nan while the loss is [0-9.]+ ", err)
     assert m, err
+    # the failure path recomputes that step's gradient once to name the parameter where it went wrong
+    assert re.search(r"the first parameter whose gradient is not finite: '[a-z_.0-9]+' \(\d+ of \d+ values\)", err), err
+    assert "the step was not applied (the state is that of step" in err
     k = int(m.group(1))
     records = _assert_complete_or_absent(tmp_path / "out")
     assert [r["step"] for r in records] == list(range(1, k))  # every step before it, logged and finite
