@@ -190,11 +190,4 @@ def check_buildable(cfg: Config) -> Any:
         )
     build_schedule(cfg.schedule, cfg.train.steps)
     check_parallel(cfg, model_cfg)
-    from hpfunc.train.distributed import is_distributed
-
-    if cfg.model.pretrained is not None and not is_distributed(cfg.parallel):
-        # the one-process path creates its parameters in hpfunc/train/loop.py, which does not read it yet
-        raise ConfigError(f"model.pretrained: {cfg.model.pretrained!r} is read by runs on a mesh of two or more "
-                          f"processes in this version (parallel.mesh, e.g. {{fsdp: 2}} with plan: [fsdp]); a "
-                          f"one-process run starts from model.preset")
     return model_cfg

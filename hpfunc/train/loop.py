@@ -304,7 +304,12 @@ def _train(cfg: Config, model_cfg: Any, out: pathlib.Path, folder: RunFolder | N
         f"{cfg.schedule.name} schedule")
 
     if mesh is None:
-        params = qwen3.init(init_key, model_cfg, dtype=model_dtype(cfg.model))
+        if cfg.model.pretrained is not None:  # the Hugging Face folder's weights, checked against the config
+            from hpfunc.models.qwen3.hf import load_params
+
+            params = load_params(cfg.model.pretrained, model_cfg, dtype=model_dtype(cfg.model))
+        else:
+            params = qwen3.init(init_key, model_cfg, dtype=model_dtype(cfg.model))
         state = init_train_state(params, optimizer)
         train_step = make_train_step(model_cfg, optimizer, expert_bias_rate=tc.expert_bias_rate, lr_schedule=lr,
                                      num_microbatches=tc.microbatches)

@@ -3,9 +3,9 @@ with tp) against single-device training on the same global batch, with skewed ro
 
 from __future__ import annotations
 
-import functools
 
 import torch
+from _parity_checks import check_step_against_one_device
 
 LR = 1e-3
 ADAM_EPS = 1e-5
@@ -89,20 +89,10 @@ def run_ep_parity(mesh_shape: dict, roles: list[str], *, top_k: int = 2, experts
                               for r in stats.records]
         else:
             params, state, metrics, grads = step(params, state, b)
-        (value, aux), ref_grads = hpfunc.value_and_grad(ref_loss, has_aux=True)(at, b)
         what = f"{mesh_shape} {roles} top{top_k} E{experts} {skew} step {i}"
-        assert_trees_close(metrics["loss"], value, rtol=1e-5, atol=1e-6, what=f"{what} loss")
+        ref_params, ref_state, aux = check_step_against_one_device(
+            what, (params, state, metrics, grads), at, at_state, b, ref_loss, opt, (ref_params, ref_state), i, LR)
         assert_trees_close(metrics["aux_loss"], aux["aux_loss"], rtol=1e-5, atol=1e-7, what=f"{what} aux loss")
-        assert torch.equal(to_full(metrics["expert_load"]), aux["expert_load"]), f"{what} expert load"
-        for (path, gr), r in zip(hpfunc.tree.leaves_with_paths(to_full(grads)), hpfunc.tree.leaves(ref_grads)):
-            scale = float(r.abs().max()) or 1.0
-            assert_trees_close(gr, r, rtol=1e-5, atol=1e-5 * scale, what=f"{what} grad {path}")
-        u, _ = opt.update(to_full(grads), at_state, at)
-        assert_trees_close(params, optim.apply_updates(at, u), rtol=1e-5, atol=1e-7, what=f"{what} update")
-        _, tgrads = hpfunc.value_and_grad(ref_loss, has_aux=True)(ref_params, b)
-        updates, ref_state = opt.update(tgrads, ref_state, ref_params)
-        ref_params = optim.apply_updates(ref_params, updates)
-        assert_trees_close(params, ref_params, rtol=1e-5, atol=0.05 * LR * (i + 1), what=f"{what} params")
         if i == 0:
             out["load"] = aux["expert_load"].tolist()
     # the experts are split: this rank holds E / n of them

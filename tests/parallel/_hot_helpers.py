@@ -5,6 +5,7 @@ reported load, against single-device training."""
 from __future__ import annotations
 
 import torch
+from _parity_checks import check_step_against_one_device, experts_problem
 
 LR = 1e-3
 ADAM_EPS = 1e-5
@@ -33,23 +34,15 @@ def run_replicated_dispatch(world: int, tokens: list[int], k: int, E: int, skew:
     import hpfunc
     from hpfunc import lax
     from hpfunc.models import hot_experts as hot
-    from hpfunc.models.moe import expert_ffn, grouped_experts
+    from hpfunc.models.moe import expert_ffn
     from hpfunc.testing import assert_trees_close
 
     mesh = hpfunc.Mesh({"ep": world})
     g = torch.Generator().manual_seed(seed)
-    H_, I = 6, 4
     T = sum(tokens)
-    x = torch.randn(T, H_, generator=g, dtype=torch.float64)
     idx = skewed_indices(T, k, E, skew, g)
-    w = torch.rand(T, k, generator=g, dtype=torch.float64)
-    wg, wu, wd = (torch.randn(E, I, H_, generator=g, dtype=torch.float64),
-                  torch.randn(E, I, H_, generator=g, dtype=torch.float64),
-                  torch.randn(E, H_, I, generator=g, dtype=torch.float64))
-    ref_in = [t.clone().requires_grad_(True) for t in (x, w, wg, wu, wd)]
-    ref = grouped_experts(ref_in[0], idx, ref_in[1], *ref_in[2:], impl="bmm")
-    cot = torch.randn(ref.shape, generator=g, dtype=torch.float64)
-    ref_grads = torch.autograd.grad((ref * cot).sum(), ref_in)
+    prob = experts_problem(g, T, k, E, idx)
+    x, w, wg, wu, wd, ref, cot, ref_grads = (prob[n] for n in ("x", "w", "wg", "wu", "wd", "ref", "cot", "ref_grads"))
 
     load = torch.bincount(idx.reshape(-1), minlength=E)  # the global load (the same on every rank)
     placement = hot.place_hot_experts(load, ranks=world, slots=slots)
@@ -141,20 +134,10 @@ def run_replica_training(mesh_shape: dict, roles: list[str], *, skew: str = "one
         at, at_state = to_full(params), to_full(state)
         params, state, metrics, grads = step(params, state, b)
         history.append([p.copies for p in placements])
-        (value, aux), ref_grads = hpfunc.value_and_grad(ref_loss, has_aux=True)(at, b)
         what = f"{mesh_shape} {roles} {skew} slots {slots} step {i} {history[-1]}"
-        assert_trees_close(metrics["loss"], value, rtol=1e-5, atol=1e-6, what=f"{what} loss")
+        ref_params, ref_state, _ = check_step_against_one_device(
+            what, (params, state, metrics, grads), at, at_state, b, ref_loss, opt, (ref_params, ref_state), i, LR)
         load = to_full(metrics["expert_load"])
-        assert torch.equal(load, aux["expert_load"]), f"{what} expert load"
-        for (path, gr), r in zip(hpfunc.tree.leaves_with_paths(to_full(grads)), hpfunc.tree.leaves(ref_grads)):
-            scale = float(r.abs().max()) or 1.0
-            assert_trees_close(gr, r, rtol=1e-5, atol=1e-5 * scale, what=f"{what} grad {path}")
-        u, _ = opt.update(to_full(grads), at_state, at)
-        assert_trees_close(params, optim.apply_updates(at, u), rtol=1e-5, atol=1e-7, what=f"{what} update")
-        _, tgrads = hpfunc.value_and_grad(ref_loss, has_aux=True)(ref_params, b)
-        updates, ref_state = opt.update(tgrads, ref_state, ref_params)
-        ref_params = optim.apply_updates(ref_params, updates)
-        assert_trees_close(params, ref_params, rtol=1e-5, atol=0.05 * LR * (i + 1), what=f"{what} params")
         if (i + 1) % every == 0:  # re-decide from the global load this step reported (same on every rank)
             new = [hot.place_hot_experts(row, ranks=n_ep, slots=slots) for row in load]
             if new != placements:

@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import _ep_helpers as H
+import _parity_checks as H2
 from hpfunc.train.distributed import AbstractMesh
 from hpfunc.transforms import plans
 
@@ -30,14 +31,12 @@ def run_dispatch(world: int, tokens: list[int], k: int, E: int, pattern: str, se
     import hpfunc
     from hpfunc import lax
     from hpfunc.models.dispatch import AllToAll
-    from hpfunc.models.moe import expert_ffn, grouped_experts
+    from hpfunc.models.moe import expert_ffn
     from hpfunc.testing import assert_trees_close
 
     mesh = hpfunc.Mesh({"ep": world})
     g = torch.Generator().manual_seed(seed)
-    H_, I = 6, 4
     T = sum(tokens)
-    x = torch.randn(T, H_, generator=g, dtype=torch.float64)
     if pattern == "random":
         idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]) if T else torch.zeros(0, k, dtype=torch.long)
     elif pattern == "one_expert":  # every token's first pick is expert 0, the rest on rank 0's experts too
@@ -46,14 +45,8 @@ def run_dispatch(world: int, tokens: list[int], k: int, E: int, pattern: str, se
         local = E // world
         idx = (torch.stack([torch.randperm(local, generator=g)[:k] for _ in range(T)]) + E - local
                if T else torch.zeros(0, k, dtype=torch.long))
-    w = torch.rand(T, k, generator=g, dtype=torch.float64)
-    wg, wu, wd = (torch.randn(E, I, H_, generator=g, dtype=torch.float64),
-                  torch.randn(E, I, H_, generator=g, dtype=torch.float64),
-                  torch.randn(E, H_, I, generator=g, dtype=torch.float64))
-    ref_in = [t.clone().requires_grad_(True) for t in (x, w, wg, wu, wd)]
-    ref = grouped_experts(ref_in[0], idx, ref_in[1], *ref_in[2:], impl="bmm")
-    cot = torch.randn(ref.shape, generator=g, dtype=torch.float64)
-    ref_grads = torch.autograd.grad((ref * cot).sum(), ref_in)
+    prob = H2.experts_problem(g, T, k, E, idx)
+    x, w, wg, wu, wd, ref, cot, ref_grads = (prob[n] for n in ("x", "w", "wg", "wu", "wd", "ref", "cot", "ref_grads"))
 
     with mesh:
         r = lax.axis_index("ep")

@@ -34,8 +34,25 @@ def test_pretrained_folder_is_the_model_and_errors_name_the_key(tmp_path):
     assert got.num_hidden_layers == 1 and got.rope_theta == 5000.0  # config.json, then the overrides
     with pytest.raises(ConfigError, match=r"model\.pretrained: '.*nothing' holds no config\.json"):
         check_buildable(load_config_dict({**base, "model": {"pretrained": str(tmp_path / "nothing")}}))
-    with pytest.raises(ConfigError, match=r"model\.pretrained: .* read by runs on a mesh of two or more processes"):
-        check_buildable(load_config_dict({**base, "parallel": {}}))
+
+
+def test_a_one_process_run_starts_from_the_pretrained_weights(tmp_path):
+    from hpfunc.models.qwen3.hf import load_params
+    from hpfunc.train.loop import run
+
+    cfg = preset("qwen3-moe-tiny", num_hidden_layers=1)
+    params = qwen3.init(hpfunc.random.key(2), cfg)
+    qwen3.save_pretrained(params, cfg, tmp_path / "hf")
+    assert all(torch.equal(a, b) for a, b in zip(hpfunc.tree.leaves(load_params(tmp_path / "hf", cfg)),
+                                                  hpfunc.tree.leaves(params)))
+    data = {"model": {"pretrained": str(tmp_path / "hf")}, "train": {"steps": 1, "batch_size": 2, "seq_len": 16,
+                                                                      "eval_batches": 1},
+            "data": {"max_bytes": 20000}, "output": {"progress": "none", "plot": False, "dir": str(tmp_path / "o")}}
+    first = run(load_config_dict(data), echo=False).records[0]["loss"]
+    # the loss of those weights on the run's first batch differs from a fresh init's
+    other = run(load_config_dict({**data, "model": {"preset": "qwen3-moe-tiny", "num_hidden_layers": 1},
+                                  "output": {**data["output"], "dir": str(tmp_path / "p")}}), echo=False)
+    assert first != other.records[0]["loss"]
 
 
 @pytest.mark.multirank

@@ -236,6 +236,21 @@ def from_pretrained(path: str | os.PathLike, *, dtype: torch.dtype | None = None
     return cfg, from_hf_state_dict(_read_tensors(path), cfg, dtype=dtype, device=device)
 
 
+def load_params(path: str | os.PathLike, cfg: Qwen3Config, *, dtype: torch.dtype | None = None) -> dict:
+    """The parameters of the Hugging Face folder ``path`` for the config ``cfg`` (which may differ from the
+    folder's ``config.json`` in fields that do not change shapes); every tensor is checked against it.
+
+    >>> import tempfile
+    >>> from hpfunc import random
+    >>> from hpfunc.models import preset, qwen3
+    >>> cfg, d = preset("qwen3-dense-tiny"), tempfile.mkdtemp()
+    >>> save_pretrained(qwen3.init(random.key(0), cfg), cfg, d)
+    >>> load_params(d, cfg)["embed"].shape
+    torch.Size([256, 64])
+    """
+    return from_hf_state_dict(_read_tensors(path), cfg, dtype=dtype)
+
+
 def _parse_size(size: int | str) -> int:
     if isinstance(size, int):
         return size
