@@ -40,9 +40,9 @@ def run_replicated_dispatch(world: int, tokens: list[int], k: int, E: int, skew:
     mesh = hpfunc.Mesh({"ep": world})
     g = torch.Generator().manual_seed(seed)
     T = sum(tokens)
-    idx = skewed_indices(T, k, E, skew, g)
-    prob = experts_problem(g, T, k, E, idx)
-    x, w, wg, wu, wd, ref, cot, ref_grads = (prob[n] for n in ("x", "w", "wg", "wu", "wd", "ref", "cot", "ref_grads"))
+    prob = experts_problem(g, T, k, E, lambda: skewed_indices(T, k, E, skew, g))
+    x, idx, w, wg, wu, wd, ref, cot, ref_grads = (prob[n] for n in ("x", "idx", "w", "wg", "wu", "wd", "ref", "cot",
+                                                                   "ref_grads"))
 
     load = torch.bincount(idx.reshape(-1), minlength=E)  # the global load (the same on every rank)
     placement = hot.place_hot_experts(load, ranks=world, slots=slots)

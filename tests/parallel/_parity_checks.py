@@ -34,12 +34,14 @@ def check_step_against_one_device(what: str, step_out: tuple, at: dict, at_state
     return ref_params, ref_state, aux
 
 
-def experts_problem(g: torch.Generator, T: int, k: int, E: int, idx: torch.Tensor, H: int = 6, I: int = 4) -> dict:
-    """Tokens ``x [T, H]``, combine weights ``w [T, k]``, expert stacks, and the one-device
-    ``grouped_experts`` output with the gradients of all five against a random cotangent (fp64)."""
+def experts_problem(g: torch.Generator, T: int, k: int, E: int, routing, H: int = 6, I: int = 4) -> dict:
+    """Tokens ``x [T, H]``, their expert ids ``idx = routing()`` (drawn right after ``x``), combine weights
+    ``w [T, k]``, expert stacks, and the one-device ``grouped_experts`` output with the gradients of all
+    five against a random cotangent (fp64)."""
     from hpfunc.models.moe import grouped_experts
 
     x = torch.randn(T, H, generator=g, dtype=torch.float64)
+    idx = routing()
     w = torch.rand(T, k, generator=g, dtype=torch.float64)
     wg, wu, wd = (torch.randn(E, I, H, generator=g, dtype=torch.float64),
                   torch.randn(E, I, H, generator=g, dtype=torch.float64),
@@ -47,5 +49,5 @@ def experts_problem(g: torch.Generator, T: int, k: int, E: int, idx: torch.Tenso
     ref_in = [t.clone().requires_grad_(True) for t in (x, w, wg, wu, wd)]
     ref = grouped_experts(ref_in[0], idx, ref_in[1], *ref_in[2:], impl="bmm")
     cot = torch.randn(ref.shape, generator=g, dtype=torch.float64)
-    return {"x": x, "w": w, "wg": wg, "wu": wu, "wd": wd, "ref": ref.detach(), "cot": cot,
+    return {"x": x, "idx": idx, "w": w, "wg": wg, "wu": wu, "wd": wd, "ref": ref.detach(), "cot": cot,
             "ref_grads": torch.autograd.grad((ref * cot).sum(), ref_in)}

@@ -37,16 +37,20 @@ def run_dispatch(world: int, tokens: list[int], k: int, E: int, pattern: str, se
     mesh = hpfunc.Mesh({"ep": world})
     g = torch.Generator().manual_seed(seed)
     T = sum(tokens)
-    if pattern == "random":
-        idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]) if T else torch.zeros(0, k, dtype=torch.long)
-    elif pattern == "one_expert":  # every token's first pick is expert 0, the rest on rank 0's experts too
-        idx = torch.stack([torch.arange(k) for _ in range(T)]) if T else torch.zeros(0, k, dtype=torch.long)
-    else:  # "last_rank": every pick on the last rank's experts (the others receive nothing)
-        local = E // world
-        idx = (torch.stack([torch.randperm(local, generator=g)[:k] for _ in range(T)]) + E - local
-               if T else torch.zeros(0, k, dtype=torch.long))
-    prob = H2.experts_problem(g, T, k, E, idx)
-    x, w, wg, wu, wd, ref, cot, ref_grads = (prob[n] for n in ("x", "w", "wg", "wu", "wd", "ref", "cot", "ref_grads"))
+
+    def routing() -> torch.Tensor:
+        if pattern == "random":
+            return (torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]) if T
+                    else torch.zeros(0, k, dtype=torch.long))
+        if pattern == "one_expert":  # every token's first pick is expert 0, the rest on rank 0's experts too
+            return torch.stack([torch.arange(k) for _ in range(T)]) if T else torch.zeros(0, k, dtype=torch.long)
+        local = E // world  # "last_rank": every pick on the last rank's experts (the others receive nothing)
+        return (torch.stack([torch.randperm(local, generator=g)[:k] for _ in range(T)]) + E - local
+                if T else torch.zeros(0, k, dtype=torch.long))
+
+    prob = H2.experts_problem(g, T, k, E, routing)
+    x, idx, w, wg, wu, wd, ref, cot, ref_grads = (prob[n] for n in ("x", "idx", "w", "wg", "wu", "wd", "ref", "cot",
+                                                                   "ref_grads"))
 
     with mesh:
         r = lax.axis_index("ep")

@@ -63,12 +63,19 @@ def test_bad_placements_are_plan_errors_naming_the_rank():
 
 
 def test_a_placement_for_another_axis_size_is_refused_before_any_communication():
+    import torch.distributed as dist
+
     import hpfunc
 
-    with hpfunc.Mesh({"ep": 1}):  # one rank: the check runs before the dispatcher would talk
-        d = hot.ReplicatedAllToAll(hot.no_replicas(8, 2))
-        with pytest.raises(PlanError, match=r"placement is for 8 experts over 2 ranks.*axis 'ep' of size 1"):
-            d.dispatch(torch.zeros(2, 4), torch.zeros(2, 1, dtype=torch.long), num_experts=8, axis="ep")
+    created = not dist.is_initialized()
+    try:
+        with hpfunc.Mesh({"ep": 1}):  # one rank: the check runs before the dispatcher would talk
+            d = hot.ReplicatedAllToAll(hot.no_replicas(8, 2))
+            with pytest.raises(PlanError, match=r"placement is for 8 experts over 2 ranks.*axis 'ep' of size 1"):
+                d.dispatch(torch.zeros(2, 4), torch.zeros(2, 1, dtype=torch.long), num_experts=8, axis="ep")
+    finally:  # the 1-rank process group of this process: later tests start their own
+        if created and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 # ---- the dispatcher on real ranks, against one device
