@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import fnmatch
+import math
 import re
 from typing import Any, Callable, Mapping, Sequence
 
@@ -399,6 +400,17 @@ def shard(tree: Any, mesh: Mesh, specs: SpecsLike = None) -> Any:
     return _tree.map_with_path(lambda p, x: _shard_leaf(p, x, spec_by_path[p], mesh), tree)
 
 
+def _uneven_over_several_axes(x: DTensor, spec: P, mesh: Mesh) -> bool:
+    """Whether the source or target layout splits a dimension over several axes unevenly."""
+    src, _ = placements_to_spec(x.placements, mesh, x.ndim)
+    for sp in (src, spec):
+        for d in range(x.ndim):
+            axes = sp.dim_axes(d)
+            if len(axes) > 1 and x.shape[d] % math.prod(mesh.axis_size(a) for a in axes):
+                return True
+    return False
+
+
 def _reshard_leaf(path: str, x: Any, spec: P, mesh: Mesh | None) -> Any:
     if not isinstance(x, torch.Tensor):
         return x
@@ -409,8 +421,12 @@ def _reshard_leaf(path: str, x: Any, spec: P, mesh: Mesh | None) -> Any:
     src_mesh = Mesh.from_device_mesh(x.device_mesh)
     target = mesh or src_mesh
     placements = spec_to_placements(spec, target, x.ndim, where=path)
-    if target == src_mesh:
+    if target == src_mesh and not _uneven_over_several_axes(x, spec, target):
         return x.redistribute(src_mesh.device_mesh, placements)
+    if target == src_mesh:
+        # DTensor's redistribute of a dimension split unevenly over two or more axes can move the wrong
+        # elements (seen: P('x') -> P(('x', 'z')) of a (2,) tensor on {x: 2, y: 2, z: 2}); gather, then cut
+        return _shard_leaf(path, x.full_tensor(), spec, target)
     if sorted(target.ranks.flatten().tolist()) != sorted(src_mesh.ranks.flatten().tolist()):
         raise SpecError(f"reshard of {path!r} from {src_mesh!r} to {target!r}: the meshes cover different ranks")
     # Across meshes over the same ranks: gather the global value, then take the target block.
