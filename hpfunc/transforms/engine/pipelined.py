@@ -121,18 +121,15 @@ class StagePipeline:
         for s in self.local_stages:
             for path, g in _tree.leaves_with_paths(grads[s]):
                 by_path[path] = g if path not in by_path else by_path[path] + g
-        inputs = [x for _, x in pairs]
-        gs = [by_path.get(path) if x.requires_grad else None for path, x in pairs]
         with torch.no_grad():
             # only the last stage's rank has the losses
             value = torch.stack(losses).mean().float() if losses else torch.zeros((), dtype=torch.float32)
             value = lax.psum(value, self.axis)  # from the last stage's rank to every pipeline rank
             aux = self._aux(auxes, batch)
-        wants = [x for x in inputs if x.requires_grad]
+        wants = [(path, x) for path, x in pairs if x.requires_grad]
         if not wants:
             return value, aux
-        keep = [g for g, x in zip(gs, inputs) if x.requires_grad]
-        return _Attach.apply(value, keep, self.seed, *wants), aux
+        return _Attach.apply(value, [by_path.get(path) for path, _ in wants], self.seed, *[x for _, x in wants]), aux
 
     def _aux(self, auxes: list[dict], batch: Any) -> dict:
         """The aux of the microbatches (floats averaged, integers summed) on every pipeline rank."""
