@@ -28,6 +28,19 @@ def skew_bias(kind: str, E: int, n: int) -> torch.Tensor:
     return b
 
 
+def skewed_params(cfg, seed: int, skew: str, n: int) -> dict:
+    """``qwen3.init(key(seed), cfg)`` with every MoE layer's expert bias set to :func:`skew_bias`."""
+    import hpfunc
+    from hpfunc.models import qwen3
+
+    full = qwen3.init(hpfunc.random.key(seed), cfg)
+    bias = skew_bias(skew, cfg.num_experts, n)
+    for layer in full["layers"]:
+        if "moe" in layer:
+            layer["moe"]["expert_bias"] = bias.clone()
+    return full
+
+
 def plan_of(cfg, mesh_shape: dict, roles: list[str]):
     from hpfunc.models.qwen3 import parallel_plan
     from hpfunc.transforms import plans
@@ -57,12 +70,7 @@ def run_ep_parity(mesh_shape: dict, roles: list[str], *, top_k: int = 2, experts
     mesh = hpfunc.Mesh(mesh_shape)
     plan = plan_of(cfg, mesh_shape, roles)
     n_ep = mesh.axis_size(plan.ep_axis) if plan.ep_axis else 1
-    key = hpfunc.random.key(seed)
-    full = qwen3.init(key, cfg)
-    bias = skew_bias(skew, experts, n_ep)
-    for layer in full["layers"]:
-        if "moe" in layer:
-            layer["moe"]["expert_bias"] = bias.clone()
+    full = skewed_params(cfg, seed, skew, n_ep)
 
     def loss_fn(p, b):
         value, aux = parallel_plan.loss(p, b, cfg)

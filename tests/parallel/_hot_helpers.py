@@ -102,11 +102,7 @@ def run_replica_training(mesh_shape: dict, roles: list[str], *, skew: str = "one
     mesh = hpfunc.Mesh(mesh_shape)
     plan = EP.plan_of(cfg, mesh_shape, roles)
     n_ep = mesh.axis_size(plan.ep_axis)
-    full = qwen3.init(hpfunc.random.key(seed), cfg)
-    bias = EP.skew_bias(skew, experts, n_ep)
-    for layer in full["layers"]:
-        if "moe" in layer:
-            layer["moe"]["expert_bias"] = bias.clone()
+    full = EP.skewed_params(cfg, seed, skew, n_ep)
 
     def ref_loss(p, b):
         value, aux = qwen3.loss(p, b, cfg)
