@@ -1,11 +1,13 @@
-"""Last words and elastic restarts of ``hpfunc train`` on 2 real ranks (launched, gloo).
+"""Last words and elastic restarts of ``hpfunc train`` on real launched ranks (gloo).
 
 One run is stopped by SIGTERM to its launcher mid-way: the ranks save the last completed step and
 exit 143. ``--resume auto`` with ``parallel.max_restarts: 1`` continues it; a test hook kills rank 1
 (SIGKILL) a few steps later in the first attempt; torch's launcher restarts the group, which resumes
 from the newest checkpoint and finishes. Every per-step loss and learning rate equals an
-uninterrupted run of the same config on the same mesh, bit for bit. 2 ranks, not 4: each launch
-costs a few seconds of rank start-up on 2 cores.
+uninterrupted run of the same config on the same mesh, bit for bit (2 ranks: each launch costs a
+few seconds of rank start-up on 2 cores). A second test kills one of 4 ranks at step 7 of a fresh run
+on {fsdp: 2, tp: 2}, with synchronous checkpoints every 3 steps, so the newest complete one at the
+kill is exactly step 6: the restarted group resumes there and loses no step beyond it.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import sys
 import time
 
 import pytest
-from test_resume import FSDP2, STEPS, _cfg, _losses, _run_in_ranks
+from test_resume import FSDP2, FSDP2_TP2, STEPS, _cfg, _losses, _run_in_ranks
 
 from hpfunc import checkpoint
 from hpfunc.train.fault_hooks import ENV as FAULTS
@@ -97,3 +99,26 @@ def _sigterm_then_elastic_restart(tmp_path, pool2):
     assert summary["restarts"] == 1 and summary["resumed_from_step"] == resumed_at and summary["recovery_s"] > 0
     print(f"recovery: {summary['recovery_s']:.1f} s from the failure to the first resumed step")
     assert _losses(out) == ref  # SIGTERM + resume + kill + restart: the uninterrupted run's steps, bit for bit
+
+
+@pytest.mark.multirank
+def test_one_of_4_ranks_killed_at_step_7_restarts_from_step_6(tmp_path, pool4):
+    steps = 12
+    path = _cfg(tmp_path, checkpoint={"every": 3, "async_save": False}, parallel=FSDP2_TP2, train={"steps": steps})
+    ref, _ = pool4.run(_run_in_ranks, str(path), str(tmp_path / "ref"), "never", FSDP2_TP2)[0]
+    assert [s for s, _, _ in ref] == list(range(1, steps + 1))
+    out = tmp_path / "out"
+    # rank 2 sends itself SIGKILL when step 7 begins (its peers are then inside step 7's collectives)
+    proc = subprocess.run(_train(path, "--set", "parallel.max_restarts=1"), capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path, env=_env(**{FAULTS: "kill@7:r2"}))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    found = re.search(r"elastic restart 1 of 1: resumed at step (\d+); ([\d.]+) s from the failure", proc.stdout)
+    assert found, proc.stdout + proc.stderr
+    assert int(found.group(1)) == 6, proc.stdout  # the newest complete checkpoint when rank 2 died
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["restarts"] == 1 and summary["resumed_from_step"] == 6 and summary["recovery_s"] > 0
+    assert summary["steps"] == steps
+    print(f"recovery: {summary['recovery_s']:.1f} s from the kill of rank 2 to the first resumed step")
+    # every step once (7 ran again after the restart, 1-6 kept from the first attempt), bit for bit
+    assert _losses(out) == ref
+    assert checkpoint.complete_steps(out / "checkpoints")[-1] == steps

@@ -20,7 +20,8 @@ from hpfunc.train.output import read_metrics
 
 STEPS = 20
 FSDP2 = {"mesh": {"fsdp": 2}, "plan": ["fsdp"]}
-TP2 = {"mesh": {"tp": 2}, "plan": ["tp"]}
+FSDP2_TP2 = {"mesh": {"fsdp": 2, "tp": 2}, "plan": ["fsdp", "tp"]}
+FSDP4 = {"mesh": {"fsdp": 4}, "plan": ["fsdp"]}
 
 
 def _cfg(tmp_path, **over):
@@ -116,29 +117,34 @@ def _run_in_ranks(cfg_path, out, resume, parallel):
 
 
 @pytest.mark.multirank
-def test_resume_on_a_mesh_and_across_a_mesh_change(tmp_path, pool2):
-    """20 steps on {fsdp: 2}; from its checkpoint of step 10: 10 more on {fsdp: 2} (bitwise) and on
-    {tp: 2} (another layout, loaded resharded through the abstract target: rtol 1e-5)."""
+def test_resume_on_a_mesh_and_across_a_mesh_change(tmp_path, pool4):
+    """20 steps on {fsdp: 2, tp: 2}; from its checkpoint of step 10: 10 more on the same mesh (bitwise)
+    and on {fsdp: 4} (another world layout: the tp-split matrices loaded whole-row sharded through the
+    abstract target, no rank holding the whole model: rtol 1e-5)."""
     path = _cfg(tmp_path)
-    ref, _ = pool2.run(_run_in_ranks, str(path), str(tmp_path / "ref"), "never", FSDP2)[0]
+    ref, _ = pool4.run(_run_in_ranks, str(path), str(tmp_path / "ref"), "never", FSDP2_TP2)[0]
     assert [s for s, _, _ in ref] == list(range(1, STEPS + 1))
     step10 = tmp_path / "ref" / "checkpoints" / "step_00000010"
     marker = checkpoint.info(step10)
-    assert marker["keys"]["params.embed"]["saved_as"] == "P('fsdp') on {'fsdp': 2}"
+    assert marker["keys"]["params.embed"]["saved_as"] == "P('fsdp') on {'fsdp': 2, 'tp': 2}"
     assert marker["keys"]["data_step"] == {"kind": "object", "type": "int"}
-    assert marker["metadata"]["config"]["parallel"]["mesh"] == {"fsdp": 2}
+    assert marker["metadata"]["config"]["parallel"]["mesh"] == {"fsdp": 2, "tp": 2}
+    assert marker["world_size"] == 4
 
-    for name, parallel in (("same", FSDP2), ("tp", TP2)):
+    for name, parallel in (("same", FSDP2_TP2), ("fsdp4", FSDP4)):
         out = tmp_path / name
         out.mkdir()
         shutil.copy(tmp_path / "ref" / "metrics.jsonl", out / "metrics.jsonl")  # cut back to step 10 by the run
-        records, summary = pool2.run(_run_in_ranks, str(path), str(out), str(step10), parallel)[0]
+        records, summary = pool4.run(_run_in_ranks, str(path), str(out), str(step10), parallel)[0]
         assert summary["resumed_from_step"] == 10
         assert [s for s, _, _ in records] == list(range(1, STEPS + 1))
         if name == "same":
             assert records == ref
         else:
-            assert [s for s, _, lr in records] == [s for s, _, lr in ref] and \
-                [lr for *_, lr in records] == [lr for *_, lr in ref]
+            assert records[:10] == ref[:10]  # the kept lines of the first 10 steps
+            assert [lr for *_, lr in records] == [lr for *_, lr in ref]
             assert [x for _, x, _ in records] == pytest.approx([x for _, x, _ in ref], rel=1e-5)
+            # the resumed run trained on {fsdp: 4}: its own checkpoints say so
+            assert checkpoint.info(out / "checkpoints" / "step_00000015")["keys"]["params.embed"]["saved_as"] == \
+                "P('fsdp') on {'fsdp': 4}"
         assert _losses(out) == records  # the file: steps 1-10 kept, 11-20 appended once
