@@ -370,6 +370,18 @@ def build_parallel_step(cfg: Config, model_cfg: Any, optimizer: Any, lr: Callabl
     return state, train_step
 
 
+def build_grad_check_step(cfg: Config, model_cfg: Any, mesh: Any) -> Callable:
+    """The train step's gradient under the same plan, not applied, as per-parameter counts of
+    non-finite values (:func:`hpfunc.train.step.make_grad_check_step`): run after a non-finite step to
+    name the parameter. Built on demand, so a run that stays finite never pays for it."""
+    from hpfunc.models import qwen3
+    from hpfunc.train.step import make_grad_check_step
+    from hpfunc.transforms.parallelize import parallelize
+
+    check = make_grad_check_step(model_cfg, loss_fn=qwen3.parallel_plan.loss, num_microbatches=cfg.train.microbatches)
+    return parallelize(check, mesh, build_plan(cfg.parallel, model_cfg), params="params")
+
+
 def _pretrained_params(folder: str, model_cfg: Any, mesh: Any, train_step: Any, dtype: Any) -> Any:
     """``model.pretrained``: the Hugging Face weights, each rank reading its blocks in the plan's storage
     layout (cast to the run's dtype; the expert bias stays float32)."""

@@ -30,6 +30,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import pathlib
 import sys
@@ -52,7 +53,7 @@ from hpfunc.train.output import MetricsWriter, Progress, RunFolder, format_summa
 from hpfunc.train.distributed import is_distributed
 from hpfunc.train.fault_hooks import FaultHooks
 from hpfunc.train.last_words import LastWords, StopSignals, Stopped, stop_message
-from hpfunc.train.step import TrainState, init_train_state, make_eval_step, make_train_step
+from hpfunc.train.step import TrainState, init_train_state, make_eval_step, make_grad_check_step, make_train_step
 
 __all__ = ["RunResult", "TrainingDiverged", "Stopped", "run", "data_keys"]
 
@@ -255,16 +256,23 @@ def _run(cfg: Config, *, out_dir: str | pathlib.Path | None, stream: TextIO | No
         return _train(cfg, model_cfg, out, folder, stream=stream, echo=echo, mesh=mesh, plan=plan)
 
 
-def _first_nonfinite_grad(model_cfg: Any, params: Any, batch: Any) -> tuple[str, int, int] | None:
-    """The first parameter whose gradient on ``batch`` is not finite (one process: the failure path
-    recomputes the step's gradient once, which costs one more forward and backward)."""
-    from hpfunc.autodiff import value_and_grad
-    from hpfunc.models import qwen3
-    from hpfunc.train.step import _default_is_frozen, merge_params, split_params
+def _first_nonfinite_grad(check_step: Callable, state: Any, batch: Any, *, on_mesh: bool) -> str:
+    """The message part naming the first parameter whose gradient on ``batch`` is not finite: the
+    failure path recomputes the step's gradient once (one more forward and backward; on a mesh every
+    rank joins it, and the counts are summed over the ranks that hold each block, so only one process
+    gives an exact count)."""
+    from hpfunc import tree
 
-    trained, frozen = split_params(params, _default_is_frozen())
-    _, grads = value_and_grad(lambda t: qwen3.loss(merge_params(t, frozen), batch, model_cfg)[0])(trained)
-    return _first_nonfinite(grads)
+    _, out = check_step(state, batch)
+    out = _local_metrics(out) if on_mesh else out
+    leaves = tree.leaves(tree.map_with_path(lambda p, x: (p, x), state.params, none_is_leaf=True),
+                         is_leaf=lambda x: isinstance(x, tuple))
+    for (path, x), count in zip(leaves, out["nonfinite"].tolist()):
+        if count:
+            of = ("its gradient has non-finite values on the ranks that hold it" if on_mesh else
+                  f"{count} of {x.numel()} values")
+            return f"; the first parameter whose gradient is not finite: {path!r} ({of})"
+    return "; every parameter's gradient is finite"
 
 
 def _train(cfg: Config, model_cfg: Any, out: pathlib.Path, folder: RunFolder | None, *, stream: TextIO | None,
@@ -314,13 +322,15 @@ def _train(cfg: Config, model_cfg: Any, out: pathlib.Path, folder: RunFolder | N
         train_step = make_train_step(model_cfg, optimizer, expert_bias_rate=tc.expert_bias_rate, lr_schedule=lr,
                                      num_microbatches=tc.microbatches)
         full_params: Callable[[Any], Any] = lambda p: p  # noqa: E731
+        check_step = functools.partial(make_grad_check_step, model_cfg, num_microbatches=tc.microbatches)
     else:
-        from hpfunc.train.distributed import build_parallel_step, parallel_summary
+        from hpfunc.train.distributed import build_grad_check_step, build_parallel_step, parallel_summary
 
         say(parallel_summary(cfg))
         state, train_step = build_parallel_step(cfg, model_cfg, optimizer, lr, init_key, mesh,
                                                 model_dtype(cfg.model))
         full_params = train_step.full_params  # a collective (a pipeline's stages come from their ranks)
+        check_step = functools.partial(build_grad_check_step, cfg, model_cfg, mesh)
     eval_step = make_eval_step(model_cfg)
 
     # where the run starts: step 0, or a checkpoint loaded into this run's layout (resharded)
@@ -418,10 +428,7 @@ def _train(cfg: Config, model_cfg: Any, out: pathlib.Path, folder: RunFolder | N
                     in_a_row += 1
                     what = _nonfinite_text(loss, grad_norm, step_lr)
                     if tc.on_nonfinite == "stop" or in_a_row > tc.max_skips:
-                        bad = _first_nonfinite_grad(model_cfg, state.params, batch) if mesh is None else None
-                        grad = ("" if mesh is not None else
-                                f"; the first parameter whose gradient is not finite: {bad[0]!r} ({bad[1]} of "
-                                f"{bad[2]} values)" if bad else "; every parameter's gradient is finite")
+                        grad = _first_nonfinite_grad(check_step(), state, batch, on_mesh=mesh is not None)
                         cap = (f"; {in_a_row} steps in a row were not finite, more than train.max_skips "
                                f"({tc.max_skips})" if tc.on_nonfinite == "skip" else "")
                         saved = last_words(done, f"step {step + 1} not finite")

@@ -36,6 +36,7 @@ __all__ = [
     "merge_params",
     "init_train_state",
     "make_train_step",
+    "make_grad_check_step",
     "make_eval_step",
 ]
 
@@ -158,23 +159,10 @@ def make_train_step(
     """
     from hpfunc.optim import apply_updates, global_norm
 
-    loss_fn = _default_loss() if loss_fn is None else loss_fn
     is_frozen = _default_is_frozen() if is_frozen is None else is_frozen
     update_frozen = _default_update_frozen() if update_frozen is None else update_frozen
     expert_bias_rate = float(expert_bias_rate)
-
-    if aux_loss_coef is not None and model_cfg is not None and attrs.has(type(model_cfg)):
-        model_cfg = attrs.evolve(model_cfg, router_aux_loss_coef=float(aux_loss_coef))
-
-    def objective(trained: Any, frozen: Any, batch: Mapping[str, torch.Tensor]):
-        loss, aux = loss_fn(merge_params(trained, frozen), batch, model_cfg)
-        return loss, dict(aux)
-
-    grad_fn = value_and_grad(objective, has_aux=True)
-    if num_microbatches != 1:
-        from hpfunc.microbatch import microbatch
-
-        grad_fn = microbatch(grad_fn, num_microbatches, argnums=2)
+    grad_fn = _grad_fn(model_cfg, aux_loss_coef, loss_fn, num_microbatches)
 
     def train_step(state: TrainState, batch: Mapping[str, torch.Tensor]) -> tuple[TrainState, dict[str, torch.Tensor]]:
         trained, frozen = split_params(state.params, is_frozen)
@@ -200,6 +188,72 @@ def make_train_step(
         return TrainState(params=params, opt_state=opt_state, step=state.step + 1), metrics
 
     return train_step
+
+
+def _grad_fn(model_cfg: Any, aux_loss_coef: float | None, loss_fn: LossFn | None, num_microbatches: int) -> Callable:
+    """``grad_fn(trained, frozen, batch) -> ((loss, aux), grads)``: the objective of the train step and
+    its gradient with respect to the trained params (accumulated over ``num_microbatches``)."""
+    loss_fn = _default_loss() if loss_fn is None else loss_fn
+    if aux_loss_coef is not None and model_cfg is not None and attrs.has(type(model_cfg)):
+        model_cfg = attrs.evolve(model_cfg, router_aux_loss_coef=float(aux_loss_coef))
+
+    def objective(trained: Any, frozen: Any, batch: Mapping[str, torch.Tensor]):
+        loss, aux = loss_fn(merge_params(trained, frozen), batch, model_cfg)
+        return loss, dict(aux)
+
+    grad_fn = value_and_grad(objective, has_aux=True)
+    if num_microbatches != 1:
+        from hpfunc.microbatch import microbatch
+
+        grad_fn = microbatch(grad_fn, num_microbatches, argnums=2)
+    return grad_fn
+
+
+def make_grad_check_step(
+    model_cfg: Any,
+    *,
+    aux_loss_coef: float | None = None,
+    loss_fn: LossFn | None = None,
+    is_frozen: Callable[[str], bool] | None = None,
+    num_microbatches: int = 1,
+) -> Callable[[TrainState, Mapping[str, torch.Tensor]], tuple[TrainState, dict[str, torch.Tensor]]]:
+    """Build ``check_step(state, batch) -> (state, {"nonfinite": counts})``: the train step's gradient
+    (same objective and options as :func:`make_train_step`), not applied, reduced to the number of
+    non-finite values of each parameter's gradient.
+
+    ``counts`` is an int64 vector with one entry per leaf of ``state.params`` (the ``None`` positions a
+    pipeline rank does not hold included, in :func:`hpfunc.tree.leaves` order with ``None`` as a
+    leaf; a frozen leaf counts 0). Under :func:`hpfunc.parallelize` every rank counts in its blocks
+    and one ``psum`` over the mesh adds them up, so the vector is the same on every rank (a value
+    replicated on ``k`` ranks counts ``k`` times: a count above 0 is what it tells). The trainer runs
+    it only after a step came out non-finite, to name the parameter.
+
+    >>> def loss(params, batch, cfg):
+    ...     return (params["a"] * batch["x"]).sum() + params["b"].sum(), {}
+    >>> check = make_grad_check_step(None, loss_fn=loss)
+    >>> params = {"a": torch.ones(2), "b": torch.ones(3)}
+    >>> _, out = check(TrainState(params, None, torch.tensor(0)), {"x": torch.tensor([1.0, float("nan")])})
+    >>> out["nonfinite"].tolist()
+    [1, 0]
+    """
+    from hpfunc import layout, lax
+
+    is_frozen = _default_is_frozen() if is_frozen is None else is_frozen
+    grad_fn = _grad_fn(model_cfg, aux_loss_coef, loss_fn, num_microbatches)
+
+    def check_step(state: TrainState, batch: Mapping[str, torch.Tensor]) -> tuple[TrainState, dict[str, torch.Tensor]]:
+        trained, frozen = split_params(state.params, is_frozen)
+        _, grads = grad_fn(trained, frozen, batch)
+        counts = [torch.zeros((), dtype=torch.int64) if g is None else (~torch.isfinite(g.detach())).sum()
+                  for g in _tree.leaves(grads, none_is_leaf=True)]
+        counts = torch.stack(counts) if counts else torch.zeros(0, dtype=torch.int64)
+        ctx = layout.current()
+        if ctx is not None:  # each rank counted in its blocks: the sum over the mesh covers every block
+            axes = tuple(a for a in ctx.mesh.axis_names if ctx.mesh.axis_size(a) > 1)
+            counts = lax.psum(counts, axes) if axes else counts
+        return state, {"nonfinite": counts}
+
+    return check_step
 
 
 def make_eval_step(

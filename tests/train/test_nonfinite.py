@@ -105,3 +105,40 @@ def test_stop_names_the_step_and_the_parameter_and_skip_stops_after_max_skips(tm
         run(_config(tmp_path, 4, "cap", on_nonfinite="skip", max_skips=1), echo=False)
     assert "step 3: the loss is nan" in str(e.value)
     assert "2 steps in a row were not finite, more than train.max_skips (1)" in str(e.value)
+
+
+def _diverge_on_mesh(tmp_path, parallel):
+    """The message of a run on ``parallel`` whose learning rate makes a later gradient NaN."""
+    import attrs
+
+    from hpfunc.train.config import load_config_dict
+    from hpfunc.train.loop import TrainingDiverged, run
+
+    cfg = _config(tmp_path, 6, "diverge")
+    cfg = attrs.evolve(cfg, parallel=load_config_dict({"parallel": parallel}).parallel,
+                       optimizer=attrs.evolve(cfg.optimizer, lr=1e10, clip_norm=None),
+                       schedule=attrs.evolve(cfg.schedule, warmup_steps=0))
+    try:
+        run(cfg, echo=False)
+    except TrainingDiverged as e:
+        return str(e)
+    return "no divergence"
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("parallel", [
+    {"mesh": {"fsdp": 2}, "plan": ["fsdp"]},
+    {"mesh": {"pp": 2}, "plan": [{"pp": {"microbatches": 2}}]},
+], ids=["fsdp2", "pp2"])
+def test_stop_names_the_parameter_on_a_mesh(tmp_path, pool2, parallel):
+    """On a mesh the failure path runs the step's gradient once more on every rank (each counts the
+    non-finite values of its blocks, one psum adds them up): every rank names the same parameter,
+    under a pipeline too (where each rank holds only its stages' parameters)."""
+    import re
+
+    write_corpus(tmp_path / "corpus")  # here, not by both ranks at once
+    msgs = pool2.run(_diverge_on_mesh, tmp_path, parallel)
+    assert msgs[0] == msgs[1], msgs
+    assert re.search(r"the gradient norm is nan while the loss is", msgs[0]), msgs[0]
+    assert re.search(r"the first parameter whose gradient is not finite: '[a-z_.0-9]+' \(its gradient has "
+                     r"non-finite values on the ranks that hold it\)", msgs[0]), msgs[0]
