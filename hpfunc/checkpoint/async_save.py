@@ -8,7 +8,9 @@ the caller was blocked). :attr:`PendingSave.blocked_s` is what the training loop
 
 The background write talks to the other ranks over a process group of its own (created by
 :class:`AsyncSaver`, a collective call every rank makes), never the one training uses, so its
-collectives cannot interleave with the step's.
+collectives cannot interleave with the step's. Its timeout (``timeout_s``, 600 s by default instead
+of gloo's 30 minutes) bounds how long a background write waits for a peer that died or hangs: the
+write then fails and :meth:`PendingSave.wait` raises it, naming the step.
 
 >>> import tempfile, pathlib, torch
 >>> saver = AsyncSaver()
@@ -20,6 +22,7 @@ collectives cannot interleave with the step's.
 
 from __future__ import annotations
 
+import datetime
 import os
 import threading
 import time
@@ -31,8 +34,11 @@ from torch.distributed.tensor import DTensor
 
 from hpfunc.checkpoint import _ranks
 from hpfunc.checkpoint.dcp_io import SaveResult, check_metadata, flatten_state, write_flat
+from hpfunc.checkpoint.errors import CheckpointError
 
-__all__ = ["AsyncSaver", "PendingSave", "stage"]
+__all__ = ["AsyncSaver", "PendingSave", "stage", "DEFAULT_TIMEOUT_S"]
+
+DEFAULT_TIMEOUT_S = 600.0  # of the background write's collectives (gloo's own default is 30 minutes)
 
 
 def _copy(x: Any) -> Any:
@@ -99,11 +105,18 @@ class AsyncSaver:
     Args:
         after_save: called in the background thread with each finished :class:`SaveResult` (a
             :class:`~hpfunc.checkpoint.manager.CheckpointManager` prunes old checkpoints there).
+        timeout_s: how long a collective of the background write waits for the other ranks before
+            it fails (the write of the slowest rank included: size it to the checkpoint).
     """
 
-    def __init__(self, *, after_save: Callable[[SaveResult], None] | None = None) -> None:
+    def __init__(self, *, after_save: Callable[[SaveResult], None] | None = None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        if not (isinstance(timeout_s, (int, float)) and 0 < timeout_s < float("inf")):
+            raise ValueError(f"AsyncSaver: timeout_s must be a number of seconds > 0, found {timeout_s!r}")
         # a group of its own for the background thread's collectives (every rank creates it, in order)
-        self._group = dist.new_group(backend="gloo") if _ranks.active() and _ranks.world(None) > 1 else None
+        self._group = (dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+                       if _ranks.active() and _ranks.world(None) > 1 else None)
+        self.timeout_s = float(timeout_s)
         self._after_save = after_save
         self._pending: PendingSave | None = None
 
@@ -117,8 +130,19 @@ class AsyncSaver:
         pending = PendingSave(path, step)
         group, after = self._group, self._after_save
 
+        timeout_s = self.timeout_s
+
         def write() -> SaveResult:
-            result = write_flat(path, staged, step=step, metadata=metadata, group=group)
+            try:
+                result = write_flat(path, staged, step=step, metadata=metadata, group=group)
+            except (RuntimeError, dist.DistBackendError) as e:  # a collective of the write: a peer gone or late
+                if isinstance(e, CheckpointError):
+                    raise
+                raise CheckpointError(
+                    f"asynchronous save of step {step} to {path}: a collective among the ranks failed ({e}); "
+                    f"a peer died or did not join the save within the saver's timeout ({timeout_s:g} s: "
+                    f"checkpoint.timeout_s in hpfunc train); the checkpoint is incomplete and is never taken "
+                    f"for a valid one") from e
             if after is not None:
                 after(result)
             return result

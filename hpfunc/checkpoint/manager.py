@@ -27,7 +27,7 @@ import shutil
 from typing import Any
 
 from hpfunc.checkpoint import _ranks, marker as _marker
-from hpfunc.checkpoint.async_save import AsyncSaver, PendingSave
+from hpfunc.checkpoint.async_save import DEFAULT_TIMEOUT_S, AsyncSaver, PendingSave
 from hpfunc.checkpoint.dcp_io import SaveResult, load, save
 from hpfunc.checkpoint.errors import CheckpointError, IncompleteCheckpointError
 from hpfunc.checkpoint.files import is_partial, remove_dir
@@ -84,16 +84,18 @@ class CheckpointManager:
         keep_every: also keep every checkpoint whose step is a multiple of this.
         async_save: :meth:`save` stages the state and returns a :class:`PendingSave` at once; the write
             goes on in the background (creating the manager is then a collective call).
+        timeout_s: with ``async_save``: how long the background write waits for the other ranks
+            (:class:`~hpfunc.checkpoint.async_save.AsyncSaver`).
     """
 
     def __init__(self, root: str | os.PathLike, *, keep_last: int | None = None, keep_every: int | None = None,
-                 async_save: bool = False) -> None:
+                 async_save: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         for name, v in (("keep_last", keep_last), ("keep_every", keep_every)):
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise ValueError(f"CheckpointManager: {name} must be a positive int or None, found {v!r}")
         self.root = pathlib.Path(root)
         self.keep_last, self.keep_every = keep_last, keep_every
-        self._saver = AsyncSaver(after_save=self._prune) if async_save else None
+        self._saver = AsyncSaver(after_save=self._prune, timeout_s=timeout_s) if async_save else None
 
     def save(self, state: Any, step: int, *, metadata: Any = None,
              process_group: Any = None) -> SaveResult | PendingSave:

@@ -188,7 +188,7 @@ class TrainCheckpoints:
         self.every = cc.every
         self.asynchronous = cc.async_save if asynchronous is None else asynchronous
         self.manager = checkpoint.CheckpointManager(root, keep_last=cc.keep_last, keep_every=cc.keep_every,
-                                                    async_save=self.asynchronous)
+                                                    async_save=self.asynchronous, timeout_s=cc.timeout_s)
         self._sync = checkpoint.CheckpointManager(root, keep_last=cc.keep_last, keep_every=cc.keep_every)
         self.blocked_s: list[float] = []  # what each save held the loop for
         self.write_s: list[float] = []  # how long each write took (in the background when async)

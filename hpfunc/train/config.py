@@ -149,6 +149,7 @@ class CheckpointConfig:
     async_save: bool = True  # write in a background thread; the loop waits only for the staging copy
     last_words: bool = True  # on SIGTERM / SIGINT / a failed step: save the last completed step, then exit
     last_words_timeout_s: float = 20.0  # the ranks must agree and save within this; else the save is skipped
+    timeout_s: float = 600.0  # an asynchronous write waiting longer for a peer fails (gloo's default: 30 min)
 
 
 # Plan entries of ``parallel.plan``: name -> (mesh axes it takes, its options with their defaults).
@@ -278,6 +279,7 @@ _RANGES: list[tuple[str, Any, str]] = [
     ("checkpoint.keep_last", lambda v: v is None or v >= 1, "null or an integer >= 1"),
     ("checkpoint.keep_every", lambda v: v is None or v >= 1, "null or an integer >= 1"),
     ("checkpoint.last_words_timeout_s", lambda v: 0 < v < float("inf"), "a number of seconds > 0"),
+    ("checkpoint.timeout_s", lambda v: 0 < v < float("inf"), "a number of seconds > 0"),
     ("output.sample_tokens", lambda v: v >= 0, "an integer >= 0"),
     ("output.sample_temperature", lambda v: v >= 0, "a number >= 0"),
     ("train.aux_loss_coef", lambda v: v is None or v >= 0, "null or a number >= 0"),

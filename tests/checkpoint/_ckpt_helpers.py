@@ -251,3 +251,27 @@ def moe_restore(path: str, mesh_axes: dict | None, plan: list | None) -> dict:
     fresh, _ = _moe_step(mesh_axes, plan)
     restored = checkpoint.load(path, checkpoint.abstract(fresh))
     return {"state": to_full(restored), "layouts": hpfunc.typeof(restored.params)}
+
+
+def async_save_without_a_peer(root):
+    """Rank 0 starts an asynchronous save on a saver with a 2 s timeout; rank 1 never joins it.
+    ``(seconds until rank 0's wait() raised, its message)`` from rank 0; ``None`` from rank 1."""
+    import time
+
+    import torch.distributed as dist
+
+    from hpfunc import checkpoint
+
+    saver = checkpoint.AsyncSaver(timeout_s=2)
+    out = None
+    if dist.get_rank() == 0:
+        start = time.monotonic()
+        pending = saver.save(f"{root}/step_1", {"w": torch.ones(4)}, step=1)
+        try:
+            pending.wait()
+            out = (time.monotonic() - start, "no error")
+        except Exception as e:  # noqa: BLE001 - the test reads the message
+            out = (time.monotonic() - start, f"{type(e).__name__}: {e}")
+    dist.barrier()  # on the training group: rank 1 waits here while rank 0's save times out
+    saver.close()
+    return out

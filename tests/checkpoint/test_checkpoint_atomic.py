@@ -100,3 +100,14 @@ def test_async_saves_on_4_ranks_one_in_flight_staged_values(pools, tmp_path):
     assert out["first_step"] == 1 and out["second_step"] == 2 and out["steps"] == [2]
     assert torch.equal(out["loaded"]["w"], torch.arange(64.0).reshape(16, 4) + 1000.0)
     assert out["loaded"]["step"] == 2 and all(b >= 0 for b in out["blocked"])
+
+
+@pytest.mark.multirank
+def test_an_async_save_whose_peer_never_joins_fails_within_its_timeout(pools, tmp_path):
+    """The background write's process group has the saver's timeout (here 2 s; 600 s by default, not
+    gloo's 30 minutes): a peer that never joins makes ``wait()`` raise, naming the step, and no
+    checkpoint of that step is taken for complete."""
+    seconds, message = pools(2).run0(H.async_save_without_a_peer, str(tmp_path))
+    assert seconds < 30, (seconds, message)
+    assert "step 1" in message, message
+    assert checkpoint.complete_steps(tmp_path) == []
