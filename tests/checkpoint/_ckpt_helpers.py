@@ -22,6 +22,13 @@ def full_state(leaves: list[tuple[str, tuple[int, ...], str]], seed: int) -> dic
             "config": {"name": f"model-{seed}", "lr": 0.5, "layers": [1, 2]}}
 
 
+def world(mesh_axes: dict | None) -> int:
+    """The number of ranks of a mesh (1: one process)."""
+    import math
+
+    return 1 if mesh_axes is None else math.prod(mesh_axes.values())
+
+
 def _specs(state: dict, param_specs: dict | None):
     from hpfunc import P
 

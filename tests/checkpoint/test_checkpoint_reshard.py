@@ -1,7 +1,7 @@
 """Save on one mesh and plan, load on another: every tensor equal, in the target's layout.
 
-Saved on fsdp 4 (4 ranks), loaded on fsdp 2 (2 ranks), on a 2 x 2 dp x tp mesh and on one process,
-with hypothesis over the shapes (uneven ones included), dtypes and specs; and a real train state built
+Hypothesis draws the source among fsdp 4 (4 ranks), a 2 x 2 dp x tp mesh and fsdp 2 (2 ranks), and
+loads on every other one and on one process, over the shapes (uneven ones included), dtypes and specs; and a real train state built
 by ``hpfunc.parallelize(...).init_state`` with AdamW's moments, restored on another world size and
 stepped on: the same as never stopping.
 """
@@ -18,22 +18,40 @@ import _ckpt_helpers as H
 pytestmark = pytest.mark.multirank
 
 
+MESHES = ({"fsdp": 4}, {"dp": 2, "tp": 2}, {"fsdp": 2})  # the source and target meshes drawn from
+
+
+def _candidate_specs(axes: dict, ndim: int) -> list[tuple]:
+    """Every spec of an ``ndim`` tensor on a mesh of ``axes``: replicated, one axis on one dim, both axes
+    on one dim (a 2-axis mesh), the two axes on two dims."""
+    names = list(axes)
+    out = [()]
+    for d in range(ndim):
+        out += [(None,) * d + (a,) for a in names]
+        if len(names) == 2:
+            out.append((None,) * d + (tuple(names),))
+    if ndim == 2 and len(names) == 2:
+        out += [tuple(names), tuple(reversed(names))]
+    return out
+
+
 @st.composite
 def states(draw):
+    """``(leaves, source mesh, its specs, [(target mesh, its specs)])``: one to three leaves (uneven sizes
+    included), a source mesh and every other mesh plus one process as targets, a spec per leaf each."""
     n = draw(st.integers(1, 3))
-    leaves, save_specs, fsdp2_specs, dptp_specs = [], {}, {}, {}
+    leaves = []
     for i in range(n):
         ndim = draw(st.integers(1, 2))
         shape = tuple(draw(st.lists(st.integers(1, 9), min_size=ndim, max_size=ndim)))
-        name = f"w{i}"
-        leaves.append((name, shape, draw(st.sampled_from(sorted(H.DTYPES)))))
-        dims = list(range(ndim))
-        save_specs[name] = draw(st.sampled_from([()] + [(None,) * d + ("fsdp",) for d in dims]))
-        fsdp2_specs[name] = draw(st.sampled_from([()] + [(None,) * d + ("fsdp",) for d in dims]))
-        two_d = [(), ("dp",), ("tp",), (("dp", "tp"),)] + ([("dp", "tp"), (None, "tp"), (None, ("dp", "tp"))]
-                                                           if ndim == 2 else [])
-        dptp_specs[name] = draw(st.sampled_from(two_d))
-    return leaves, save_specs, fsdp2_specs, dptp_specs
+        leaves.append((f"w{i}", shape, draw(st.sampled_from(sorted(H.DTYPES)))))
+
+    def specs(axes):
+        return {name: draw(st.sampled_from(_candidate_specs(axes, len(shape)))) for name, shape, _ in leaves}
+
+    source = draw(st.sampled_from(MESHES))
+    targets = [(axes, specs(axes)) for axes in MESHES if axes != source] + [(None, None)]
+    return leaves, source, specs(source), targets
 
 
 def _assert_equal_state(got: dict, want: dict) -> None:
@@ -61,18 +79,18 @@ def _layout(name_shape_dtype, spec, mesh) -> str:
 
 @settings(max_examples=3)
 @given(case=states(), seed=st.integers(0, 2**16))
-def test_fsdp4_checkpoint_loads_on_fsdp2_dp_x_tp_and_one_process(pools, tmp_path_factory, case, seed):
-    leaves, save_specs, fsdp2_specs, dptp_specs = case
+def test_a_checkpoint_loads_on_every_other_mesh_and_one_process(pools, tmp_path_factory, case, seed):
+    leaves, source, source_specs, targets = case
     path = str(tmp_path_factory.mktemp("ckpt") / "step")
-    pools(4).run(H.save_sharded, path, leaves, seed, {"fsdp": 4}, save_specs)
+    pools(H.world(source)).run(H.save_sharded, path, leaves, seed, source, source_specs)
     want = H.full_state(leaves, seed)
-    for n, axes, specs in ((2, {"fsdp": 2}, fsdp2_specs), (4, {"dp": 2, "tp": 2}, dptp_specs), (1, None, None)):
-        state, layouts = pools(n).run0(H.load_sharded, path, leaves, seed, axes, specs)
+    for axes, specs in targets:
+        state, layouts = pools(H.world(axes)).run0(H.load_sharded, path, leaves, seed, axes, specs)
         _assert_equal_state(state, want)
         for leaf in leaves:
             spec = specs[leaf[0]] if specs else ()
             expected = _layout(leaf, spec, axes)
-            assert layouts[leaf[0]] == expected, (axes, leaf, layouts[leaf[0]], expected)
+            assert layouts[leaf[0]] == expected, (source, axes, leaf, layouts[leaf[0]], expected)
 
 
 def test_parallelize_train_state_restores_on_another_world_size(pools, tmp_path):
