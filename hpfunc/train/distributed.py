@@ -216,6 +216,8 @@ def _check_pipeline(cfg: Config, model_cfg: Any) -> None:
                               f"cuts the batch into {key}.microbatches itself: set train.microbatches to 1")
         try:
             n = pc.mesh[axis] * stages_per_rank(o["schedule"], o["virtual_stages"])
+        except PlanError as err:  # a schedule file that cannot be read
+            raise ConfigError(f"{key}.schedule: {err}") from None
         except (TypeError, ValueError) as err:
             raise ConfigError(f"{key}.virtual_stages: {err}") from None
         L = model_cfg.num_hidden_layers

@@ -40,8 +40,24 @@ _TWO_PER_RANK = ("zbv", "dualpipev")  # V schedules: two stages on every rank
 _POLICY_NAMES = ("nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable", "everything_saveable")
 
 
+def _is_file(schedule: Any) -> bool:
+    return isinstance(schedule, str) and (schedule.endswith(".csv") or os.sep in schedule)
+
+
+def _read_file(path: str, m: int | None) -> Schedule:
+    if not os.path.exists(path):
+        raise PlanError(f"pp: schedule file {path!r} does not exist")
+    try:
+        return read_csv(path, num_microbatches=m, name=os.path.basename(path))
+    except ValueError as err:
+        raise PlanError(f"pp: schedule file {path!r}: {err}") from None
+
+
 def stages_per_rank(schedule: str | Schedule, virtual_stages: int | None) -> int:
-    """How many stages each pipeline rank holds under a named schedule."""
+    """How many stages each pipeline rank holds under a named schedule, a schedule file or a schedule."""
+    if _is_file(schedule):
+        # a file says it itself (an interleaved or V schedule puts several stages on every rank)
+        schedule = _read_file(schedule, None)
     if isinstance(schedule, Schedule):
         return schedule.num_stages // schedule.num_ranks
     if schedule in _TWO_PER_RANK:
@@ -56,10 +72,8 @@ def build_schedule(schedule: str | Schedule, p: int, m: int, virtual_stages: int
     (:data:`SCHEDULES`), a CSV file in torch's format, or a schedule (checked against ``p`` and ``m``)."""
     if isinstance(schedule, Schedule):
         s = schedule
-    elif isinstance(schedule, str) and (schedule.endswith(".csv") or os.sep in schedule):
-        if not os.path.exists(schedule):
-            raise PlanError(f"pp: schedule file {schedule!r} does not exist")
-        s = read_csv(schedule, num_microbatches=m, name=os.path.basename(schedule))
+    elif _is_file(schedule):
+        s = _read_file(schedule, m)
     elif schedule in ("interleaved", "interleaved_1f1b"):
         s = GENERATORS["interleaved_1f1b"](p, m, 2 if virtual_stages is None else int(virtual_stages))
     elif schedule in GENERATORS:
