@@ -737,7 +737,8 @@ def load_config_dict(data: Mapping[str, Any] | None, overrides: Sequence[str] = 
 def load_config(path: str | pathlib.Path, overrides: Sequence[str] = ()) -> Config:
     """Read a YAML config file, apply ``key.path=value`` overrides and check every key.
 
-    Relative ``data.paths`` and ``data.tokenizer`` are resolved against the config file's folder.
+    Relative ``data.paths``, ``data.tokenizer``, ``model.pretrained`` and a pipeline's CSV
+    ``schedule`` file are resolved against the config file's folder.
     """
     path = pathlib.Path(path)
     try:
@@ -765,7 +766,16 @@ def _resolve_paths(cfg: Config, base: pathlib.Path) -> Config:
     paths = [resolve(p) for p in data.paths] if data.paths else data.paths
     tok = resolve(data.tokenizer) if data.tokenizer else data.tokenizer
     model = cfg.model if not cfg.model.pretrained else attrs.evolve(cfg.model, pretrained=resolve(cfg.model.pretrained))
-    return attrs.evolve(cfg, data=attrs.evolve(data, paths=paths, tokenizer=tok), model=model)
+    plan = tuple(attrs.evolve(e, options={**e.options, "schedule": resolve(e.options["schedule"])})
+                 if e.kind == "pp" and _is_schedule_file(e.options.get("schedule")) else e for e in cfg.parallel.plan)
+    return attrs.evolve(cfg, data=attrs.evolve(data, paths=paths, tokenizer=tok), model=model,
+                        parallel=attrs.evolve(cfg.parallel, plan=plan))
+
+
+def _is_schedule_file(schedule: Any) -> bool:
+    from hpfunc.transforms.pipeline_plan import is_schedule_file
+
+    return is_schedule_file(schedule)
 
 
 def config_to_dict(cfg: Config) -> dict[str, Any]:

@@ -40,7 +40,13 @@ _TWO_PER_RANK = ("zbv", "dualpipev")  # V schedules: two stages on every rank
 _POLICY_NAMES = ("nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable", "everything_saveable")
 
 
-def _is_file(schedule: Any) -> bool:
+def is_schedule_file(schedule: Any) -> bool:
+    """Whether a ``schedule`` option names a CSV file (ends in ``.csv`` or holds a path separator)
+    rather than a generator.
+
+    >>> is_schedule_file("zbv"), is_schedule_file("runs/zbv.csv")
+    (False, True)
+    """
     return isinstance(schedule, str) and (schedule.endswith(".csv") or os.sep in schedule)
 
 
@@ -55,7 +61,7 @@ def _read_file(path: str, m: int | None) -> Schedule:
 
 def stages_per_rank(schedule: str | Schedule, virtual_stages: int | None) -> int:
     """How many stages each pipeline rank holds under a named schedule, a schedule file or a schedule."""
-    if _is_file(schedule):
+    if is_schedule_file(schedule):
         # a file says it itself (an interleaved or V schedule puts several stages on every rank)
         schedule = _read_file(schedule, None)
     if isinstance(schedule, Schedule):
@@ -70,10 +76,12 @@ def stages_per_rank(schedule: str | Schedule, virtual_stages: int | None) -> int
 def build_schedule(schedule: str | Schedule, p: int, m: int, virtual_stages: int | None = None) -> Schedule:
     """A :class:`~hpfunc.schedules.Schedule` for ``p`` pipeline ranks and ``m`` microbatches from a name
     (:data:`SCHEDULES`), a CSV file in torch's format, or a schedule (checked against ``p`` and ``m``)."""
-    if isinstance(schedule, Schedule):
-        s = schedule
-    elif _is_file(schedule):
-        s = _read_file(schedule, m)
+    if isinstance(schedule, Schedule) or is_schedule_file(schedule):
+        s = schedule if isinstance(schedule, Schedule) else _read_file(schedule, m)
+        if virtual_stages not in (None, s.num_stages // s.num_ranks):
+            raise PlanError(f"pp: virtual_stages={virtual_stages} does not match the schedule {s.name!r}, which "
+                            f"places {s.num_stages // s.num_ranks} stage(s) on each of its {s.num_ranks} ranks; "
+                            f"leave virtual_stages out (a given schedule says it itself)")
     elif schedule in ("interleaved", "interleaved_1f1b"):
         s = GENERATORS["interleaved_1f1b"](p, m, 2 if virtual_stages is None else int(virtual_stages))
     elif schedule in GENERATORS:

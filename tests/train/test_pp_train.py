@@ -180,3 +180,28 @@ def test_a_schedule_file_that_cannot_be_read_is_a_config_error(corpus, tmp_path,
     with pytest.raises(ConfigError) as info:
         check_buildable(load_config_dict(raw))
     assert str(info.value).startswith("parallel.plan[0].pp.schedule: pp: schedule file") and needle in str(info.value)
+
+
+def test_a_relative_schedule_file_is_read_beside_the_config(corpus, tmp_path):
+    """A relative CSV ``schedule`` is resolved against the config file's folder (as ``data.paths`` is),
+    not the working directory; ``virtual_stages`` that disagrees with the file is a config error."""
+    import yaml
+
+    from hpfunc.schedules import GENERATORS, write_csv
+    from hpfunc.train.build import check_buildable
+    from hpfunc.train.config import ConfigError, load_config
+
+    folder = tmp_path / "configs"
+    folder.mkdir()
+    write_csv(GENERATORS["zbv"](2, 4), folder / "zbv.csv", torch_compatible=True)
+    raw = _raw(corpus, tmp_path / "out", model=DENSE, layers=4, pp=2, pp_options={"schedule": "zbv.csv",
+                                                                                   "microbatches": 4})
+    (folder / "run.yaml").write_text(yaml.safe_dump(raw))
+    cfg = load_config(folder / "run.yaml")
+    assert cfg.parallel.plan[0].options["schedule"] == str(folder / "zbv.csv")
+    check_buildable(cfg)  # 2 stages per rank, read from the file: 4 stages of one layer
+    raw["parallel"]["plan"][0]["pp"]["virtual_stages"] = 3
+    (folder / "bad.yaml").write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError) as info:
+        check_buildable(load_config(folder / "bad.yaml"))
+    assert "virtual_stages=3 does not match the schedule 'zbv.csv', which places 2 stage(s)" in str(info.value)
