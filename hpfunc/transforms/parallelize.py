@@ -167,8 +167,8 @@ class ParallelizedStep:
         else:  # a pipeline: neither state nor metrics leaves of one stage (its gradients) are compared over it
 
             def check(out: Any) -> tuple:
-                rest = [_tree.map_with_path(lambda path, x: False if _stage_local(path, -1, {}, planned.paths,
-                                                                                   planned.res) else "trusted", o)
+                rest = [_tree.map_with_path(lambda path, x: False if _laid_out_like_a_stage_leaf(path, planned.res)
+                                            else "trusted", o)
                         for o in out[1:]]
                 return (state_checks, *rest)
         return shard_map(body, mesh=mesh, in_specs=(planned.specs, *arg_specs), out_specs=out_specs,
@@ -281,6 +281,12 @@ def _stage_local(path: str, k: int, is_param: Mapping[int, int], paths: list[str
     a leaf laid out like one (its optimizer state)."""
     if k in is_param:
         return res[paths[is_param[k]]].stage_axis is not None
+    return _laid_out_like_a_stage_leaf(path, res)
+
+
+def _laid_out_like_a_stage_leaf(path: str, res: Mapping[str, LeafLayout]) -> bool:
+    """Whether the leaf at ``path`` (not a parameter: optimizer state, a metric such as a gradient) ends
+    with the path of a parameter of one pipeline stage."""
     suffix = param_suffix(path, res)
     return suffix is not None and res[suffix].stage_axis is not None
 
