@@ -61,7 +61,8 @@ def test_pp_composes_on_4_ranks(pools, mesh, roles, case):
 
 @pytest.mark.parametrize("case", [
     dict(schedule="1f1b", m=2, remat="nothing_saveable"),
-    dict(schedule="zbv", m=4, remat={0: "nothing_saveable", 2: "nothing_saveable"}),  # full recompute under B/W
+    # full recompute under B/W, the last stage's loss region included
+    dict(schedule="zbv", m=4, remat={0: "nothing_saveable", 2: "nothing_saveable", 3: "nothing_saveable"}),
     dict(schedule="interleaved", m=4, remat=["dots_saveable", None, "nothing_saveable", "dots_saveable"]),
     dict(schedule="zb_h1", m=4, kind="moe", remat=["nothing_saveable", None]),
 ], ids=["all-stages", "zbv-some", "interleaved-per-stage", "moe-zb_h1"])
