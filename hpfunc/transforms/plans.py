@@ -578,8 +578,9 @@ def pp(axis: str, stages: Any, *, schedule: Any = "1f1b", microbatches: int, vir
         microbatches: the number of microbatches each data shard's batch is cut into.
         remat: recompute per stage: a policy of :mod:`hpfunc.transforms.policies` (``nothing_saveable``,
             ``dots_saveable``, ...) for every stage, or ``{stage: policy}`` / a list with one per stage
-            (``None``: that stage keeps its activations). A stage's forward then keeps only what its
-            policy saves until its backward, which recomputes the rest.
+            (``None``: that stage keeps its activations). A stage's forward (on the last stage its loss
+            too, as a region of its own) then keeps only what its policy saves until its backward,
+            which recomputes the rest.
         max_resident: swap activations to host memory so that at most this many stage-microbatches stay
             on the device between forward and backward on each rank (``schedules.insert_swaps``; the
             schedule's ``SWAP_OUT`` / ``SWAP_IN`` are executed through ``offload``'s host copies).

@@ -172,3 +172,107 @@ def run_unpipelined_loss() -> str:
     except PlanError as err:
         return str(err)
     return "no error"
+
+
+def _resident_probe(exclude: set):
+    """A layer on the saved-tensor stack that remembers every storage kept for backward by weak
+    reference only (storages in ``exclude`` apart) and, each time one is added, sums the bytes of those
+    still alive: ``probe.peak`` is the most saved-activation bytes resident at once. Whether a storage
+    is alive is the measurement; nothing the executor counts is read.
+
+    It sees what autograd saves (its pack hook: parameters never reach it, the step's own layer outside
+    it owns them; what a pipeline swap brings back at ``SWAP_IN`` is handed outward to it again) and,
+    being a :class:`hpfunc.memory` recorder, the outputs selective recompute caches (remat reports
+    those to the recorder as it stores them: they bypass saved-tensor hooks)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from hpfunc.memory._recorder import Recorder
+    from hpfunc.memory._storage import live_nbytes, local, storage_key
+
+    class Probe(Recorder):
+        name = "test.resident_probe"
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.refs: dict = {}
+            self.peak = 0
+
+        def note(self, t, *, kind, name=None, op=None):
+            # remat's inputs are noted too: they are saved as well (packed here) unless they are
+            # parameters (owned by the step) or the batch (excluded)
+            key = storage_key(t)
+            if kind in ("saved", "cached") and key not in exclude:
+                old = self.refs.get(key)
+                if old is None or old.expired():
+                    self.refs[key] = StorageWeakRef(local(t).untyped_storage())
+            total = 0
+            for k, ref in list(self.refs.items()):
+                n = live_nbytes(ref)
+                if n is None:
+                    del self.refs[k]  # freed (a later storage may reuse the address)
+                else:
+                    total += n
+            self.peak = max(self.peak, total)
+
+    return Probe()
+
+
+def run_pp_resident(mesh_shape: dict, schedule: str, *, m: int = 4, layers: int = 4, batch: int = 8, seq: int = 8,
+                    max_resident=None, remat=None) -> dict:
+    """One pipelined step of the tiny dense Qwen3 (plain ``pp``) with the saved-activation bytes resident
+    on this rank measured by storage liveness (:func:`_resident_probe`, pushed inside the function the
+    step differentiates, the batch excluded), beside what the model says one stage-microbatch keeps:
+    :func:`hpfunc.memory.saved_activations` of each local stage on one microbatch on one device (with
+    the stage's remat policy), and the schedule the step executed with ``simulate``'s counts."""
+    import hpfunc
+    from hpfunc import optim, saved_tensors
+    from hpfunc.memory import saved_activations
+    from hpfunc.memory._storage import storage_key
+    from hpfunc.models import qwen3
+    from hpfunc.models.qwen3 import parallel_plan
+    from hpfunc.schedules import simulate
+    from hpfunc.transforms.parallelize import parallel_train_step
+    from hpfunc.transforms.remat import remat as remat_fn
+
+    cfg = model_cfg("dense", layers, False)
+    mesh = hpfunc.Mesh(mesh_shape)
+    plan = plan_of(cfg, mesh_shape, list(mesh_shape), schedule, m, remat=remat, max_resident=max_resident)
+    probes = []
+
+    def loss_fn(p, b):
+        probes.append(_resident_probe({storage_key(x) for x in b.values()}))
+        with saved_tensors.layer(probes[-1]):
+            return parallel_plan.loss(p, b, cfg)
+
+    full = qwen3.init(hpfunc.random.key(0), cfg)
+    step = parallel_train_step(loss_fn, optim.adamw(LR), mesh, plan, has_aux=True)
+    params = step.shard_params(full)
+    b = {"tokens": torch.randint(0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))}
+    step(params, step.init_opt_state(params), b)
+
+    # one stage-microbatch on one device: the carry each stage receives, and what its graph keeps
+    layer, r = plan.pipeline, mesh.axis_index("pp")
+    sched = plan.pipeline_schedule(mesh)
+    stages, mb = layer.stages, {"tokens": b["tokens"][: batch // m]}
+    carries, carry = [], None
+    with torch.no_grad():
+        for s in range(stages.num_stages):
+            carries.append(carry)
+            carry = stages.forward(s, full, carry, mb)
+    stage_bytes = {}
+    for s in sched.stages_of(r):
+        policy = layer.remat_policy(s)
+        wrap = (lambda f: f) if policy is False else (lambda f, policy=policy: remat_fn(f, policy=policy))
+        forward = wrap(lambda p, c, s=s: stages.forward(s, p, c, mb))
+        head = wrap(lambda p, y: stages.loss(p, y, mb)[0])  # the last stage's loss: a region of its own
+
+        def fn(p, c, s=s, forward=forward, head=head):
+            y = forward(p, c)
+            return head(p, y) if s == stages.num_stages - 1 else y
+
+        stage_bytes[s] = saved_activations(fn, full, carries[s], state_argnums=(0,)).device_bytes
+    sim = simulate(sched)
+    return {"peak": probes[0].peak, "stage_bytes": stage_bytes, "boundary": batch // m * seq * cfg.hidden_size * 4,
+            "actions": [(a.kind.name, a.stage) for a in sched.actions[r]],
+            "peak_resident": sim.peak_resident[r], "peak_resident_until_w": sim.peak_resident_until_w[r],
+            "peak_until_w": sim.peak_until_w[r]}

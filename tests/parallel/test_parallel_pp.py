@@ -10,6 +10,8 @@ accumulation; for the dense model this is the whole batch's loss).
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -61,7 +63,8 @@ def test_pp_composes_on_4_ranks(pools, mesh, roles, case):
 
 @pytest.mark.parametrize("case", [
     dict(schedule="1f1b", m=2, remat="nothing_saveable"),
-    dict(schedule="zbv", m=4, remat={0: "nothing_saveable", 2: "nothing_saveable"}),  # full recompute under B/W
+    # full recompute under B/W, the last stage's loss region included
+    dict(schedule="zbv", m=4, remat={0: "nothing_saveable", 2: "nothing_saveable", 3: "nothing_saveable"}),
     dict(schedule="interleaved", m=4, remat=["dots_saveable", None, "nothing_saveable", "dots_saveable"]),
     dict(schedule="zb_h1", m=4, kind="moe", remat=["nothing_saveable", None]),
 ], ids=["all-stages", "zbv-some", "interleaved-per-stage", "moe-zb_h1"])
@@ -94,8 +97,17 @@ def test_pp4_more_schedules_match_single_device(pools, schedule):
 
 
 def test_pp_fsdp_tp_on_8_ranks(pools):
+    """Parity, and for dense 1F1B the bytes inside each stage: the tensor-parallel all-reduces of
+    :func:`_tp_traffic` on microbatches of ``b / (fsdp x m)`` rows, the replicated gradients' sum over
+    this rank's fsdp shard of them; FSDP gathers and reduce-scatters the stage's tp-local bytes
+    (each parameter's block on this tp rank) once per step."""
     mesh, roles = {"pp": 2, "fsdp": 2, "tp": 2}, ["pp", "fsdp", "tp"]
-    pools(8).run(H.run_pp_parity, mesh, roles, schedule="1f1b", m=2, steps=1)
+    out = pools(8).run(H.run_pp_parity, mesh, roles, schedule="1f1b", m=2, steps=1, count_comm=True)
+    for rank, o in enumerate(out):
+        want, replicated, tp_local = _tp_traffic(o["local_paths"], m=2, rows=8 // 2, fsdp=2)
+        assert _records_over(o, ("tp",)) == want, rank
+        assert sum(r[3] for r in o["records"] if r[0] == "all_gather" and r[2] == ("fsdp",)) == tp_local, rank
+        assert sum(r[3] for r in o["records"] if r[0] == "reduce_scatter" and r[2] == ("fsdp",)) == tp_local, rank
     pools(8).run(H.run_pp_parity, mesh, roles, schedule="zbv", m=2, kind="moe", layers=4, steps=1)
 
 
@@ -139,6 +151,142 @@ def test_fsdp_inside_stages_gathers_each_stage_once_per_step(pools):
         assert total("reduce_scatter", ("fsdp",)) == o["stage_bytes"], rank
         assert {r[2] for r in o["records"] if r[0] == "send"} == {("pp",)}, rank
         assert not [r for r in o["records"] if r[0] in ("all_gather", "reduce_scatter") and "pp" in r[2]], rank
+
+
+def _tp_traffic(local_paths, *, m: int, rows: int, fsdp: int = 1, seq: int = 8, layers: int = 4):
+    """What the tensor-parallel axis carries in one step for the rank holding ``local_paths`` of the
+    dense tiny Qwen3 (hidden H = 64, fp32) under ``qwen3.parallel_plan.tp_styles``, derived from that
+    plan: the activations ``[rows / m, seq, H]`` of a microbatch are replicated between the blocks;
+    ``wq/wk/wv`` and ``w_gate/w_up`` are column-parallel (their input needs no communication), ``wo``
+    and ``w_down`` row-parallel, their partial outputs summed by one all-reduce each. So per layer of
+    the stage and per microbatch: 2 all-reduces forward, and their transposes (psum's is psum) 2
+    backward, each ``rows / m x seq x H x 4`` bytes. After the backward, one all-reduce sums the
+    gradients of the stage's tp-replicated parameters (norms, embedding, head; the styles match none of
+    them), ``R / fsdp`` bytes (each rank holds its fsdp shard of them). Nothing else goes over ``tp``
+    alone (the loss and the gradient norm's scalars go over the pipeline axis as well).
+
+    Returns the sorted ``(op, phase, bytes)`` of that traffic (the replicated sum's phase unchecked:
+    ``None``), ``R`` and the stage's tp-local bytes ``R + (T - R) / 2`` (``T``: all its parameters)."""
+    import fnmatch
+
+    import hpfunc
+    from hpfunc.models import qwen3
+    from hpfunc.models.qwen3 import parallel_plan
+
+    cfg = H.model_cfg("dense", layers, False)
+    shapes = dict(hpfunc.tree.leaves_with_paths(qwen3.param_shapes(cfg), is_leaf=lambda x: isinstance(x, torch.Size)))
+    styles = parallel_plan.tp_styles(cfg)
+    nbytes = {p: 4 * int(torch.Size(shapes[p]).numel()) for p in local_paths}
+    replicated = sum(n for p, n in nbytes.items() if not any(fnmatch.fnmatchcase(p, pat) for pat in styles))
+    n_layers = len({p.split(".")[1] for p in local_paths if p.startswith("layers.")})
+    act = rows // m * seq * cfg.hidden_size * 4
+    want = [("all_reduce", "forward", act)] * (2 * n_layers * m) + [("all_reduce", "backward", act)] * (2 * n_layers * m)
+    want = sorted(want + [("all_reduce", None, replicated // fsdp)], key=str)
+    return want, replicated, replicated + (sum(nbytes.values()) - replicated) // 2
+
+
+def _records_over(out: dict, axes: tuple) -> list:
+    """The communication records over exactly ``axes`` as ``(op, phase, bytes)`` (the phase of any
+    record that is not an activation's ``None``), sorted as :func:`_tp_traffic` sorts."""
+    act = max(r[3] for r in out["records"] if r[2] == axes and r[4] == "backward")
+    return sorted(((r[0], r[4] if r[3] == act else None, r[3]) for r in out["records"] if r[2] == axes), key=str)
+
+
+def test_tp_inside_stages_all_reduces_as_the_tp_plan_says(pools):
+    """pp 2 x tp 2 (1F1B, m = 2, 8 x 8 tokens, 2 layers per stage): each rank's tp traffic is
+    :func:`_tp_traffic`: 8 all-reduces of 2 x 8 x 64 x 4 = 8 KiB forward and 8 backward (2 per layer per
+    microbatch each way) and one of its stage's replicated gradients. The same model without a pipeline
+    (tp 2 alone, one batch of b / m = 4 rows) all-reduces, summed over the stages, exactly 1/m of the
+    pipeline's activation bytes and exactly the replicated gradients of both stages: the pipeline adds
+    no tensor-parallel traffic, it runs each stage's per microbatch."""
+    out = pools(4).run(H.run_pp_parity, {"pp": 2, "tp": 2}, ["pp", "tp"], schedule="1f1b", m=2, steps=1,
+                       count_comm=True)
+    for rank, o in enumerate(out):
+        assert _records_over(o, ("tp",)) == _tp_traffic(o["local_paths"], m=2, rows=8)[0], rank
+        assert not [r for r in o["records"] if "tp" in r[2] and r[0] != "all_reduce"], rank
+    flat = pools(2).run(H.run_pp_parity, {"tp": 2}, ["tp"], m=1, batch=4, steps=1, count_comm=True)[0]
+    act = 4 * 8 * 64 * 4
+    flat_recs = [r for r in flat["records"] if r[2] == ("tp",) and r[3] > 8]  # the grad norm's scalar apart
+    piped = [r for o in (out[0], out[2]) for r in o["records"] if r[2] == ("tp",)]  # tp rank 0 of each stage
+    for phase in ("forward", "backward"):
+        assert 2 * sum(r[3] for r in flat_recs if r[3] == act and r[4] == phase) == \
+            sum(r[3] for r in piped if r[3] == act and r[4] == phase) == 16 * act, phase
+    assert sorted(r[3] for r in flat_recs if r[3] != act) == [sum(r[3] for r in piped if r[3] != act)]
+
+
+def _resident_bytes(actions, nbytes) -> int:
+    """``simulate``'s count behind ``peak_resident_until_w`` for one rank, each stage-microbatch weighted
+    by its stage's bytes: ``F`` adds it, ``SWAP_OUT`` takes it off the device, ``SWAP_IN`` brings it
+    back, its ``W`` (or ``BW``) frees it."""
+    held = peak = 0
+    for kind, s in actions:
+        held += {"F": 1, "SWAP_IN": 1, "SWAP_OUT": -1, "W": -1, "BW": -1}.get(kind, 0) * nbytes[s]
+        peak = max(peak, held)
+    return peak
+
+
+@pytest.mark.parametrize("schedule,mesh", [("1f1b", {"pp": 4}), ("zbv", {"pp": 2})])
+def test_resident_activation_bytes_follow_simulate_with_and_without_swaps(pools, schedule, mesh):
+    """The saved-activation bytes resident on each rank over one front-door step, measured by storage
+    liveness (``_pp_helpers.run_pp_resident``), against ``simulate(schedule).peak_resident_until_w`` in
+    bytes: each stage-microbatch weighted by what one microbatch of that stage keeps on one device
+    (``hpfunc.memory.saved_activations``: 97.75 KiB for a layer stage, 125.9 KiB for the last stage
+    with the head; 4 layers, microbatches of 2 x 8 tokens), with and without ``max_resident=1``.
+
+    The executor frees a stage-microbatch at its ``W`` (a split ``B`` keeps the graph for ``W``), hence
+    ``peak_resident_until_w``; here it equals ``peak_resident`` for both schedules.
+
+    Tolerance: 1F1B (pp 4) is exact. For ZBV the measured peak may exceed the prediction by whole
+    boundary tensors ``I = 2 x 8 x 64 x 4`` B = 4 KiB (4 % of a stage's bytes), at most one per
+    stage-microbatch in flight: a swap leaves a stage's *input* on the device (the step holds it as the
+    gradient target of ``B``), and at the V's turn the input a stage saved is the previous local
+    stage's output, which the step holds as that stage's backward root until its own ``W``. simulate
+    counts whole stage-microbatches. Measured: rank 1 exceeds by 1 I unswapped, by 2 I swapped; rank 0
+    (whose stage 0 input is the batch) is exact.
+
+    With swaps the peak drops where simulate says: 1F1B rank 0 from 4 to 2 stage-microbatches
+    (400384 -> 200192 B); ZBV from 4 to 2 / 3 (429252 -> 229060, 404480 -> 308480 B)."""
+    got = {k: pools(mesh["pp"]).run(H.run_pp_resident, mesh, schedule, m=4, max_resident=k) for k in (None, 1)}
+    for r in range(len(got[None])):
+        boundary = got[None][r]["boundary"]
+        predicted = {}
+        for k, outs in got.items():
+            o = outs[r]
+            assert _resident_bytes(o["actions"], collections.defaultdict(lambda: 1)) == o["peak_resident_until_w"] \
+                == o["peak_resident"], (k, r)
+            predicted[k] = _resident_bytes(o["actions"], o["stage_bytes"])
+            extra = o["peak"] - predicted[k]
+            assert extra % boundary == 0 and 0 <= extra <= o["peak_until_w"] * boundary, (k, r, o["peak"], predicted[k])
+            if schedule == "1f1b":
+                assert extra == 0, (k, r)
+        plain, swapped = got[None][r], got[1][r]
+        if swapped["peak_resident_until_w"] < plain["peak_resident_until_w"]:
+            assert swapped["peak"] < plain["peak"], r
+            saving, want = plain["peak"] - swapped["peak"], predicted[None] - predicted[1]
+            assert abs(saving - want) <= plain["peak_until_w"] * boundary, (r, saving, want)
+        else:
+            assert swapped["peak"] == plain["peak"], r
+    if schedule == "1f1b":
+        assert [o["peak"] for o in got[None]] == [400384, 300288, 200192, 128964]
+        assert [o["peak"] for o in got[1]] == [200192, 300288, 200192, 128964]
+
+
+def test_per_stage_recompute_frees_the_stage_activations(pools):
+    """pp 2, 1F1B, m = 4, 2 layers per stage: the saved-activation bytes resident per rank (storage
+    liveness) with ``remat`` equal exactly the schedule's count weighted by what the recomputed stage
+    keeps on one device (``saved_activations`` of the stage under its policy). Full recompute
+    (``nothing_saveable``) leaves stage 0 nothing (its input is the batch, held by the step anyway:
+    398336 -> 0 B for its 2 stage-microbatches) and the last stage its input and its loss region's
+    input (228036 -> 8192 B: the head's logits go too); ``dots_saveable`` on the last stage keeps the
+    matmul outputs (228036 -> 115200 B)."""
+    runs = {name: pools(2).run(H.run_pp_resident, {"pp": 2}, "1f1b", m=4, remat=remat)
+            for name, remat in (("none", None), ("full", "nothing_saveable"), ("dots", {1: "dots_saveable"}))}
+    for name, outs in runs.items():
+        for r, o in enumerate(outs):
+            assert o["peak"] == _resident_bytes(o["actions"], o["stage_bytes"]), (name, r, o)
+    assert [o["peak"] for o in runs["none"]] == [398336, 228036]
+    assert [o["peak"] for o in runs["full"]] == [0, 2 * runs["full"][1]["boundary"]]
+    assert [o["peak"] for o in runs["dots"]] == [398336, 115200]
 
 
 # ---- errors before any communication

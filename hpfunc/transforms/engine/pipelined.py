@@ -82,6 +82,15 @@ def build_executor(cfg: Any) -> Any:
     def loss_fn(params: Any, y: Any, mb: Any) -> tuple:
         return stages.loss(params, y if isinstance(y, tuple) else (y,), mb)
 
+    # The loss ends the last stage (for Qwen3 the final norm, the head and the cross-entropy, whose
+    # logits are the largest activation of the model): the stage's policy covers it too, as its own
+    # region (it keeps the stage output it starts from).
+    last_policy = layer.remat_policy(stages.num_stages - 1)
+    if last_policy is not False:
+        from hpfunc.transforms.remat import remat
+
+        loss_fn = remat(loss_fn, policy=last_policy)
+
     return PipelineStep([stage_fn(s) for s in range(stages.num_stages)], layer.schedule(p), mesh, axis=layer.axis,
                         loss_fn=loss_fn, data_axis=None, fsdp_axis=None, first_input=None, check=True,
                         with_microbatch=True, loss_scale=cfg.seed_scale * p)
