@@ -11,7 +11,8 @@ a :class:`~hpfunc.schedules.Schedule` and a :class:`~hpfunc.Mesh`; the step walk
 ``W``           weight gradient only (:func:`~hpfunc.transforms.backward_split.backward_weight`): re-runs
                 the use sites towards the parameters from what ``B`` kept; accumulated
 ``BW``          both in one ``torch.autograd.grad`` call
-``SEND_*``      posted asynchronously (``dist.batch_isend_irecv``); waited for at the end
+``SEND_*``      posted asynchronously (``dist.batch_isend_irecv``); a finished one is let go at the next
+                send (its buffer with it), the rest are waited for at the end
 ``RECV_*``      received (and waited for) right where the schedule puts it
 ``UNSHARD``     all-gather the stage's parameter shards over the FSDP axis
 ``RESHARD``     drop the gathered parameters (graphs still pending keep what they saved)
@@ -186,6 +187,17 @@ def record_timeline() -> Iterator[list]:
         _TIMELINE.reset(token)
 
 
+def _drop_finished(works: list) -> None:
+    """Remove the finished works from ``works`` (in place), raising the error of a failed one."""
+    keep = []
+    for w in works:
+        if w.is_completed():
+            w.wait()  # returns at once; raises if the send failed
+        else:
+            keep.append(w)
+    works[:] = keep
+
+
 def _event(what: str, action: Any) -> None:
     events = _TIMELINE.get()
     if events is not None:
@@ -348,6 +360,7 @@ class PipelineStep:
             comm.record(collectors, op="send", name="pipeline_" + ("activations" if phase == "forward" else "grads"),
                         axes=(self.axis,), n=n, payload_bytes=nbytes, phase=phase, sent_bytes=Fraction(nbytes))
         if ops:
+            _drop_finished(pending)  # a finished send's work holds its buffer: let it go now, not at the end
             pending.extend(dist.batch_isend_irecv(ops))
 
     def _post_recv(self, action: Any, like: Sequence[Any] | None) -> "_PendingRecv":
