@@ -85,7 +85,7 @@ class PipelineError(ValueError):
     """A pipeline program that cannot run: mismatched schedule, stages, mesh or batch."""
 
 
-def _as_tuple(y: Any, where: str) -> tuple[torch.Tensor, ...]:
+def _as_tuple(y: Any, where: Any) -> tuple[torch.Tensor, ...]:
     ys = (y,) if isinstance(y, torch.Tensor) else tuple(y) if isinstance(y, (tuple, list)) else None
     if ys is None or not all(isinstance(t, torch.Tensor) for t in ys):
         raise PipelineError(f"{where}: a stage that is not the last must return a tensor or a tuple of tensors; "
@@ -152,16 +152,29 @@ def unshard_stage_grads(grads: Any, mesh: Mesh, axis: str) -> Any:
     return _tree.tree_map(gather, grads)
 
 
+class _Where:
+    """``pp rank R step K (action)``, the place an error names; formatted only when one is raised."""
+
+    __slots__ = ("rank", "step", "action")
+
+    def __init__(self, rank: int, step: int, action: Any):
+        self.rank, self.step, self.action = rank, step, action
+
+    def __str__(self) -> str:
+        return f"pp rank {self.rank} step {self.step} ({self.action})"
+
+
 class _Saved:
     """What a stage's forward on one microbatch leaves for its backward."""
 
-    __slots__ = ("inputs", "outputs", "params", "out_grads", "done_b", "weight_state", "swap")
+    __slots__ = ("inputs", "outputs", "params", "param_pos", "out_grads", "done_b", "weight_state", "swap")
 
     def __init__(self, inputs: list[torch.Tensor], outputs: list[torch.Tensor], params: list[torch.Tensor],
-                 swap: ActivationSwap | None = None):
+                 param_pos: list[int], swap: ActivationSwap | None = None):
         self.inputs = inputs        # differentiable inputs (requires_grad leaves), [] for stage 0
         self.outputs = outputs      # differentiable outputs, or [scaled loss] on the last stage
         self.params = params        # the parameter leaves this forward used
+        self.param_pos = param_pos  # the positions of the differentiable ones among them
         self.out_grads: list[torch.Tensor] | None = None
         self.done_b = False
         self.weight_state: BackwardState | None = None  # what B kept for W (the gradients at the use sites)
@@ -431,13 +444,20 @@ class PipelineStep:
             specs[s], stored[s] = spec, leaves
         live: dict[int, list[torch.Tensor]] = {}
 
+        diff_pos: dict[int, list[int]] = {}  # per stage: the positions of its differentiable leaves
+
         def make_live(s: int, leaves: list[torch.Tensor]) -> None:
             live[s] = [x.detach().requires_grad_(_is_diff(x)) if isinstance(x, torch.Tensor) else x for x in leaves]
+            diff_pos[s] = [k for k, t in enumerate(live[s]) if isinstance(t, torch.Tensor) and t.requires_grad]
 
         if not self.fsdp:
             for s in self.local_stages:
                 make_live(s, stored[s])
         grads: dict[int, list[torch.Tensor | None]] = {s: [None] * len(stored[s]) for s in self.local_stages}
+        # Accumulation over microbatches: the first gradient is kept as autograd returned it (it may
+        # alias another tensor, e.g. an incoming gradient), the second sum is a fresh tensor, and later
+        # ones are added into it in place (the same values as out-of-place sums, fewer allocations).
+        owned: dict[int, list[bool]] = {s: [False] * len(stored[s]) for s in self.local_stages}
         reduced: set[int] = set()
 
         inputs: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
@@ -454,8 +474,9 @@ class PipelineStep:
                 if y.requires_grad:
                     outs.append(y)
                     gouts.append(None if sv.out_grads is None else sv.out_grads[k])
-            dx_inputs = [x for x in sv.inputs] if want_dx else []
-            p_inputs = [t for t in sv.params if isinstance(t, torch.Tensor) and t.requires_grad]
+            dx_inputs = sv.inputs if want_dx else []
+            ks = sv.param_pos
+            p_inputs = [sv.params[k] for k in ks]
             dx: list[torch.Tensor | None] = []
             dw: Sequence[torch.Tensor | None] = []
             if want_dx and want_dw:  # BW: one pass
@@ -476,17 +497,21 @@ class PipelineStep:
                     outbox[(K.SEND_B, s, i)] = dx
             if want_dw:
                 if p_inputs:
-                    pos = {id(t): k for k, t in enumerate(sv.params)}
-                    acc = grads[s]
-                    for t, g in zip(p_inputs, dw):
-                        if g is not None:
-                            k = pos[id(t)]
-                            acc[k] = g if acc[k] is None else acc[k] + g
+                    acc, own = grads[s], owned[s]
+                    for k, g in zip(ks, dw):
+                        if g is None:
+                            continue
+                        if acc[k] is None:
+                            acc[k] = g
+                        elif own[k]:
+                            acc[k].add_(g)
+                        else:
+                            acc[k], own[k] = acc[k] + g, True
                 del saved[(s, i)]
             else:
                 sv.done_b = True
 
-        def forward(s: int, i: int, where: str) -> None:
+        def forward(s: int, i: int, where: Any) -> None:
             # A function, so that no local (the outputs, the inputs) outlives the action: a
             # loop variable would keep this microbatch's graph alive until the next forward.
             if s not in live:
@@ -529,7 +554,7 @@ class PipelineStep:
                     inputs[(s + 1, i)] = tuple(t.detach() for t in ys)
                 else:
                     outbox[(K.SEND_F, s, i)] = [t.detach() for t in ys]
-            saved[(s, i)] = _Saved(diff_inputs, outs, live[s], swap)
+            saved[(s, i)] = _Saved(diff_inputs, outs, live[s], diff_pos[s], swap)
 
         # Receives are posted as early as their buffers are known, so that the transfer runs while this
         # rank computes other microbatches: a gradient's as soon as the forward made the outputs it
@@ -545,7 +570,7 @@ class PipelineStep:
 
         for step, a in enumerate(self.actions):
             kind, s, i = a.kind, a.stage, a.microbatch
-            where = f"pp rank {self.pp_index} step {step} ({a})"
+            where = _Where(self.pp_index, step, a)
             if kind in computes:
                 _event("start", a)
             if kind is K.F:
