@@ -231,22 +231,22 @@ class _PendingRecv:
             w.wait()
         self.works = []
         if self.bufs is None:  # the header told the shapes: receive the payload now
-            h = self.header
+            h = self.header.tolist()
             bufs = []
-            for j in range(int(h[0])):
+            for j in range(h[0]):
                 base = 1 + j * (2 + _MAX_NDIM)
-                nd = int(h[base + 1])
-                bufs.append(torch.empty(tuple(int(d) for d in h[base + 2: base + 2 + nd]), dtype=_DTYPES[int(h[base])]))
+                nd = h[base + 1]
+                bufs.append(torch.empty(tuple(h[base + 2: base + 2 + nd]), dtype=_DTYPES[h[base]]))
             self.post_payload(bufs)
             for w in self.works:
                 w.wait()
             self.works = []
         elif self.header is not None:  # posted early with the first microbatch's shapes: the header must agree
-            h = self.header
+            h = self.header.tolist()
             for j, b in enumerate(self.bufs):
                 base = 1 + j * (2 + _MAX_NDIM)
-                shape = tuple(int(d) for d in h[base + 2: base + 2 + int(h[base + 1])])
-                if int(h[0]) != len(self.bufs) or shape != tuple(b.shape) or _DTYPES[int(h[base])] != b.dtype:
+                shape = tuple(h[base + 2: base + 2 + h[base + 1]])
+                if h[0] != len(self.bufs) or shape != tuple(b.shape) or _DTYPES[h[base]] != b.dtype:
                     raise PipelineError(f"{self.action}: stage input {j} arrived as {shape} but the first "
                                         f"microbatch's was {tuple(b.shape)}; microbatches of one step must "
                                         f"give every stage inputs of one shape")
@@ -335,16 +335,18 @@ class PipelineStep:
         peer = self._global(action.peer)
         ops = []
         if header:
-            h = torch.zeros(_HEADER, dtype=torch.int64)
-            h[0] = len(tensors)
+            # built as a list and made a tensor once (item assignments into a tensor cost a dispatch each)
+            fields = [0] * _HEADER
+            fields[0] = len(tensors)
             for j, t in enumerate(tensors):
                 if t.dim() > _MAX_NDIM or t.dtype not in _DTYPES:
                     raise PipelineError(f"stage {action.stage}: cannot send a {t.dtype} tensor of shape "
                                         f"{tuple(t.shape)} (at most {_MAX_NDIM} dims, dtypes {_DTYPES})")
                 base = 1 + j * (2 + _MAX_NDIM)
-                h[base] = _DTYPES.index(t.dtype)
-                h[base + 1] = t.dim()
-                h[base + 2: base + 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+                fields[base] = _DTYPES.index(t.dtype)
+                fields[base + 1] = t.dim()
+                fields[base + 2: base + 2 + t.dim()] = t.shape
+            h = torch.tensor(fields, dtype=torch.int64)
             ops.append(dist.P2POp(dist.isend, h, peer, self._pp_group, self._tag(action.kind, action.stage, action.microbatch, 0)))
         for j, t in enumerate(tensors):
             ops.append(dist.P2POp(dist.isend, t.contiguous(), peer, self._pp_group,
