@@ -225,22 +225,23 @@ def bench_on_rank(name: str, m: int, layers: int, hidden: int, batch: int, seq: 
         steps["torch_metrics"] = torch_step(cfg, name, p, m, full, metrics=True)
     except Exception as err:  # noqa: BLE001 - reported in the table: that torch schedule does not run here
         out["torch_error"] = f"{type(err).__name__}: {err}".splitlines()[0][:200]
-    timelines, times, cpu = [], {k: [] for k in steps}, {k: [] for k in steps}
+    timelines, times, cpu, main = [], {k: [] for k in steps}, {k: [] for k in steps}, {k: [] for k in steps}
 
     def call(k: str, *, timed: bool, record: bool) -> None:
         dist.barrier()
-        t, c = time.perf_counter(), time.process_time()
+        t, c, c1 = time.perf_counter(), time.process_time(), time.thread_time()
         if record:
             with record_timeline() as events:
                 loss = steps[k](data)
             timelines.append(list(events))
         else:
             loss = steps[k](data)
-        dt, dc = time.perf_counter() - t, time.process_time() - c
+        dt, dc, dc1 = time.perf_counter() - t, time.process_time() - c, time.thread_time() - c1
         out["losses"][k].append(loss)
         if timed:
             times[k].append(dt)
             cpu[k].append(dc)
+            main[k].append(dc1)
 
     for _ in range(warmup):
         for k in list(steps):
@@ -254,12 +255,13 @@ def bench_on_rank(name: str, m: int, layers: int, hidden: int, batch: int, seq: 
                     steps.pop(twin, None)
                     times.pop(twin, None)
                     cpu.pop(twin, None)
+                    main.pop(twin, None)
                 break
     names = list(steps)
     for i in range(iters):
         for k in (names if i % 2 == 0 else names[::-1]):
             call(k, timed=True, record=k == "hpfunc")
-    out.update(times=times, cpu=cpu, timelines=timelines, rank=dist.get_rank(),
+    out.update(times=times, cpu=cpu, main=main, timelines=timelines, rank=dist.get_rank(),
                schedule=[str(a) for a in schedule.actions[dist.get_rank()]])
     return out
 
@@ -339,18 +341,23 @@ def summarise(name: str, p: int, m: int, per_rank: list[dict], schedule) -> dict
         # the twin that also computes the gradient norm and hands the loss to every rank (hpfunc's metrics)
         tm_cpu = _cpu_per_step(per_rank, "torch_metrics")
         tm = per_rank[0]["losses"]["torch_metrics"]
+        hp_main, tm_main = _cpu_per_step(per_rank, "hpfunc", "main"), _cpu_per_step(per_rank, "torch_metrics", "main")
         row["torch_metrics"] = {"cpu_s": tm_cpu, "cpu_ratio": hp_cpu / tm_cpu, "losses": tm,
+                                "main_thread_s": tm_main, "hpfunc_main_thread_s": hp_main,
+                                "main_thread_ratio": hp_main / tm_main,
                                 "max_loss_diff": max(abs(a - b) for a, b in zip(hp_losses, tm))}
     else:
         row["torch"] = {"error": err}
     return row
 
 
-def _cpu_per_step(per_rank: list[dict], k: str) -> float:
+def _cpu_per_step(per_rank: list[dict], k: str, clock: str = "cpu") -> float:
     """CPU seconds of one step summed over the ranks (median over steps): the work each framework
-    does, which other jobs on the machine do not stretch as they stretch wall time."""
-    n = len(per_rank[0]["cpu"][k])
-    return statistics.median(sum(pr["cpu"][k][j] for pr in per_rank) for j in range(n))
+    does, which other jobs on the machine do not stretch as they stretch wall time. ``clock="main"``:
+    the main thread's CPU time only (without gloo's threads, whose time depends on how long transfers
+    wait, so on the load)."""
+    n = len(per_rank[0][clock][k])
+    return statistics.median(sum(pr[clock][k][j] for pr in per_rank) for j in range(n))
 
 
 def _costs_text(costs: dict) -> str:
@@ -379,7 +386,7 @@ def print_tables(rows: list[dict]) -> None:
           "of the slowest rank; wall time)")
     print(f"{'p':>2} {'schedule':<12} {'hpfunc':>7} {'torch':>7} {'hp/torch':>8}  {'loss hpfunc':>11} "
           f"{'loss torch':>11} {'max |diff|':>10} | {'cpu hp':>7} {'cpu torch':>9} {'hp/torch':>8} | "
-          f"{'cpu torch+m':>11} {'hp/torch+m':>10}")
+          f"{'cpu torch+m':>11} {'hp/torch+m':>10} {'main thread':>11}")
     for r in rows:
         t = r["torch"]
         if "error" in t:
@@ -389,10 +396,12 @@ def print_tables(rows: list[dict]) -> None:
         print(f"{r['ranks']:>2} {r['schedule']:<12} {1e3 * r['measured']['step_s']:7.1f} {1e3 * t['step_s']:7.1f} "
               f"{t['ratio']:8.2f}  {r['hpfunc_losses'][0]:11.6f} {t['losses'][0]:11.6f} {t['max_loss_diff']:10.1e} | "
               f"{1e3 * t['hpfunc_cpu_s']:7.0f} {1e3 * t['cpu_s']:9.0f} {t['cpu_ratio']:8.2f} | "
-              f"{1e3 * r['torch_metrics']['cpu_s']:11.0f} {r['torch_metrics']['cpu_ratio']:10.2f}")
+              f"{1e3 * r['torch_metrics']['cpu_s']:11.0f} {r['torch_metrics']['cpu_ratio']:10.2f} "
+              f"{r['torch_metrics']['main_thread_ratio']:11.2f}")
     print("loss = first step's (same weights, same batch); max |diff| over all steps (warm-up included); cpu = CPU ms "
           "of one step summed over the ranks (process time: gloo's threads included); torch+m = the twin that also "
-          "computes the global gradient norm and hands the loss to every rank, as hpfunc's step does")
+          "computes the global gradient norm and hands the loss to every rank, as hpfunc's step does; main thread = "
+          "hp / torch+m on the main threads' CPU time (gloo's threads left out)")
 
 
 def main(argv: list[str] | None = None) -> int:
