@@ -30,7 +30,11 @@ ranks' times compare). From it:
 Beside wall time the table shows each framework's CPU time per step summed over the ranks
 (``time.process_time``, gloo's threads included): on a machine whose cores other jobs share, wall times
 stretch with the load, CPU time much less, so its ratio hpfunc / torch is the steadier measure of the
-work each framework does for the same step.
+work each framework does for the same step. hpfunc's training step does more than the schedule: it
+reports the global gradient norm (an all-reduce over the pipeline ranks) and returns the loss and aux
+on every rank (``lax.psum``), which the bare twin does not. A second twin, ``torch+m``
+(``torch_step(..., metrics=True)``), does that work too (the norm of its gradients, all-reduced, and the
+loss all-reduced to every rank); the table gives the ratio against both.
 
 The gap between span and prediction is what the model leaves out: transfers and their waits, the
 executor's own work between actions, and on an oversubscribed CPU the ranks competing for cores (4
@@ -138,8 +142,13 @@ def _stage_module(stages, s: int, full: Any):
     return Stage()
 
 
-def torch_step(cfg, name: str, p: int, m: int, full: Any):
-    """``step(batch) -> loss or None`` (the loss on the rank of the last stage) of the torch twin."""
+def torch_step(cfg, name: str, p: int, m: int, full: Any, *, metrics: bool = False):
+    """``step(batch) -> loss or None`` (the loss on the rank of the last stage) of the torch twin.
+
+    With ``metrics`` the twin also does the reporting work hpfunc's training step does besides the
+    schedule: the global gradient norm (each rank's sum of squares, all-reduced over the pipeline ranks)
+    and the loss on every rank (an all-reduce from the last stage's rank); it then returns the loss on
+    every rank, as hpfunc does."""
     import torch.distributed as dist
     from torch.distributed import pipelining
 
@@ -161,7 +170,8 @@ def torch_step(cfg, name: str, p: int, m: int, full: Any):
 
     cls = getattr(pipelining, TORCH_SCHEDULES[name])
     sched = cls(pstages[0], m, loss_fn=loss_fn) if v == 1 else cls(pstages, m, loss_fn=loss_fn)
-    opt = torch.optim.AdamW([w for mod in modules.values() for w in mod.parameters()], lr=LR)
+    params = [w for mod in modules.values() for w in mod.parameters()]
+    opt = torch.optim.AdamW(params, lr=LR)
 
     def run(batch: dict) -> float | None:
         opt.zero_grad(set_to_none=True)
@@ -172,7 +182,17 @@ def torch_step(cfg, name: str, p: int, m: int, full: Any):
             sched.step(*args, target=tokens, losses=losses)
         else:
             sched.step(*args)
+        if metrics:
+            with torch.no_grad():
+                grads = [w.grad for w in params if w.grad is not None]
+                sq = torch.stack(torch._foreach_norm(grads)).square().sum() if grads else torch.zeros(())
+                dist.all_reduce(sq)
+                grad_norm = sq.sqrt()  # noqa: F841 - computed as hpfunc's metrics["grad_norm"] is
+                loss = torch.stack(losses).detach().mean() if losses else torch.zeros(())
+                dist.all_reduce(loss)
         opt.step()
+        if metrics:
+            return float(loss)
         return float(torch.stack(losses).detach().mean()) if losses else None
 
     return run
@@ -199,44 +219,49 @@ def bench_on_rank(name: str, m: int, layers: int, hidden: int, batch: int, seq: 
     data = {"tokens": torch.randint(0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))}
     hp, schedule = hpfunc_step(cfg, name, p, m, full)
     steps: dict[str, Any] = {"hpfunc": hp}
-    out: dict = {"torch_error": None, "losses": {"hpfunc": [], "torch": []}}
+    out: dict = {"torch_error": None, "losses": {"hpfunc": [], "torch": [], "torch_metrics": []}}
     try:
         steps["torch"] = torch_step(cfg, name, p, m, full)
+        steps["torch_metrics"] = torch_step(cfg, name, p, m, full, metrics=True)
     except Exception as err:  # noqa: BLE001 - reported in the table: that torch schedule does not run here
         out["torch_error"] = f"{type(err).__name__}: {err}".splitlines()[0][:200]
-    timelines, times, cpu = [], {k: [] for k in steps}, {k: [] for k in steps}
+    timelines, times, cpu, main = [], {k: [] for k in steps}, {k: [] for k in steps}, {k: [] for k in steps}
 
     def call(k: str, *, timed: bool, record: bool) -> None:
         dist.barrier()
-        t, c = time.perf_counter(), time.process_time()
+        t, c, c1 = time.perf_counter(), time.process_time(), time.thread_time()
         if record:
             with record_timeline() as events:
                 loss = steps[k](data)
             timelines.append(list(events))
         else:
             loss = steps[k](data)
-        dt, dc = time.perf_counter() - t, time.process_time() - c
+        dt, dc, dc1 = time.perf_counter() - t, time.process_time() - c, time.thread_time() - c1
         out["losses"][k].append(loss)
         if timed:
             times[k].append(dt)
             cpu[k].append(dc)
+            main[k].append(dc1)
 
     for _ in range(warmup):
         for k in list(steps):
             try:
                 call(k, timed=False, record=False)
             except Exception:  # noqa: BLE001 - torch's schedule failed on CPU/gloo: report it
-                if k != "torch":
+                if not k.startswith("torch"):
                     raise
                 out["torch_error"] = traceback.format_exc().strip().splitlines()[-1][:200]
-                steps.pop("torch")
-                times.pop("torch")
-                cpu.pop("torch")
+                for twin in ("torch", "torch_metrics"):
+                    steps.pop(twin, None)
+                    times.pop(twin, None)
+                    cpu.pop(twin, None)
+                    main.pop(twin, None)
+                break
     names = list(steps)
     for i in range(iters):
         for k in (names if i % 2 == 0 else names[::-1]):
             call(k, timed=True, record=k == "hpfunc")
-    out.update(times=times, cpu=cpu, timelines=timelines, rank=dist.get_rank(),
+    out.update(times=times, cpu=cpu, main=main, timelines=timelines, rank=dist.get_rank(),
                schedule=[str(a) for a in schedule.actions[dist.get_rank()]])
     return out
 
@@ -313,16 +338,26 @@ def summarise(name: str, p: int, m: int, per_rank: list[dict], schedule) -> dict
         row["torch"] = {"step_s": torch_ms, "ratio": meas["step_s"] / torch_ms, "losses": th,
                         "cpu_s": torch_cpu, "hpfunc_cpu_s": hp_cpu, "cpu_ratio": hp_cpu / torch_cpu,
                         "max_loss_diff": max(abs(a - b) for a, b in zip(hp_losses, th))}
+        # the twin that also computes the gradient norm and hands the loss to every rank (hpfunc's metrics)
+        tm_cpu = _cpu_per_step(per_rank, "torch_metrics")
+        tm = per_rank[0]["losses"]["torch_metrics"]
+        hp_main, tm_main = _cpu_per_step(per_rank, "hpfunc", "main"), _cpu_per_step(per_rank, "torch_metrics", "main")
+        row["torch_metrics"] = {"cpu_s": tm_cpu, "cpu_ratio": hp_cpu / tm_cpu, "losses": tm,
+                                "main_thread_s": tm_main, "hpfunc_main_thread_s": hp_main,
+                                "main_thread_ratio": hp_main / tm_main,
+                                "max_loss_diff": max(abs(a - b) for a, b in zip(hp_losses, tm))}
     else:
         row["torch"] = {"error": err}
     return row
 
 
-def _cpu_per_step(per_rank: list[dict], k: str) -> float:
+def _cpu_per_step(per_rank: list[dict], k: str, clock: str = "cpu") -> float:
     """CPU seconds of one step summed over the ranks (median over steps): the work each framework
-    does, which other jobs on the machine do not stretch as they stretch wall time."""
-    n = len(per_rank[0]["cpu"][k])
-    return statistics.median(sum(pr["cpu"][k][j] for pr in per_rank) for j in range(n))
+    does, which other jobs on the machine do not stretch as they stretch wall time. ``clock="main"``:
+    the main thread's CPU time only (without gloo's threads, whose time depends on how long transfers
+    wait, so on the load)."""
+    n = len(per_rank[0][clock][k])
+    return statistics.median(sum(pr[clock][k][j] for pr in per_rank) for j in range(n))
 
 
 def _costs_text(costs: dict) -> str:
@@ -350,7 +385,8 @@ def print_tables(rows: list[dict]) -> None:
     print("\nhpfunc vs torch.distributed.pipelining (same model, weights, batch and schedule; ms = median step "
           "of the slowest rank; wall time)")
     print(f"{'p':>2} {'schedule':<12} {'hpfunc':>7} {'torch':>7} {'hp/torch':>8}  {'loss hpfunc':>11} "
-          f"{'loss torch':>11} {'max |diff|':>10} | {'cpu hp':>7} {'cpu torch':>9} {'hp/torch':>8}")
+          f"{'loss torch':>11} {'max |diff|':>10} | {'cpu hp':>7} {'cpu torch':>9} {'hp/torch':>8} | "
+          f"{'cpu torch+m':>11} {'hp/torch+m':>10} {'main thread':>11}")
     for r in rows:
         t = r["torch"]
         if "error" in t:
@@ -359,9 +395,13 @@ def print_tables(rows: list[dict]) -> None:
             continue
         print(f"{r['ranks']:>2} {r['schedule']:<12} {1e3 * r['measured']['step_s']:7.1f} {1e3 * t['step_s']:7.1f} "
               f"{t['ratio']:8.2f}  {r['hpfunc_losses'][0]:11.6f} {t['losses'][0]:11.6f} {t['max_loss_diff']:10.1e} | "
-              f"{1e3 * t['hpfunc_cpu_s']:7.0f} {1e3 * t['cpu_s']:9.0f} {t['cpu_ratio']:8.2f}")
+              f"{1e3 * t['hpfunc_cpu_s']:7.0f} {1e3 * t['cpu_s']:9.0f} {t['cpu_ratio']:8.2f} | "
+              f"{1e3 * r['torch_metrics']['cpu_s']:11.0f} {r['torch_metrics']['cpu_ratio']:10.2f} "
+              f"{r['torch_metrics']['main_thread_ratio']:11.2f}")
     print("loss = first step's (same weights, same batch); max |diff| over all steps (warm-up included); cpu = CPU ms "
-          "of one step summed over the ranks (process time: gloo's threads included)")
+          "of one step summed over the ranks (process time: gloo's threads included); torch+m = the twin that also "
+          "computes the global gradient norm and hands the loss to every rank, as hpfunc's step does; main thread = "
+          "hp / torch+m on the main threads' CPU time (gloo's threads left out)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -164,8 +164,19 @@ def make_train_step(
     expert_bias_rate = float(expert_bias_rate)
     grad_fn = _grad_fn(model_cfg, aux_loss_coef, loss_fn, num_microbatches)
 
+    frozen_masks: dict = {}  # parameter tree structure -> is_frozen of each leaf (paths are per structure)
+
+    def split(params: Any) -> tuple[Any, Any]:
+        """:func:`split_params` with the predicate evaluated once per tree structure, not per leaf and step."""
+        leaves, treedef = _tree.flatten(params)
+        mask = frozen_masks.get(treedef)
+        if mask is None:
+            mask = frozen_masks[treedef] = [bool(is_frozen(path)) for path, _ in _tree.leaves_with_paths(params)]
+        return (_tree.unflatten(treedef, [None if f else x for x, f in zip(leaves, mask)]),
+                _tree.unflatten(treedef, [x if f else None for x, f in zip(leaves, mask)]))
+
     def train_step(state: TrainState, batch: Mapping[str, torch.Tensor]) -> tuple[TrainState, dict[str, torch.Tensor]]:
-        trained, frozen = split_params(state.params, is_frozen)
+        trained, frozen = split(state.params)
         (loss, aux), grads = grad_fn(trained, frozen, batch)
         updates, opt_state = optimizer.update(grads, state.opt_state, trained)
         new_trained = apply_updates(trained, updates)

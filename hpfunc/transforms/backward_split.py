@@ -139,9 +139,27 @@ def _analyse(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
         n = node_of(p)
         if n is not None and n in parents:
             param_node[k] = n
+    root_set = set(roots)
+    if not side:
+        # No input side (stage 0: its input is data): no use sites, every parameter is reached from the
+        # outputs only. One walk up from all parameters finds the outputs they feed (a walk per parameter
+        # would cost parameters x nodes).
+        walked = set(param_node.values())
+        stack = list(walked)
+        outside_roots = set()
+        while stack:
+            n = stack.pop()
+            if n in root_set:
+                outside_roots.add(n)
+            for p in parents.get(n, ()):
+                if p not in walked:
+                    walked.add(p)
+                    stack.append(p)
+        state.outside_params = list(param_node)
+        state.outside = [j for j, r in enumerate(roots) if r is not None and r in outside_roots]
+        return
     site_params: dict[Any, set[int]] = {}
     site_nodes: dict[Any, set[Any]] = {}   # weight-side nodes below each site (for grouping)
-    root_set = set(roots)
     outside_roots: set[Any] = set()
     for k, n0 in param_node.items():
         walked: set[Any] = set()
@@ -188,22 +206,32 @@ def _analyse(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
         g.sites.append(site)
         g.params |= site_params[site]
     # Entangled: a site of the group reaches another site of the same group through the input side.
-    for g in groups.values():
-        mine = set(g.sites)
-        entangled = False
-        for site in g.sites:
-            stack, walked = [c for c in _children(site) if c in side], set()
-            while stack and not entangled:
-                n = stack.pop()
-                if n in walked:
-                    continue
-                walked.add(n)
-                if n in mine:
-                    entangled = True
-                stack.extend(c for c in _children(n) if c in side and c not in walked)
-            if entangled:
-                break
-        if entangled:
+    # One pass over the input side in topological order (parents first) carries, as a bit mask, the
+    # groups that have a site strictly above each node; a site whose own group is in its mask is
+    # entangled. (A walk down from every site would cost sites x nodes.)
+    glist = list(groups.values())
+    bit = {site: 1 << j for j, g in enumerate(glist) for site in g.sites}
+    side_children = {n: [c for c in _children(n) if c in side] for n in side}
+    indegree = dict.fromkeys(side, 0)
+    for n, cs in side_children.items():
+        for c in cs:
+            indegree[c] += 1
+    above = dict.fromkeys(side, 0)
+    ready = [n for n, k in indegree.items() if k == 0]
+    tangled = 0
+    while ready:
+        n = ready.pop()
+        mask = above[n]
+        b = bit.get(n, 0)
+        tangled |= mask & b
+        down = mask | b
+        for c in side_children[n]:
+            above[c] |= down
+            indegree[c] -= 1
+            if indegree[c] == 0:
+                ready.append(c)
+    for j, g in enumerate(glist):
+        if tangled >> j & 1:
             state.fallback.extend(sorted(g.params))
         else:
             state.groups.append(g)

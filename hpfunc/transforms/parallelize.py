@@ -167,9 +167,14 @@ class ParallelizedStep:
         else:  # a pipeline: neither state nor metrics leaves of one stage (its gradients) are compared over it
 
             def check(out: Any) -> tuple:
-                rest = [_tree.map_with_path(lambda path, x: False if _laid_out_like_a_stage_leaf(path, planned.res)
+                # once per structure of the extra outputs (the metrics): the checks depend on paths only
+                key = ("pipeline checks", id(planned), _tree.structure(tuple(out[1:])))
+                rest = self._cache.get(key)
+                if rest is None:
+                    rest = self._cache[key] = tuple(
+                        _tree.map_with_path(lambda path, x: False if _laid_out_like_a_stage_leaf(path, planned.res)
                                             else "trusted", o)
-                        for o in out[1:]]
+                        for o in out[1:])
                 return (state_checks, *rest)
         return shard_map(body, mesh=mesh, in_specs=(planned.specs, *arg_specs), out_specs=out_specs,
                          check_rep=check)(state_in, *args)

@@ -86,7 +86,7 @@ class PipelineError(ValueError):
     """A pipeline program that cannot run: mismatched schedule, stages, mesh or batch."""
 
 
-def _as_tuple(y: Any, where: str) -> tuple[torch.Tensor, ...]:
+def _as_tuple(y: Any, where: Any) -> tuple[torch.Tensor, ...]:
     ys = (y,) if isinstance(y, torch.Tensor) else tuple(y) if isinstance(y, (tuple, list)) else None
     if ys is None or not all(isinstance(t, torch.Tensor) for t in ys):
         raise PipelineError(f"{where}: a stage that is not the last must return a tensor or a tuple of tensors; "
@@ -153,16 +153,29 @@ def unshard_stage_grads(grads: Any, mesh: Mesh, axis: str) -> Any:
     return _tree.tree_map(gather, grads)
 
 
+class _Where:
+    """``pp rank R step K (action)``, the place an error names; formatted only when one is raised."""
+
+    __slots__ = ("rank", "step", "action")
+
+    def __init__(self, rank: int, step: int, action: Any):
+        self.rank, self.step, self.action = rank, step, action
+
+    def __str__(self) -> str:
+        return f"pp rank {self.rank} step {self.step} ({self.action})"
+
+
 class _Saved:
     """What a stage's forward on one microbatch leaves for its backward."""
 
-    __slots__ = ("inputs", "outputs", "params", "out_grads", "done_b", "weight_state", "swap")
+    __slots__ = ("inputs", "outputs", "params", "param_pos", "out_grads", "done_b", "weight_state", "swap")
 
     def __init__(self, inputs: list[torch.Tensor], outputs: list[torch.Tensor], params: list[torch.Tensor],
-                 swap: ActivationSwap | None = None):
+                 param_pos: list[int], swap: ActivationSwap | None = None):
         self.inputs = inputs        # differentiable inputs (requires_grad leaves), [] for stage 0
         self.outputs = outputs      # differentiable outputs, or [scaled loss] on the last stage
         self.params = params        # the parameter leaves this forward used
+        self.param_pos = param_pos  # the positions of the differentiable ones among them
         self.out_grads: list[torch.Tensor] | None = None
         self.done_b = False
         self.weight_state: BackwardState | None = None  # what B kept for W (the gradients at the use sites)
@@ -230,22 +243,22 @@ class _PendingRecv:
             w.wait()
         self.works = []
         if self.bufs is None:  # the header told the shapes: receive the payload now
-            h = self.header
+            h = self.header.tolist()
             bufs = []
-            for j in range(int(h[0])):
+            for j in range(h[0]):
                 base = 1 + j * (2 + _MAX_NDIM)
-                nd = int(h[base + 1])
-                bufs.append(torch.empty(tuple(int(d) for d in h[base + 2: base + 2 + nd]), dtype=_DTYPES[int(h[base])]))
+                nd = h[base + 1]
+                bufs.append(torch.empty(tuple(h[base + 2: base + 2 + nd]), dtype=_DTYPES[h[base]]))
             self.post_payload(bufs)
             for w in self.works:
                 w.wait()
             self.works = []
         elif self.header is not None:  # posted early with the first microbatch's shapes: the header must agree
-            h = self.header
+            h = self.header.tolist()
             for j, b in enumerate(self.bufs):
                 base = 1 + j * (2 + _MAX_NDIM)
-                shape = tuple(int(d) for d in h[base + 2: base + 2 + int(h[base + 1])])
-                if int(h[0]) != len(self.bufs) or shape != tuple(b.shape) or _DTYPES[int(h[base])] != b.dtype:
+                shape = tuple(h[base + 2: base + 2 + h[base + 1]])
+                if h[0] != len(self.bufs) or shape != tuple(b.shape) or _DTYPES[h[base]] != b.dtype:
                     raise PipelineError(f"{self.action}: stage input {j} arrived as {shape} but the first "
                                         f"microbatch's was {tuple(b.shape)}; microbatches of one step must "
                                         f"give every stage inputs of one shape")
@@ -334,16 +347,18 @@ class PipelineStep:
         peer = self._global(action.peer)
         ops = []
         if header:
-            h = torch.zeros(_HEADER, dtype=torch.int64)
-            h[0] = len(tensors)
+            # built as a list and made a tensor once (item assignments into a tensor cost a dispatch each)
+            fields = [0] * _HEADER
+            fields[0] = len(tensors)
             for j, t in enumerate(tensors):
                 if t.dim() > _MAX_NDIM or t.dtype not in _DTYPES:
                     raise PipelineError(f"stage {action.stage}: cannot send a {t.dtype} tensor of shape "
                                         f"{tuple(t.shape)} (at most {_MAX_NDIM} dims, dtypes {_DTYPES})")
                 base = 1 + j * (2 + _MAX_NDIM)
-                h[base] = _DTYPES.index(t.dtype)
-                h[base + 1] = t.dim()
-                h[base + 2: base + 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+                fields[base] = _DTYPES.index(t.dtype)
+                fields[base + 1] = t.dim()
+                fields[base + 2: base + 2 + t.dim()] = t.shape
+            h = torch.tensor(fields, dtype=torch.int64)
             ops.append(dist.P2POp(dist.isend, h, peer, self._pp_group, self._tag(action.kind, action.stage, action.microbatch, 0)))
         for j, t in enumerate(tensors):
             ops.append(dist.P2POp(dist.isend, t.contiguous(), peer, self._pp_group,
@@ -444,13 +459,20 @@ class PipelineStep:
             specs[s], stored[s] = spec, leaves
         live: dict[int, list[torch.Tensor]] = {}
 
+        diff_pos: dict[int, list[int]] = {}  # per stage: the positions of its differentiable leaves
+
         def make_live(s: int, leaves: list[torch.Tensor]) -> None:
             live[s] = [x.detach().requires_grad_(_is_diff(x)) if isinstance(x, torch.Tensor) else x for x in leaves]
+            diff_pos[s] = [k for k, t in enumerate(live[s]) if isinstance(t, torch.Tensor) and t.requires_grad]
 
         if not self.fsdp:
             for s in self.local_stages:
                 make_live(s, stored[s])
         grads: dict[int, list[torch.Tensor | None]] = {s: [None] * len(stored[s]) for s in self.local_stages}
+        # Accumulation over microbatches: the first gradient is kept as autograd returned it (it may
+        # alias another tensor, e.g. an incoming gradient), the second sum is a fresh tensor, and later
+        # ones are added into it in place (the same values as out-of-place sums, fewer allocations).
+        owned: dict[int, list[bool]] = {s: [False] * len(stored[s]) for s in self.local_stages}
         reduced: set[int] = set()
 
         inputs: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
@@ -467,8 +489,9 @@ class PipelineStep:
                 if y.requires_grad:
                     outs.append(y)
                     gouts.append(None if sv.out_grads is None else sv.out_grads[k])
-            dx_inputs = [x for x in sv.inputs] if want_dx else []
-            p_inputs = [t for t in sv.params if isinstance(t, torch.Tensor) and t.requires_grad]
+            dx_inputs = sv.inputs if want_dx else []
+            ks = sv.param_pos
+            p_inputs = [sv.params[k] for k in ks]
             dx: list[torch.Tensor | None] = []
             dw: Sequence[torch.Tensor | None] = []
             if want_dx and want_dw:  # BW: one pass
@@ -489,17 +512,21 @@ class PipelineStep:
                     outbox[(K.SEND_B, s, i)] = dx
             if want_dw:
                 if p_inputs:
-                    pos = {id(t): k for k, t in enumerate(sv.params)}
-                    acc = grads[s]
-                    for t, g in zip(p_inputs, dw):
-                        if g is not None:
-                            k = pos[id(t)]
-                            acc[k] = g if acc[k] is None else acc[k] + g
+                    acc, own = grads[s], owned[s]
+                    for k, g in zip(ks, dw):
+                        if g is None:
+                            continue
+                        if acc[k] is None:
+                            acc[k] = g
+                        elif own[k]:
+                            acc[k].add_(g)
+                        else:
+                            acc[k], own[k] = acc[k] + g, True
                 del saved[(s, i)]
             else:
                 sv.done_b = True
 
-        def forward(s: int, i: int, where: str) -> None:
+        def forward(s: int, i: int, where: Any) -> None:
             # A function, so that no local (the outputs, the inputs) outlives the action: a
             # loop variable would keep this microbatch's graph alive until the next forward.
             if s not in live:
@@ -542,7 +569,7 @@ class PipelineStep:
                     inputs[(s + 1, i)] = tuple(t.detach() for t in ys)
                 else:
                     outbox[(K.SEND_F, s, i)] = [t.detach() for t in ys]
-            saved[(s, i)] = _Saved(diff_inputs, outs, live[s], swap)
+            saved[(s, i)] = _Saved(diff_inputs, outs, live[s], diff_pos[s], swap)
 
         # Receives are posted as early as their buffers are known, so that the transfer runs while this
         # rank computes other microbatches: a gradient's as soon as the forward made the outputs it
@@ -558,7 +585,7 @@ class PipelineStep:
 
         for step, a in enumerate(self.actions):
             kind, s, i = a.kind, a.stage, a.microbatch
-            where = f"pp rank {self.pp_index} step {step} ({a})"
+            where = _Where(self.pp_index, step, a)
             if kind in computes:
                 _event("start", a)
             if kind is K.F:

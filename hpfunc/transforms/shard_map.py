@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import optree
 import torch
@@ -66,27 +66,46 @@ def _is_spec(x: Any) -> bool:
     return x is None or isinstance(x, P)
 
 
-def _pair_specs(specs: Any, values: Any, what: str) -> tuple[list[Any], list[P], Any, Callable[[int], str]]:
+def _cache_key(*parts: Any) -> Any:
+    """``parts`` as a key of :meth:`Mesh._cached`, or ``None`` when one of them is not hashable."""
+    try:
+        hash(parts)
+    except TypeError:
+        return None
+    return parts
+
+
+def _pair_specs(specs: Any, values: Any, what: str,
+                mesh: Mesh | None = None) -> tuple[list[Any], Sequence[P], Any, Callable[[int], str]]:
     """Flatten ``values`` and pair each leaf with its spec from the prefix tree ``specs``.
 
     Returns the leaves, their specs, the treedef and ``path(i)``, the dotted path of leaf ``i`` (built
-    only when asked: only errors need it).
+    only when asked: only errors need it). With ``mesh``, the specs broadcast over a structure are
+    computed once per (spec tree, structure): they depend on nothing else, and broadcasting a prefix
+    over a state of a few hundred leaves costs milliseconds per call.
     """
     leaves, treedef = optree.tree_flatten(values, none_is_leaf=True, namespace=_tree.NAMESPACE)
     spec_leaves, spec_def = optree.tree_flatten(specs, is_leaf=_is_spec, none_is_leaf=True, namespace=_tree.NAMESPACE)
-    if spec_def != treedef:  # a proper prefix: one spec stands for a whole subtree
-        try:
-            spec_leaves = optree.broadcast_prefix(specs, values, is_leaf=_is_spec, none_is_leaf=True,
-                                                  namespace=_tree.NAMESPACE)
-        except (ValueError, TypeError) as e:
-            raise SpecError(
-                f"{what} must be a spec P(...) or a tree prefix of the {what.split('_')[0]}puts; got {specs!r}: {e}"
-            ) from None
+
+    def paired() -> tuple[P, ...]:
+        found = spec_leaves
+        if spec_def != treedef:  # a proper prefix: one spec stands for a whole subtree
+            try:
+                found = optree.broadcast_prefix(specs, values, is_leaf=_is_spec, none_is_leaf=True,
+                                                namespace=_tree.NAMESPACE)
+            except (ValueError, TypeError) as e:
+                raise SpecError(
+                    f"{what} must be a spec P(...) or a tree prefix of the {what.split('_')[0]}puts; got {specs!r}: {e}"
+                ) from None
+        return tuple(s if isinstance(s, P) else as_spec(s) for s in found)
 
     def path(i: int) -> str:
         return _tree.path_str(optree.tree_paths(values, none_is_leaf=True, namespace=_tree.NAMESPACE)[i])
 
-    return leaves, [s if isinstance(s, P) else as_spec(s) for s in spec_leaves], treedef, path
+    # (type, value) pairs: a P and a plain tuple of the same entries compare equal
+    key = None if mesh is None else _cache_key("shard_map.specs", spec_def, tuple((type(x), x) for x in spec_leaves),
+                                               treedef)
+    return leaves, (paired() if key is None else mesh._cached(key, paired)), treedef, path
 
 
 class _SumReplicaGrads(torch.autograd.Function):
@@ -162,17 +181,34 @@ def _check_mode(check_rep: bool | str | None) -> str | None:
                      f"'checksum', 'exact' (or True), 'trusted' or False, or a tree prefix of the outputs of those")
 
 
-def _leaf_checks(check_rep: Any, out: Any) -> list[str | None] | str | None:
-    """One check for all outputs, or (``check_rep`` a tree prefix of the outputs) one per output leaf."""
+def _leaf_checks(check_rep: Any, out: Any, mesh: Mesh | None = None) -> list[str | None] | str | None:
+    """One check for all outputs, or (``check_rep`` a tree prefix of the outputs) one per output leaf.
+    With ``mesh``, the broadcast of the prefix is computed once per (check tree, output structure); the
+    modes are still read per call (``HPFUNC_CHECK_REP`` may change between calls)."""
     if _is_mode(check_rep):
         return _check_mode(check_rep)
-    try:
-        modes = optree.broadcast_prefix(check_rep, out, is_leaf=_is_mode, none_is_leaf=True,
-                                        namespace=_tree.NAMESPACE)
-    except (ValueError, TypeError) as e:
-        raise ValueError(f"shard_map: check_rep must be a check (None, 'checksum', 'exact', 'trusted', True, False) "
-                         f"or a tree prefix of the outputs; got {check_rep!r}: {e}") from None
-    return [_check_mode(m) for m in modes]
+
+    def broadcast() -> tuple:
+        try:
+            return tuple(optree.broadcast_prefix(check_rep, out, is_leaf=_is_mode, none_is_leaf=True,
+                                                 namespace=_tree.NAMESPACE))
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"shard_map: check_rep must be a check (None, 'checksum', 'exact', 'trusted', True, "
+                             f"False) or a tree prefix of the outputs; got {check_rep!r}: {e}") from None
+
+    key = None
+    if mesh is not None:
+        check_leaves, check_def = optree.tree_flatten(check_rep, is_leaf=_is_mode, none_is_leaf=True,
+                                                      namespace=_tree.NAMESPACE)
+        # (type, value) pairs: True == 1 and hash alike, but they are different checks
+        key = _cache_key("shard_map.checks", check_def, tuple((type(m), m) for m in check_leaves),
+                         optree.tree_structure(out, none_is_leaf=True, namespace=_tree.NAMESPACE))
+    modes = broadcast() if key is None else mesh._cached(key, broadcast)
+    table: dict = {}
+    for m in modes:
+        if (type(m), m) not in table:
+            table[(type(m), m)] = _check_mode(m)
+    return [table[(type(m), m)] for m in modes]
 
 
 def _replicated_axes(spec: P, mesh: Mesh) -> tuple[str, ...]:
@@ -522,15 +558,15 @@ def shard_map(
             )
         local_args = []
         for i, (spec_i, arg) in enumerate(zip(specs, args)):
-            leaves, leaf_specs, treedef, path = _pair_specs(spec_i, arg, "in_specs")
+            leaves, leaf_specs, treedef, path = _pair_specs(spec_i, arg, "in_specs", m)
             new = [_enter(functools.partial(path, j), x, s, m, f"args[{i}]")
                    for j, (x, s) in enumerate(zip(leaves, leaf_specs))]
             local_args.append(optree.tree_unflatten(treedef, new))
         with m:
             out = f(*local_args)
-        checks = _leaf_checks(check_rep(out) if callable(check_rep) else check_rep, out)
+        checks = _leaf_checks(check_rep(out) if callable(check_rep) else check_rep, out, m)
         specs_out = out_specs(out) if callable(out_specs) else out_specs
-        leaves, leaf_specs, treedef, path = _pair_specs(specs_out, out, "out_specs")
+        leaves, leaf_specs, treedef, path = _pair_specs(specs_out, out, "out_specs", m)
         to_check: list = []
         new = [_exit(functools.partial(path, j), y, s, m, checks if not isinstance(checks, list) else checks[j],
                      to_check)

@@ -58,6 +58,7 @@ class EngineConfig:
         self.data_axes = tuple(a for a in mesh.axis_names if a in plan.data_axes and mesh.axis_size(a) > 1)
         self.sdc_checks = 0  # reductions checked so far (the "step" an SDC report names)
         self._executor = None  # the pipeline's schedule executor (a pp layer), built on first use
+        self.stage_uses: dict = {}  # parameter tree structure -> per local pipeline stage, the leaves it uses
 
     def pipeline_executor(self) -> Any:
         """The plan's pipeline executor on this mesh (built once: it validates the schedule)."""

@@ -104,6 +104,7 @@ class StagePipeline:
         self.layer = cfg.plan.pipeline
         self.axis, self.stages = self.layer.axis, self.layer.stages
         self.seed = cfg.seed_scale
+        self.memo = cfg.stage_uses
         self.executor = cfg.pipeline_executor()
         self.local_stages = self.executor.local_stages
         self.used = False
@@ -118,27 +119,37 @@ class StagePipeline:
                             "model's loss once (use plans.pp(..., microbatches=m) instead of hpfunc.microbatch)")
         self.used = True
         full = _materialize(params)
-        pairs = _tree.leaves_with_paths(full)
+        leaves, treedef = _tree.flatten(full)
+        # per local stage: the positions of the leaves it uses (once per parameter structure)
+        uses = self.memo.get(treedef)
+        if uses is None:
+            paths = [path for path, _ in _tree.leaves_with_paths(full)]
+            uses = self.memo[treedef] = {s: [k for k, path in enumerate(paths) if s in stages.stage_of(path)]
+                                         for s in self.local_stages}
         # per local stage: the leaves it uses (the others None), so each stage differentiates its own
-        trees = {s: _tree.map_with_path(lambda path, x, s=s: x if s in stages.stage_of(path) else None, full)
-                 for s in self.local_stages}
+        trees = {}
+        for s in self.local_stages:
+            mine: list = [None] * len(leaves)
+            for k in uses[s]:
+                mine[k] = leaves[k]
+            trees[s] = _tree.unflatten(treedef, mine)
         with self.params_layer.keeping_gathered():
             losses, auxes, grads = self.executor.execute(trees, batch)
         # the gradient of every leaf this rank holds, summed over its local stages (a leaf shared by
         # stages on several pipeline ranks is a replica over the pipeline axis: the engine sums it there)
-        by_path: dict[str, torch.Tensor] = {}
+        by_leaf: dict[int, torch.Tensor] = {}
         for s in self.local_stages:
-            for path, g in _tree.leaves_with_paths(grads[s]):
-                by_path[path] = g if path not in by_path else by_path[path] + g
+            for k, g in zip(uses[s], _tree.leaves(grads[s])):
+                by_leaf[k] = g if k not in by_leaf else by_leaf[k] + g
         with torch.no_grad():
             # only the last stage's rank has the losses
             value = torch.stack(losses).mean().float() if losses else torch.zeros((), dtype=torch.float32)
             value = lax.psum(value, self.axis)  # from the last stage's rank to every pipeline rank
             aux = self._aux(auxes, batch)
-        wants = [(path, x) for path, x in pairs if x.requires_grad]
+        wants = [k for k, x in enumerate(leaves) if x.requires_grad]
         if not wants:
             return value, aux
-        return _Attach.apply(value, [by_path.get(path) for path, _ in wants], self.seed, *[x for _, x in wants]), aux
+        return _Attach.apply(value, [by_leaf.get(k) for k in wants], self.seed, *[leaves[k] for k in wants]), aux
 
     def _aux(self, auxes: list[dict], batch: Any) -> dict:
         """The aux of the microbatches (floats averaged, integers summed) on every pipeline rank."""
