@@ -29,7 +29,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from hpfunc import tree as _tree
 
-__all__ = ["local", "storage_key", "storage_nbytes", "tensors_in", "live_nbytes", "StorageLog", "ProducerMode"]
+__all__ = ["local", "storage_key", "storage_nbytes", "tensors_in", "live_nbytes", "live_total", "StorageLog",
+           "ProducerMode"]
 
 aten = torch.ops.aten
 
@@ -61,6 +62,28 @@ def live_nbytes(ref: StorageWeakRef) -> int | None:
     """
     storage = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
     return None if storage is None else int(storage.nbytes())
+
+
+def live_total(refs: dict[int, StorageWeakRef]) -> int:
+    """The bytes now held by the storages of ``refs`` (key -> weak reference); the freed ones are
+    removed from ``refs`` (a later storage may reuse a freed one's address, hence its key).
+
+    >>> x = torch.ones(4)
+    >>> refs = {storage_key(x): StorageWeakRef(x.untyped_storage())}
+    >>> live_total(refs)
+    16
+    >>> del x
+    >>> live_total(refs), refs
+    (0, {})
+    """
+    total = 0
+    for key, ref in list(refs.items()):
+        n = live_nbytes(ref)
+        if n is None:
+            del refs[key]
+        else:
+            total += n
+    return total
 
 
 def tensors_in(value: Any) -> list[torch.Tensor]:

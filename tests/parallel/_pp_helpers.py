@@ -187,7 +187,7 @@ def _resident_probe(exclude: set):
     from torch.multiprocessing.reductions import StorageWeakRef
 
     from hpfunc.memory._recorder import Recorder
-    from hpfunc.memory._storage import live_nbytes, local, storage_key
+    from hpfunc.memory._storage import live_total, local, storage_key
 
     class Probe(Recorder):
         name = "test.resident_probe"
@@ -205,14 +205,7 @@ def _resident_probe(exclude: set):
                 old = self.refs.get(key)
                 if old is None or old.expired():
                     self.refs[key] = StorageWeakRef(local(t).untyped_storage())
-            total = 0
-            for k, ref in list(self.refs.items()):
-                n = live_nbytes(ref)
-                if n is None:
-                    del self.refs[k]  # freed (a later storage may reuse the address)
-                else:
-                    total += n
-            self.peak = max(self.peak, total)
+            self.peak = max(self.peak, live_total(self.refs))
 
     return Probe()
 

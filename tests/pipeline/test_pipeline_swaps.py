@@ -26,7 +26,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 import hpfunc
 from hpfunc import saved_tensors
-from hpfunc.memory._storage import live_nbytes, storage_key
+from hpfunc.memory._storage import live_total, storage_key
 from hpfunc.schedules import GENERATORS, insert_comms, insert_swaps, simulate
 from hpfunc.transforms.pipeline import pipeline_map
 
@@ -45,14 +45,7 @@ class ResidentProbe(saved_tensors.Layer):
         self.peak = 0
 
     def _sample(self) -> None:
-        total = 0
-        for key, ref in list(self.refs.items()):
-            n = live_nbytes(ref)
-            if n is None:
-                del self.refs[key]     # freed (a later storage may reuse the address)
-            else:
-                total += n
-        self.peak = max(self.peak, total)
+        self.peak = max(self.peak, live_total(self.refs))
 
     def pack(self, t, outer):
         key = storage_key(t)
