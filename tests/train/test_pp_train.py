@@ -151,6 +151,20 @@ def test_pp_composed_with_fsdp_tp_ep(pools, corpus, tmp_path, kind, schedule, me
     _check(pools, tmp_path, raw, compare=("loss", "grad_norm") if kind == "moe" else ("loss", "grad_norm", "aux_loss"))
 
 
+@pytest.mark.parametrize("kind,schedule,options", [
+    ("dense", "1f1b", {"remat": "nothing_saveable"}),
+    ("moe", "zbv", {"remat": ["nothing_saveable", None, None, "nothing_saveable"]}),
+    ("dense", "zbv", {"max_resident": 1}),
+    ("moe", "1f1b", {"max_resident": 1, "remat": [None, "dots_saveable"]}),
+], ids=["dense-1f1b-remat", "moe-zbv-remat-per-stage", "dense-zbv-swaps", "moe-1f1b-swaps-selective"])
+def test_recompute_and_swaps_through_the_trainer(pools, corpus, tmp_path, kind, schedule, options):
+    """``remat`` (one policy, or one per stage) and ``max_resident`` (executed swaps) in the YAML's pp entry
+    change nothing in the numbers."""
+    raw = _raw(corpus, tmp_path / "out", model=DENSE if kind == "dense" else MOE, layers=4, pp=2,
+               pp_options={"schedule": schedule, "microbatches": 4, **options})
+    _check(pools, tmp_path, raw)
+
+
 @settings(max_examples=3, deadline=None, derandomize=True, database=None)
 @given(data=st.data())
 def test_drawn_pipelines_match_parallel_null(pools, corpus, tmp_path_factory, data):
