@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor
 from hpfunc.checkpoint import _ranks
 from hpfunc.checkpoint.dcp_io import SaveResult, check_metadata, flatten_state, write_flat
 from hpfunc.checkpoint.errors import CheckpointError
+from hpfunc.faults import is_comm_failure
 
 __all__ = ["AsyncSaver", "PendingSave", "stage", "DEFAULT_TIMEOUT_S"]
 
@@ -135,8 +136,8 @@ class AsyncSaver:
         def write() -> SaveResult:
             try:
                 result = write_flat(path, staged, step=step, metadata=metadata, group=group)
-            except (RuntimeError, dist.DistBackendError) as e:  # a collective of the write: a peer gone or late
-                if isinstance(e, CheckpointError):
+            except Exception as e:
+                if not is_comm_failure(e):  # not a collective that lost its peers: the write's own error
                     raise
                 raise CheckpointError(
                     f"asynchronous save of step {step} to {path}: a collective among the ranks failed ({e}); "
