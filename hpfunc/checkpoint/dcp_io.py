@@ -45,7 +45,7 @@ import torch.distributed.checkpoint as dcp
 from hpfunc import tree as _tree
 from hpfunc.checkpoint import _ranks, marker as _marker
 from hpfunc.checkpoint.abstract import Abstract, abstract, empty, is_abstract_leaf
-from hpfunc.checkpoint.errors import CheckpointError, CheckpointMismatchError, CorruptCheckpointError
+from hpfunc.checkpoint.errors import CheckpointError, CheckpointMismatchError, CorruptCheckpointError, listed
 from hpfunc.checkpoint.files import partial_name, publish
 
 __all__ = ["save", "load", "info", "SaveResult", "flatten_state", "check_metadata", "write_flat", "abstract"]
@@ -172,11 +172,6 @@ def info(path: str | os.PathLike) -> dict:
     return _marker.read(path)
 
 
-def _names(keys: list[str], limit: int = 8) -> str:
-    shown = ", ".join(repr(k) for k in keys[:limit])
-    return shown + (f", ... ({len(keys) - limit} more)" if len(keys) > limit else "")
-
-
 def _check_target(folder: pathlib.Path, saved: dict[str, dict], target: dict[str, Any],
                   all_targets: set[str] | None = None) -> None:
     """The target's keys, shapes and dtypes against the saved ones. ``all_targets``: the keys of every
@@ -186,9 +181,9 @@ def _check_target(folder: pathlib.Path, saved: dict[str, dict], target: dict[str
     if missing or unexpected:
         parts = []
         if missing:
-            parts.append(f"the target has {len(missing)} key(s) the checkpoint lacks: {_names(missing)}")
+            parts.append(f"the target has {len(missing)} key(s) the checkpoint lacks: {listed(missing)}")
         if unexpected:
-            parts.append(f"the checkpoint has {len(unexpected)} key(s) the target lacks: {_names(unexpected)}")
+            parts.append(f"the checkpoint has {len(unexpected)} key(s) the target lacks: {listed(unexpected)}")
         raise CheckpointMismatchError(
             f"checkpoint {os.fspath(folder)!r} is of another model or state: " + "; ".join(parts) +
             ". Load it into a target built like the saved state (same model config, optimizer and state "

@@ -6,7 +6,18 @@ True
 
 from __future__ import annotations
 
-__all__ = ["CheckpointError", "IncompleteCheckpointError", "CorruptCheckpointError", "CheckpointMismatchError"]
+__all__ = ["CheckpointError", "IncompleteCheckpointError", "CorruptCheckpointError", "CheckpointMismatchError",
+           "listed"]
+
+
+def listed(names: list[str], limit: int = 8) -> str:
+    """The first ``limit`` names, quoted, for an error message, and how many more there are.
+
+    >>> listed(["a", "b", "c"], limit=2)
+    "'a', 'b', ... (1 more)"
+    """
+    shown = ", ".join(repr(k) for k in names[:limit])
+    return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
 
 
 class CheckpointError(ValueError):

@@ -52,7 +52,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from torch.distributed.tensor import DTensor
 
 from hpfunc.checkpoint import _ranks
-from hpfunc.checkpoint.errors import CheckpointError, CheckpointMismatchError
+from hpfunc.checkpoint.errors import CheckpointError, CheckpointMismatchError, listed
 from hpfunc.checkpoint.files import partial_name, publish
 from hpfunc.durable import fsync_file
 
@@ -284,11 +284,6 @@ def header(path: str | os.PathLike) -> dict[str, tuple[tuple[int, ...], torch.dt
     return out
 
 
-def _listed(names: list[str], limit: int = 8) -> str:
-    shown = ", ".join(repr(k) for k in names[:limit])
-    return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
-
-
 def check_names(folder: str | os.PathLike, found: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
                 want: Mapping[str, tuple[int, ...]], *, hint: str = "") -> None:
     """Every tensor accounted for: the same names as ``want`` and the same shapes, or an error naming them."""
@@ -297,9 +292,9 @@ def check_names(folder: str | os.PathLike, found: Mapping[str, tuple[tuple[int, 
     if missing or unexpected:
         parts = []
         if missing:
-            parts.append(f"missing {len(missing)} tensor(s) the model needs: {_listed(missing)}")
+            parts.append(f"missing {len(missing)} tensor(s) the model needs: {listed(missing)}")
         if unexpected:
-            parts.append(f"{len(unexpected)} unexpected tensor(s): {_listed(unexpected)}")
+            parts.append(f"{len(unexpected)} unexpected tensor(s): {listed(unexpected)}")
         raise CheckpointMismatchError(f"safetensors folder {os.fspath(folder)!r}: " + "; ".join(parts) +
                                       (f". {hint}" if hint else ""))
     for name, shape in want.items():
