@@ -29,6 +29,7 @@ import tempfile
 import time
 
 import torch
+from _report import print_medians, write_json
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -48,7 +49,6 @@ def main(argv: list[str] | None = None) -> dict:
     from hpfunc import faults, optim
     from hpfunc.models import qwen3
     from hpfunc.train import loop
-    from hpfunc.train.output import to_json
     from hpfunc.train.step import init_train_state, make_train_step
 
     cfg = qwen3.preset(args.preset)
@@ -101,13 +101,8 @@ def main(argv: list[str] | None = None) -> dict:
     }
     print(f"{args.preset}: batch {args.batch} x seq {args.seq}, train step (fwd+bwd+adamw), "
           f"{args.blocks} blocks x {args.steps} steps per setting, load average {load[0]:.2f} {load[1]:.2f}")
-    print(f"{'setting':<16}{'median ms':>10}{'vs off':>8}")
-    for name in settings:
-        print(f"{name:<16}{med[name]:>10.2f}{med[name] / med['off']:>8.3f}")
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        f.write(to_json(result, where=str(args.out), indent=2))
-    print(f"wrote {args.out}")
+    print_medians(med, settings, width=16)
+    write_json(args.out, result)
     return result
 
 

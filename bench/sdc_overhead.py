@@ -18,6 +18,7 @@ import statistics
 import time
 
 import torch
+from _report import print_medians, write_json
 
 
 def _rank_main(preset: str, batch: int, seq: int, blocks: int, steps: int) -> dict:
@@ -65,7 +66,6 @@ def main(argv: list[str] | None = None) -> dict:
                                                   "sdc_overhead.json"))
     args = ap.parse_args(argv)
     from hpfunc.launch import spmd
-    from hpfunc.train.output import to_json
 
     out = spmd(_rank_main, 2, args.preset, args.batch, args.seq, args.blocks, args.steps)
     med = {k: statistics.median(v) for k, v in out["samples_ms"].items()}
@@ -77,14 +77,9 @@ def main(argv: list[str] | None = None) -> dict:
               "ratio": med["sdc_check"] / med["off"], "samples_ms": out["samples_ms"]}
     print(f"{args.preset}: ddp over 2 gloo ranks, batch {args.batch} x seq {args.seq}, {args.blocks} blocks x "
           f"{args.steps} steps each, load average {load[0]:.2f} {load[1]:.2f}")
-    print(f"{'setting':<12}{'median ms':>10}{'vs off':>8}")
-    for name in ("off", "sdc_check"):
-        print(f"{name:<12}{med[name]:>10.2f}{med[name] / med['off']:>8.3f}")
+    print_medians(med, ("off", "sdc_check"), width=12)
     print(f"the check's all_gather: {out['leaves']} leaves x 8 bytes x 2 ranks = {8 * out['leaves'] * 2} bytes a step")
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        f.write(to_json(result, where=str(args.out), indent=2))
-    print(f"wrote {args.out}")
+    write_json(args.out, result)
     return result
 
 
