@@ -773,6 +773,8 @@ def _resolve_paths(cfg: Config, base: pathlib.Path) -> Config:
 
 
 def _is_schedule_file(schedule: Any) -> bool:
+    """:func:`hpfunc.transforms.pipeline_plan.is_schedule_file`, imported here only when a ``pp`` entry
+    asks (the config module does not load the transforms for every config it reads)."""
     from hpfunc.transforms.pipeline_plan import is_schedule_file
 
     return is_schedule_file(schedule)
