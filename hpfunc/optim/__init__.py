@@ -11,6 +11,7 @@ it as pure functions::
     state = tx.init(params)                           # a pytree of tensors (checkpointable)
     updates, state = tx.update(grads, state, params)  # nothing is mutated
     params = optim.apply_updates(params, updates)
+    params, state = optim.update_and_apply(tx, grads, state, params)  # the same, fused where tx can
 
 Paths are dotted strings (``layers.3.attn.wq``); errors name them. See ``docs/optim.md``.
 """
@@ -20,12 +21,14 @@ from hpfunc.optim.adam import ScaleByAdamState, scale_by_adam
 from hpfunc.optim.alias import adamw, is_not_matrix, muon, muon_adamw
 from hpfunc.optim.base import (
     EmptyState,
+    FusedUpdate,
     GradientTransformation,
     OptState,
     Params,
     Updates,
     apply_updates,
     identity,
+    update_and_apply,
 )
 from hpfunc.optim.clipping import clip_by_global_norm, global_norm
 from hpfunc.optim.combine import MaskedState, PartitionState, chain, masked, partition
@@ -44,6 +47,8 @@ __all__ = [
     "OptState",
     "identity",
     "apply_updates",
+    "update_and_apply",
+    "FusedUpdate",
     # building blocks
     "scale",
     "set_to_zero",

@@ -11,7 +11,8 @@ from typing import Any, Callable
 import torch
 
 from hpfunc.optim.adam import scale_by_adam
-from hpfunc.optim.base import GradientTransformation
+from hpfunc.optim.adamw_apply import adamw_apply
+from hpfunc.optim.base import FusedUpdate, GradientTransformation
 from hpfunc.optim.combine import chain, partition
 from hpfunc.optim.muon import NS_COEFFICIENTS, scale_by_muon
 from hpfunc.optim.scale import ScalarOrSchedule, scale_by_learning_rate
@@ -64,11 +65,14 @@ def adamw(
         >>> optim.apply_updates(params, updates)["w"]
         tensor([0.9000, 0.9000, 0.9000])
     """
-    return chain(
+    tx = chain(
         scale_by_adam(b1, b2, eps, eps_root),
         add_decayed_weights(weight_decay, mask),
         scale_by_learning_rate(learning_rate),
     )
+    apply = adamw_apply(tx.update, b1=float(b1), b2=float(b2), eps=float(eps), eps_root=float(eps_root),
+                        weight_decay=float(weight_decay), mask=mask, learning_rate=learning_rate)
+    return GradientTransformation(tx.init, FusedUpdate(tx.update, apply))
 
 
 def muon(

@@ -6,7 +6,7 @@ from typing import Any, Callable, Hashable, Mapping, NamedTuple
 
 
 from hpfunc.optim import _tree
-from hpfunc.optim.base import GradientTransformation, OptState, Params, Updates
+from hpfunc.optim.base import FusedUpdate, GradientTransformation, OptState, Params, Updates
 from hpfunc.optim.errors import OptimError, TreeMismatchError, UnknownLabelError
 
 __all__ = ["chain", "MaskedState", "masked", "PartitionState", "partition"]
@@ -45,7 +45,22 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
             new_states.append(s)
         return updates, tuple(new_states)
 
-    return GradientTransformation(init, update)
+    last = getattr(transforms[-1].update, "apply", None) if transforms else None
+    if last is None:
+        return GradientTransformation(init, update)
+
+    def apply(updates: Updates, state: tuple[OptState, ...], params: Params) -> tuple[Params, tuple[OptState, ...]]:
+        # the transformations before the last one as in update, then the last one's fused apply
+        if not isinstance(state, tuple) or len(state) != len(transforms):
+            update(updates, state, params)  # raises the chain's error
+        new_states = []
+        for t, s in zip(transforms[:-1], state[:-1]):
+            updates, s = t.update(updates, s, params)
+            new_states.append(s)
+        params, s = last(updates, state[-1], params)
+        return params, (*new_states, s)
+
+    return GradientTransformation(init, FusedUpdate(update, apply))
 
 
 def _check_bool(where: str, what: str) -> Callable[[str, Any], None]:

@@ -450,10 +450,10 @@ def _loss_step(loss_fn: Callable, optimizer: Any, has_aux: bool, clip_norm: floa
     if clip_norm is not None:
         scale = torch.clamp(clip_norm / (gnorm + 1e-6), max=1.0)
         grads = _tree.tree_map(lambda g: (g * scale).to(g.dtype), grads)
-    updates, opt_state = optimizer.update(grads, state["opt"], params)
+    new_params, opt_state = optim.update_and_apply(optimizer, grads, state["opt"], params)
     if isinstance(aux, Mapping):
         metrics.update({k: v for k, v in aux.items() if isinstance(v, torch.Tensor)})
-    return {"params": optim.apply_updates(params, updates), "opt": opt_state}, metrics
+    return {"params": new_params, "opt": opt_state}, metrics
 
 
 def parallel_train_step(loss_fn: Callable, optimizer: Any, mesh: Mesh, plan: Plan, *, has_aux: bool = False,
