@@ -327,6 +327,11 @@ class PipelineStep:
         self.actions = schedule.actions[self.pp_index]
         self._swapped = {(a.stage, a.microbatch) for a in self.actions if a.kind is K.SWAP_OUT}
         self._pp_group = mesh.group(axis)
+        # (sending stage, microbatch, the microbatch's shapes) -> the shapes and dtypes the stage sent: a
+        # forward message carries a header naming them the first time only. Both ends know the key (every
+        # rank splits the same batch), so both drop the header from the second step on, as torch's
+        # PipelineStage infers shapes once; a stage whose outputs then change shape is an error.
+        self._boundary: dict[tuple, list[tuple[tuple[int, ...], torch.dtype]]] = {}
 
     # -- helpers ----------------------------------------------------------------------------------
     def _global(self, pp_rank: int) -> int:
@@ -342,6 +347,24 @@ class PipelineStep:
             stage += 1
         m, n = self.schedule.num_microbatches, self.schedule.num_stages
         return ((_KIND_TAG[kind] * n + stage) * m + mb) * (_MAX_TENSORS + 1) + part
+
+    def _boundary_key(self, sender: int, i: int, mb: Any) -> tuple:
+        return (sender, i, tuple((tuple(x.shape), x.dtype) for x in _tree.leaves(mb) if isinstance(x, torch.Tensor)))
+
+    def _forward_header(self, tensors: Sequence[torch.Tensor], action: Any, mb: Any) -> bool:
+        """Whether this forward message carries a header: the first time its key is sent (see ``_boundary``)."""
+        key = self._boundary_key(action.stage, action.microbatch, mb)
+        shapes = [(tuple(t.shape), t.dtype) for t in tensors]
+        known = self._boundary.get(key)
+        if known is None:
+            self._boundary[key] = shapes
+            return True
+        if known != shapes:
+            raise PipelineError(f"{action}: stage {action.stage} now outputs {shapes} for microbatch "
+                                f"{action.microbatch}, but output {known} for a microbatch of the same shapes in an "
+                                f"earlier step; the receiving rank posts its buffers from those, so a stage's output "
+                                f"shapes must follow from its microbatch's shapes")
+        return False
 
     def _send(self, tensors: Sequence[torch.Tensor], action: Any, pending: list, *, header: bool) -> None:
         peer = self._global(action.peer)
@@ -378,10 +401,11 @@ class PipelineStep:
             _drop_finished(pending)  # a finished send's work holds its buffer: let it go now, not at the end
             pending.extend(dist.batch_isend_irecv(ops))
 
-    def _post_recv(self, action: Any, like: Sequence[Any] | None) -> "_PendingRecv":
+    def _post_recv(self, action: Any, like: Sequence[Any] | None, *, header: bool = True) -> "_PendingRecv":
         """Post the receive of ``action`` now (non-blocking): the payload into buffers shaped like
         ``like`` (tensors, or ``(shape, dtype)`` pairs), or, with ``like=None``, its header first (then
-        the payload is posted once the header has arrived, at :meth:`_PendingRecv.wait`)."""
+        the payload is posted once the header has arrived, at :meth:`_PendingRecv.wait`). ``header=False``:
+        a forward message whose sender sends no header (its shapes are known from an earlier step)."""
         peer = self._global(action.peer)
         kind, s, i = action.kind, action.stage, action.microbatch
         pending = _PendingRecv(self, action, peer)
@@ -390,7 +414,7 @@ class PipelineStep:
             pending.works = dist.batch_isend_irecv(
                 [dist.P2POp(dist.irecv, pending.header, peer, self._pp_group, self._tag(kind, s, i, 0))])
         else:
-            if self.with_microbatch and kind is K.RECV_F:  # the sender's header still comes: take it too
+            if header and self.with_microbatch and kind is K.RECV_F:  # the sender's header still comes: take it too
                 pending.header = torch.empty(_HEADER, dtype=torch.int64)
                 pending.header_ops = [dist.P2POp(dist.irecv, pending.header, peer, self._pp_group,
                                                  self._tag(kind, s, i, 0))]
@@ -594,15 +618,23 @@ class PipelineStep:
                 if rb is not None and (s, i) in saved:
                     posted[(K.RECV_B, s, i)] = self._post_recv(rb, saved[(s, i)].outputs)
             elif kind is K.SEND_F:
-                self._send(outbox.pop((K.SEND_F, s, i)), a, pending, header=True)
+                tensors = outbox.pop((K.SEND_F, s, i))
+                self._send(tensors, a, pending, header=self._forward_header(tensors, a, mbs[i]))
+                del tensors
             elif kind is K.RECV_F:
                 got = posted.pop((K.RECV_F, s, i), None)
-                got = tuple((got or self._post_recv(a, None)).wait())
+                if got is None:
+                    known = self._boundary.get(self._boundary_key(s - 1, i, mbs[i]))
+                    got = self._post_recv(a, known, header=False) if known is not None else self._post_recv(a, None)
+                got = tuple(got.wait())
                 inputs[(s, i)] = got
+                self._boundary.setdefault(self._boundary_key(s - 1, i, mbs[i]), [(tuple(t.shape), t.dtype) for t in got])
                 if self.with_microbatch and recv_f.get(s) and recv_f[s][0] is a:
                     like = [(t.shape, t.dtype) for t in got]
                     for later in recv_f[s][1:]:
-                        posted[(K.RECV_F, s, later.microbatch)] = self._post_recv(later, like)
+                        known = self._boundary.get(self._boundary_key(s - 1, later.microbatch, mbs[later.microbatch]))
+                        posted[(K.RECV_F, s, later.microbatch)] = (
+                            self._post_recv(later, like) if known is None else self._post_recv(later, known, header=False))
             elif kind is K.SEND_B:
                 self._send(outbox.pop((K.SEND_B, s, i)), a, pending, header=False)
             elif kind is K.RECV_B:

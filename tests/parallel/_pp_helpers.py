@@ -102,7 +102,11 @@ def run_pp_parity(mesh_shape: dict, roles: list[str], *, schedule: str = "1f1b",
         plan.local_params(full, mesh)))
     for i in range(steps):
         b = {"tokens": torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)}
-        params, state, metrics, grads = _counted(step, (params, state, b), out if count_comm and i == 0 else None)
+        counted: dict | None = {} if count_comm else None
+        params, state, metrics, grads = _counted(step, (params, state, b), counted)
+        if counted is not None:  # out["records"]: the first step's; out["records_per_step"]: every step's
+            out.setdefault("records_per_step", []).append(counted["records"])
+            out.setdefault("records", counted["records"])
         (value, aux), ref_grads = hpfunc.value_and_grad(ref_loss, has_aux=True)(ref_params, b)
         what = f"{mesh_shape} {roles} {schedule} m{m} {kind} L{layers} {split} tied={tied} step {i}"
         assert_trees_close(metrics["loss"], value, rtol=1e-5, atol=1e-6, what=f"{what} loss")

@@ -128,14 +128,17 @@ def test_random_schedules_microbatches_and_splits(pools, data):
 
 
 def test_pipeline_sends_are_counted_as_the_schedule_says(pools):
-    """1F1B on 2 ranks, 4 microbatches of [2, 8, 64] fp32 hidden states: rank 0 sends 4 activations,
-    rank 1 sends 4 gradients back, each b/m x s x H x 4 bytes (plus a header per forward message)."""
-    out = pools(2).run(H.run_pp_parity, {"pp": 2}, ["pp"], schedule="1f1b", m=4, steps=1, count_comm=True)
+    """1F1B on 2 ranks, 4 microbatches of [2, 8, 64] fp32 hidden states: in each step rank 0 sends 4
+    activations, rank 1 sends 4 gradients back, each b/m x s x H x 4 bytes; in the first step each
+    forward message also has a header naming its shapes, in the second none (both ends know them)."""
+    out = pools(2).run(H.run_pp_parity, {"pp": 2}, ["pp"], schedule="1f1b", m=4, steps=2, count_comm=True)
     nbytes = 2 * 8 * 64 * 4
-    for rank, name, phase in ((0, "pipeline_activations", "forward"), (1, "pipeline_grads", "backward")):
-        sends = [r for r in out[rank]["records"] if r[0] == "send" and r[6] != "header"]
-        assert [(r[1], r[4], r[3], r[5]) for r in sends] == [(name, phase, nbytes, float(nbytes))] * 4, rank
-    assert sum(r[0] == "send" and r[6] == "header" for r in out[0]["records"]) == 4
+    for step in range(2):
+        for rank, name, phase in ((0, "pipeline_activations", "forward"), (1, "pipeline_grads", "backward")):
+            records = out[rank]["records_per_step"][step]
+            sends = [r for r in records if r[0] == "send" and r[6] != "header"]
+            assert [(r[1], r[4], r[3], r[5]) for r in sends] == [(name, phase, nbytes, float(nbytes))] * 4, (step, rank)
+        assert sum(r[0] == "send" and r[6] == "header" for r in out[0]["records_per_step"][step]) == (4, 0)[step]
 
 
 def test_fsdp_inside_stages_gathers_each_stage_once_per_step(pools):

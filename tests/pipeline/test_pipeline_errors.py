@@ -102,3 +102,42 @@ def test_stage_calls_exact(pool2):
     for calls, stages, finite in pool2.run(counted_run):
         assert calls == sorted(s for s in stages for _ in range(4))
         assert finite
+
+
+def headers_and_shape_changes():
+    """Forward messages name their shapes in a header the first time a (stage, microbatch, microbatch
+    shapes) key passes, and never again: steps 1 and 2 on one batch shape, then a new batch shape
+    (headers again), then the first shape (none). A stage whose outputs change shape for the same key
+    is an error at the sender, before anything is sent."""
+    from hpfunc.schedules import Action, ActionKind
+
+    pp = hpfunc.Mesh({"pp": 2})
+    step = pipeline_map(_fns(2), one_f_one_b(2, 4), pp, loss_fn=_loss, first_input=_first)
+    params = {s: {"w": torch.eye(3) * (s + 1)} for s in step.local_stages}
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randn(8, 3, generator=g), None, torch.randn(16, 3, generator=g), None]
+    batches[1], batches[3] = batches[0], batches[0]
+    headers, losses = [], []
+    for x in batches:
+        with hpfunc.comm_stats() as stats:
+            loss, _ = step(params, {"x": x})
+        headers.append(sum(r.tag == "header" for r in stats.records))
+        losses.append(float(loss))
+    send = Action(ActionKind.SEND_F, 0, 0, peer=1)
+    mb = {"x": torch.zeros(2, 5)}
+    first = step._forward_header([torch.zeros(2, 3)], send, mb)
+    again = step._forward_header([torch.zeros(2, 3)], send, mb)
+    changed = catch(lambda: step._forward_header([torch.zeros(2, 4)], send, mb))
+    return {"headers": headers, "losses": losses, "first": first, "again": again, "changed": changed}
+
+
+@pytest.mark.multirank
+def test_forward_headers_only_until_the_shapes_are_known(pool2):
+    out = pool2.run(headers_and_shape_changes)
+    assert out[0]["headers"] == [4, 0, 4, 0] and out[1]["headers"] == [0, 0, 0, 0]
+    for o in out:
+        assert o["losses"][1] == o["losses"][0] == o["losses"][3]
+        assert o["first"] is True and o["again"] is False
+        name, is_value_error, msg = o["changed"]
+        assert name == "PipelineError" and is_value_error
+        assert "now outputs [((2, 4), torch.float32)]" in msg and "must follow from its microbatch's shapes" in msg

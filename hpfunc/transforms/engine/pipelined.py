@@ -54,6 +54,11 @@ class _Attach(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
+        # the step's own seed comes back unchanged when the objective is the pipelined loss itself (plus
+        # terms that do not scale it): the precomputed gradients are the answer, without a pass over them
+        # (read on the CPU only: on an accelerator the comparison would wait for the device)
+        if g.device.type == "cpu" and g.numel() == 1 and float(g) == ctx.seed:
+            return (None, None, None, *ctx.grads)
         scale = g / ctx.seed
         return (None, None, None, *[None if gr is None else gr * scale.to(gr.dtype) for gr in ctx.grads])
 
@@ -144,23 +149,29 @@ class StagePipeline:
         with torch.no_grad():
             # only the last stage's rank has the losses
             value = torch.stack(losses).mean().float() if losses else torch.zeros((), dtype=torch.float32)
-            value = lax.psum(value, self.axis)  # from the last stage's rank to every pipeline rank
-            aux = self._aux(auxes, batch)
+            value, aux = self._to_every_rank(value, auxes, batch)
         wants = [k for k, x in enumerate(leaves) if x.requires_grad]
         if not wants:
             return value, aux
         return _Attach.apply(value, [by_leaf.get(k) for k in wants], self.seed, *[leaves[k] for k in wants]), aux
 
-    def _aux(self, auxes: list[dict], batch: Any) -> dict:
-        """The aux of the microbatches (floats averaged, integers summed) on every pipeline rank."""
+    def _to_every_rank(self, value: torch.Tensor, auxes: list[dict], batch: Any) -> tuple[torch.Tensor, dict]:
+        """The loss and the aux of the microbatches (floats averaged, integers summed) on every pipeline
+        rank: one ``psum`` over the pipeline axis of them all packed in fp64. Only the last stage's rank
+        holds values (the others add zeros), so the sum is exact: fp32 values and integer counts below
+        2**53 pass through fp64 unchanged."""
         template = self.stages.aux_template(batch)
-        out = {}
+        parts = [value]
         for k, z in template.items():
             if auxes:
-                vals = [torch.as_tensor(a[k]).detach() for a in auxes]
-                v = torch.stack(vals)
+                v = torch.stack([torch.as_tensor(a[k]).detach() for a in auxes])
                 v = v.float().mean(0).to(z.dtype) if z.is_floating_point() else v.sum(0)
             else:
                 v = z
-            out[k] = lax.psum(v.to(z.dtype), self.axis)
-        return out
+            parts.append(v.to(z.dtype))
+        packed = lax.psum(torch.cat([t.reshape(-1).to(torch.float64) for t in parts]), self.axis)
+        out, at = [], 0
+        for t in parts:
+            out.append(packed[at:at + t.numel()].reshape(t.shape).to(t.dtype))
+            at += t.numel()
+        return out[0], dict(zip(template, out[1:]))
