@@ -8,7 +8,9 @@ over ``qwen3.parallel_plan.pipeline_stages``, and its PyTorch twin: one ``Pipeli
 an ``nn.Module`` that holds copies of the same weights and calls the same stage functions
 (``Stages.forward``; the last stage's ``Stages.loss`` is the schedule's ``loss_fn``), driven by
 ``ScheduleGPipe`` / ``Schedule1F1B`` / ``ScheduleInterleaved1F1B`` / ``ScheduleZBVZeroBubble`` and
-``torch.optim.AdamW`` (hpfunc's ``adamw`` has torch's semantics and defaults). The two are timed
+``torch.optim.AdamW`` (hpfunc's ``adamw`` has torch's semantics and defaults; the front door is built
+with ``donate_state=True``, so its fused AdamW writes into the old state's memory as torch's in-place
+step does, with the values of a step without donation). The two are timed
 side by side, step by step in alternating order after a warm-up, a barrier before each step; a step's
 time is the slowest rank's, the table shows medians. Both see the same batch every step and start
 from the same weights, so their per-step losses agree to rounding (checked and shown): the
@@ -96,7 +98,8 @@ def hpfunc_step(cfg, name: str, p: int, m: int, full: Any):
     plan = plans.pp("pp", stages, schedule=name, microbatches=m,
                     virtual_stages=2 if name == "interleaved" else None)
     tx = optim.adamw(LR)
-    front = hpfunc.parallelize(make_train_step(cfg, tx, loss_fn=parallel_plan.loss), mesh, plan)
+    # donated: the optimizer writes the new state into the old one's memory, as torch's in-place AdamW does
+    front = hpfunc.parallelize(make_train_step(cfg, tx, loss_fn=parallel_plan.loss), mesh, plan, donate_state=True)
     box = {"s": front.init_state(lambda params: init_train_state(params, tx), front.shard_params(full))}
 
     def run(batch: dict) -> float:

@@ -19,6 +19,7 @@ What you can ask:
 :func:`local_block` (path, full)     the block of a global value that this rank's block covers
 :func:`gather_block` (path, block)   the global value from this rank's block (a collective)
 :func:`global_sq_norm` (tree)        the squared norm of global tensors from their blocks
+:func:`donated`                      whether the step may write its new state into the old one's buffers
 :func:`ep_axis`                      the expert-parallel axis (:mod:`hpfunc.layout.expert_parallel`)
 :func:`runner`, :class:`Stages`      the pipeline binding: a model split into stages runs through the
                                      bound runner (:mod:`hpfunc.layout.pipeline`)
@@ -53,7 +54,8 @@ your own does the same (the one-device run is the reference; ``docs/parallel.md`
 """
 
 from hpfunc.layout.step import (Accumulation, LeafLayout, LeafSpec, PlanError, StepLayout, bind, blocks_sq_norm,
-                                current, data_axes, data_parallel, gather_block, global_sq_norm, leaf, local_block, varying_axes)
+                                current, data_axes, data_parallel, donated, gather_block, global_sq_norm, leaf,
+                                local_block, varying_axes)
 from hpfunc.layout.expert_parallel import ep_axis, expert_parallel
 from hpfunc.layout.pipeline import PipelineRunner, Stages, model_parameter_paths, model_paths, pipeline, runner
 from hpfunc.layout.styles import ColwiseParallel, Replicate, RowwiseParallel, SequenceParallel, Style, VocabParallel
@@ -62,7 +64,7 @@ from hpfunc.layout.tensor_parallel import (check_sequence, gather_sequence, redu
 
 __all__ = [
     "StepLayout", "LeafLayout", "LeafSpec", "Accumulation", "PlanError", "current", "bind", "leaf", "data_axes",
-    "data_parallel",
+    "data_parallel", "donated",
     "varying_axes", "local_block", "gather_block", "global_sq_norm", "blocks_sq_norm",
     "tensor_parallel", "tp_axis", "sequence_parallel", "vocab_parallel", "scatter_sequence", "gather_sequence",
     "reduce_partial", "check_sequence", "expert_parallel", "ep_axis",

@@ -123,6 +123,9 @@ class StepLayout(Protocol):
     def accumulate(self) -> ContextManager[Accumulation]:
         """A block inside which ``value_and_grad`` returns per-rank gradients, reduced once at the end."""
 
+    donate_state: bool
+    """The step was handed its state to reuse (``parallelize(..., donate_state=True)``)."""
+
 
 _CURRENT: contextvars.ContextVar[StepLayout | None] = contextvars.ContextVar("hpfunc_step_layout", default=None)
 
@@ -141,6 +144,18 @@ def bind(ctx: StepLayout | None) -> Iterator[None]:
         yield
     finally:
         _CURRENT.reset(token)
+
+
+def donated() -> bool:
+    """Whether the step running now owns its state's buffers: ``hpfunc.parallelize(..., donate_state=True)``
+    (JAX's buffer donation). An optimizer may then write the new moments and parameters into the old
+    ones (``optim.update_and_apply(..., donate=layout.donated())``); ``False`` outside a step.
+
+    >>> donated()
+    False
+    """
+    ctx = current()
+    return bool(getattr(ctx, "donate_state", False)) if ctx is not None else False
 
 
 def leaf(path: str, x: torch.Tensor | None = None, *, where: str = "layout.leaf") -> LeafLayout | None:

@@ -10,7 +10,9 @@ way torch's foreach AdamW does::
 
 in 4 new tensors (m, v, the denominator, p) and 8 passes, bit for bit torch's result on plain tensors
 of one dtype. The state is the chain's own (``ScaleByAdamState``, the decay's, the rate's), so the
-two paths are interchangeable step by step and checkpoints do not change.
+two paths are interchangeable step by step and checkpoints do not change. With ``donate=True`` the
+same foreach ops write into the old moments and params (in place, as torch does): no new tensors but
+the denominator.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ def adamw_apply(chain_update: UpdateFn, *, b1: float, b2: float, eps: float, eps
         return apply_updates(params, updates), new_state
 
     @torch.no_grad()
-    def apply(grads: Updates, state: OptState, params: Params) -> tuple[Params, OptState]:
+    def apply(grads: Updates, state: OptState, params: Params, *, donate: bool = False) -> tuple[Params, OptState]:
         if not _fusable_state(state, mask is not None, callable(learning_rate)) or params is None:
             return fallback(grads, state, params)
         adam, decay_state, rate_state = state
@@ -75,7 +77,14 @@ def adamw_apply(chain_update: UpdateFn, *, b1: float, b2: float, eps: float, eps
             # a factor the params' dtype cannot hold (lr 1e39 in fp32): torch's foreach ops refuse such a
             # scalar; the chain multiplies in steps and gives the infinities such a rate deserves
             return fallback(grads, state, params)
-        new_m, new_v = _ops.adam_moments(m, v, g, b1, b2)
+        in_place = donate and _writable(p, m, v)
+        if in_place:  # the same foreach ops into the donated buffers: the same values, no new tensors
+            torch._foreach_lerp_(m, g, 1.0 - b1)
+            torch._foreach_mul_(v, b2)
+            torch._foreach_addcmul_(v, g, g, value=1.0 - b2)
+            new_m, new_v = m, v
+        else:
+            new_m, new_v = _ops.adam_moments(m, v, g, b1, b2)
         if eps_root == 0.0:
             denom = list(torch._foreach_sqrt(new_v))
             torch._foreach_div_(denom, bc2**0.5)
@@ -84,7 +93,13 @@ def adamw_apply(chain_update: UpdateFn, *, b1: float, b2: float, eps: float, eps
             torch._foreach_add_(denom, eps_root)
             torch._foreach_sqrt_(denom)
         torch._foreach_add_(denom, eps)
-        if weight_decay == 0.0:
+        if in_place:
+            new_p = p
+            if weight_decay != 0.0:
+                decayed = [x for x, f in zip(p, decays(grads, g, spec)) if f]
+                if decayed:
+                    torch._foreach_mul_(decayed, 1.0 - lr * weight_decay)
+        elif weight_decay == 0.0:
             new_p = [x.clone() for x in p]
         else:
             flags = decays(grads, g, spec)
@@ -92,10 +107,28 @@ def adamw_apply(chain_update: UpdateFn, *, b1: float, b2: float, eps: float, eps
             scaled = iter(torch._foreach_mul(decayed, 1.0 - lr * weight_decay) if decayed else [])
             new_p = [next(scaled) if f else x.clone() for x, f in zip(p, flags)]
         torch._foreach_addcdiv_(new_p, new_m, denom, value=-lr / bc1)
+        if in_place:  # new tensor objects over the same memory: the outputs are not the inputs
+            new_p, new_m, new_v = ([x.detach() for x in xs] for xs in (new_p, new_m, new_v))
         new_adam = ScaleByAdamState(count=count, mu=_tree.unflatten(spec, new_m), nu=_tree.unflatten(spec, new_v))
         return _tree.unflatten(spec, new_p), (new_adam, decay_state, new_rate_state)
 
     return apply
+
+
+def _writable(*lists: list[torch.Tensor]) -> bool:
+    """The donated leaves can take the update in place: none requires grad, no two start at the same
+    memory (a leaf twice in the tree, a parameter aliasing a moment)."""
+    seen: set[int] = set()
+    for xs in lists:
+        for x in xs:
+            if x.requires_grad:
+                return False
+            if x.numel():
+                ptr = x.data_ptr()
+                if ptr in seen:
+                    return False
+                seen.add(ptr)
+    return True
 
 
 def _fusable_state(state: Any, masked: bool, scheduled: bool) -> bool:

@@ -58,7 +58,8 @@ class UpdateFn(Protocol):
 
 
 class ApplyFn(Protocol):
-    def __call__(self, updates: Updates, state: OptState, params: Params) -> tuple[Params, OptState]: ...
+    def __call__(self, updates: Updates, state: OptState, params: Params, *,
+                 donate: bool = False) -> tuple[Params, OptState]: ...
 
 
 class GradientTransformation(NamedTuple):
@@ -143,9 +144,10 @@ class FusedUpdate:
     """An ``update`` function that can also apply itself in one pass.
 
     ``fused(updates, state, params)`` is the plain ``update`` (updates out, optax's contract);
-    ``fused.apply(updates, state, params) -> (new_params, new_state)`` returns the same state and the
-    params ``apply_updates(params, update(...)[0])`` would give, up to rounding, without materialising
-    the updates. A transformation whose arithmetic fuses (AdamW: the new moments and params in a
+    ``fused.apply(updates, state, params, donate=False) -> (new_params, new_state)`` returns the same
+    state and the params ``apply_updates(params, update(...)[0])`` would give, up to rounding, without
+    materialising the updates; with ``donate=True`` it may write them into the buffers of ``state`` and
+    ``params``. A transformation whose arithmetic fuses (AdamW: the new moments and params in a
     handful of foreach passes, as ``torch.optim.AdamW`` does in place) puts one in its
     ``GradientTransformation``; :func:`update_and_apply` uses it, and the pair stays
     ``(init, update)`` for everything else (``chain``, ``masked``, checkpoints of the state).
@@ -171,9 +173,16 @@ class FusedUpdate:
 
 
 def update_and_apply(tx: GradientTransformation, updates: Updates, state: OptState,
-                     params: Params) -> tuple[Params, OptState]:
+                     params: Params, *, donate: bool = False) -> tuple[Params, OptState]:
     """``(new_params, new_state)``: ``tx.update`` then :func:`apply_updates`, in one fused pass where
     ``tx.update`` is a :class:`FusedUpdate` (``adamw``, a ``chain`` ending in it).
+
+    ``donate=True`` hands over ``state`` and ``params``: a fused transformation then writes the new
+    moments and parameters into their buffers, in place as ``torch.optim`` does, with the same values
+    (bit for bit), and the caller must not read the old ``state`` and ``params`` again (they hold the
+    new values, or some of them). It is a permission, not a promise: what cannot be updated in place
+    (a tensor that requires grad, two leaves sharing memory, the unfused path) gets new tensors. Inside
+    :func:`hpfunc.parallelize` pass :func:`hpfunc.layout.donated` (``parallelize(..., donate_state=True)``).
 
     The fused AdamW computes torch's arithmetic (``torch.optim.AdamW``'s foreach step, bit for bit,
     on plain tensors of one dtype) in 4 new tensors instead of 7 and 8 passes over memory instead of
@@ -189,6 +198,6 @@ def update_and_apply(tx: GradientTransformation, updates: Updates, state: OptSta
     """
     apply = getattr(tx.update, "apply", None)
     if apply is not None:
-        return apply(updates, state, params)
+        return apply(updates, state, params, donate=donate)
     new_updates, new_state = tx.update(updates, state, params)
     return apply_updates(params, new_updates), new_state

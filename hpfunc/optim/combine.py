@@ -49,7 +49,8 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     if last is None:
         return GradientTransformation(init, update)
 
-    def apply(updates: Updates, state: tuple[OptState, ...], params: Params) -> tuple[Params, tuple[OptState, ...]]:
+    def apply(updates: Updates, state: tuple[OptState, ...], params: Params, *,
+              donate: bool = False) -> tuple[Params, tuple[OptState, ...]]:
         # the transformations before the last one as in update, then the last one's fused apply
         if not isinstance(state, tuple) or len(state) != len(transforms):
             update(updates, state, params)  # raises the chain's error
@@ -57,7 +58,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
         for t, s in zip(transforms[:-1], state[:-1]):
             updates, s = t.update(updates, s, params)
             new_states.append(s)
-        params, s = last(updates, state[-1], params)
+        params, s = last(updates, state[-1], params, donate=donate)
         return params, (*new_states, s)
 
     return GradientTransformation(init, FusedUpdate(update, apply))

@@ -157,6 +157,7 @@ def make_train_step(
       (``[n_moe_layers, E]`` token counts of this batch) and, when the model's dispatcher can drop
       pairs, ``dropped_pairs`` (``[n_moe_layers]``).
     """
+    from hpfunc import layout
     from hpfunc.optim import global_norm, update_and_apply
 
     is_frozen = _default_is_frozen() if is_frozen is None else is_frozen
@@ -178,7 +179,7 @@ def make_train_step(
     def train_step(state: TrainState, batch: Mapping[str, torch.Tensor]) -> tuple[TrainState, dict[str, torch.Tensor]]:
         trained, frozen = split(state.params)
         (loss, aux), grads = grad_fn(trained, frozen, batch)
-        new_trained, opt_state = update_and_apply(optimizer, grads, state.opt_state, trained)
+        new_trained, opt_state = update_and_apply(optimizer, grads, state.opt_state, trained, donate=layout.donated())
         params = merge_params(new_trained, frozen)
         load = aux.get("expert_load")
         if load is not None and expert_bias_rate != 0.0 and update_frozen is not None:

@@ -61,7 +61,7 @@ from hpfunc.transforms.engine.differentiate import EngineConfig
 from hpfunc.transforms.engine.state import get_path, holder, param_suffix, positions_of, replace_path
 from hpfunc.transforms.engine.step_layout import RankStep
 from hpfunc.transforms.plans import Plan
-from hpfunc.transforms.shard_map import shard_map
+from hpfunc.transforms.shard_map import FlatSpecs, flat_checks, flat_specs, shard_map
 
 __all__ = ["parallelize", "ParallelizedStep", "init_sharded", "parallel_train_step", "ParallelTrainStep",
            "PlanError"]
@@ -88,6 +88,7 @@ class ParallelizedStep:
     mesh: Mesh
     plan: Plan
     params: str = "params"
+    donate_state: bool = False
     _cache: dict = attrs.field(factory=dict, init=False, repr=False)
 
     # -- planning (no communication) ------------------------------------------------------------
@@ -141,13 +142,13 @@ class ParallelizedStep:
 
     # -- running ----------------------------------------------------------------------------------
     def _run(self, fn: Callable, state_in: Any, planned: _Planned, args: tuple, arg_specs: tuple,
-             out_specs: Any, state_checks: Any = "trusted") -> Any:
+             out_specs: Any, state_checks: Any = "trusted", *, donate: bool = False) -> Any:
         mesh, pp = self.mesh, self.params
 
         def body(state: Any, *rest: Any) -> Any:
             params = get_path(state, pp)
             storage, treedef = _tree.flatten(params)
-            ctx = RankStep(planned.cfg, planned.paths, storage)
+            ctx = RankStep(planned.cfg, planned.paths, storage, donate_state=donate)
             user_state = replace_path(state, pp, _tree.unflatten(treedef, ctx.opt_blocks))
             model_paths = None if self.plan.pipeline is None else self.plan.pipeline.stages.paths
             with layout.bind(ctx), layout.model_parameter_paths(model_paths):
@@ -166,17 +167,31 @@ class ParallelizedStep:
             check: Any = "trusted"
         else:  # a pipeline: neither state nor metrics leaves of one stage (its gradients) are compared over it
 
-            def check(out: Any) -> tuple:
+            def check(out: Any) -> FlatSpecs:
                 # once per structure of the extra outputs (the metrics): the checks depend on paths only
-                key = ("pipeline checks", id(planned), _tree.structure(tuple(out[1:])))
-                rest = self._cache.get(key)
-                if rest is None:
-                    rest = self._cache[key] = tuple(
-                        _tree.map_with_path(lambda path, x: False if _laid_out_like_a_stage_leaf(path, planned.res)
-                                            else "trusted", o)
-                        for o in out[1:])
-                return (state_checks, *rest)
-        return shard_map(body, mesh=mesh, in_specs=(planned.specs, *arg_specs), out_specs=out_specs,
+                key = ("pipeline checks", id(planned), _tree.structure(out, none_is_leaf=True))
+                hit = self._cache.get(key)
+                if hit is None:
+                    rest = tuple(_tree.map_with_path(lambda path, x: False if _laid_out_like_a_stage_leaf(
+                        path, planned.res) else "trusted", o) for o in out[1:])
+                    hit = self._cache[key] = flat_checks((state_checks, *rest), out)
+                return hit
+
+        def flat_out(out: Any) -> FlatSpecs:
+            # the output specs flattened once per (state plan, output structure): shard_map then pairs the
+            # outputs' leaves with them without flattening and broadcasting the spec tree again
+            specs = out_specs(out) if callable(out_specs) else out_specs
+            key = ("out specs", id(planned), tuple(id(x) for x in specs), _tree.structure(out, none_is_leaf=True))
+            hit = self._cache.get(key)
+            if hit is None or hit[0] != specs:
+                hit = self._cache[key] = (specs, flat_specs(specs, out, "out_specs", mesh))
+            return hit[1]
+
+        key = ("in specs", id(planned))
+        hit = self._cache.get(key)
+        if hit is None:
+            hit = self._cache[key] = flat_specs(planned.specs, state_in, "in_specs", mesh)
+        return shard_map(body, mesh=mesh, in_specs=(hit, *arg_specs), out_specs=flat_out,
                          check_rep=check)(state_in, *args)
 
     def _check_context(self) -> None:
@@ -255,7 +270,8 @@ class ParallelizedStep:
             return out
 
         return self._run(fn, state, planned, (batch,), (batch_spec,),
-                         lambda out: (planned.specs, self._metrics_specs(out[1], planned.res)), planned.checks)
+                         lambda out: (planned.specs, self._metrics_specs(out[1], planned.res)), planned.checks,
+                         donate=self.donate_state)
 
 
 def _broadcast_stages(local: Any, plan: Plan, mesh: Mesh) -> Any:
@@ -338,7 +354,8 @@ def check_params(params: Any, res: Mapping[str, LeafLayout], mesh: Mesh, paths: 
                                 f"as {r.spec.storage!r}; use train_step.shard_params / hpfunc.reshard first")
 
 
-def parallelize(step: Callable, mesh: Mesh, plan: Plan, *, params: str = "params") -> ParallelizedStep:
+def parallelize(step: Callable, mesh: Mesh, plan: Plan, *, params: str = "params",
+                donate_state: bool = False) -> ParallelizedStep:
     """Distribute a pure single-device ``step(state, batch) -> (state, metrics)`` over ``mesh`` by ``plan``.
 
     Args:
@@ -349,6 +366,12 @@ def parallelize(step: Callable, mesh: Mesh, plan: Plan, *, params: str = "params
         mesh, plan: where and how (:mod:`hpfunc.transforms.plans`).
         params: the dotted path of the parameters in the state (``"params"`` finds ``state["params"]``
             and ``state.params``).
+        donate_state: hand each call's state over to it (JAX's buffer donation): the optimizer may write
+            the new moments and parameters into the old ones' memory (:func:`hpfunc.layout.donated`,
+            ``optim.update_and_apply(..., donate=...)``), as ``torch.optim`` updates in place, so the
+            step allocates no second copy of them. The old state must not be read after the call (write
+            ``state, metrics = train_step(state, batch)``); the values are those of ``donate_state=False``,
+            bit for bit.
 
     Returns:
         A :class:`ParallelizedStep`: ``state, metrics = train_step(state, batch)`` with the global batch
@@ -375,7 +398,7 @@ def parallelize(step: Callable, mesh: Mesh, plan: Plan, *, params: str = "params
     if not isinstance(plan, Plan):
         raise TypeError(f"parallelize: plan must be a hpfunc.transforms.plans.Plan, found {type(plan).__name__}")
     plan.check_mesh(mesh)
-    return ParallelizedStep(step, mesh, plan, params)
+    return ParallelizedStep(step, mesh, plan, params, bool(donate_state))
 
 
 def init_sharded(init_fn: Callable, mesh: Mesh, plan: Plan, key: torch.Tensor, *, shapes: Any) -> Any:
@@ -450,7 +473,7 @@ def _loss_step(loss_fn: Callable, optimizer: Any, has_aux: bool, clip_norm: floa
     if clip_norm is not None:
         scale = torch.clamp(clip_norm / (gnorm + 1e-6), max=1.0)
         grads = _tree.tree_map(lambda g: (g * scale).to(g.dtype), grads)
-    new_params, opt_state = optim.update_and_apply(optimizer, grads, state["opt"], params)
+    new_params, opt_state = optim.update_and_apply(optimizer, grads, state["opt"], params, donate=layout.donated())
     if isinstance(aux, Mapping):
         metrics.update({k: v for k, v in aux.items() if isinstance(v, torch.Tensor)})
     return {"params": new_params, "opt": opt_state}, metrics

@@ -53,7 +53,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from hpfunc import lax as _lax
 from hpfunc import tree as _tree
 from hpfunc.mesh import Mesh, current_mesh
-from hpfunc.sharding import P, SpecError, _wrap_local, as_spec, spec_to_placements
+from hpfunc.sharding import P, SpecError, _copy_spec, _wrap_local, as_spec, spec_to_placements
 
 __all__ = ["shard_map", "ReplicationError"]
 
@@ -75,6 +75,42 @@ def _cache_key(*parts: Any) -> Any:
     return parts
 
 
+class FlatSpecs:
+    """Specs (or replication checks) already paired with a structure: ``leaves[i]`` belongs to leaf ``i``
+    of a value whose structure, with ``None`` as a leaf, is ``treedef``. A caller that maps values of the
+    same structures call after call (``hpfunc.parallelize``: the state, the metrics) builds it once with
+    :func:`flat_specs` and passes it as ``in_specs`` / ``out_specs`` / ``check_rep`` (or returns it from
+    the callable form), so that the spec tree is not flattened and broadcast again on every call."""
+
+    __slots__ = ("treedef", "leaves")
+
+    def __init__(self, treedef: Any, leaves: Sequence[Any]):
+        self.treedef, self.leaves = treedef, tuple(leaves)
+
+    def __repr__(self) -> str:
+        return f"FlatSpecs({len(self.leaves)} leaves)"
+
+
+def flat_specs(specs: Any, values: Any, what: str = "in_specs", mesh: Mesh | None = None) -> FlatSpecs:
+    """The :class:`FlatSpecs` of the prefix tree ``specs`` over the structure of ``values`` (checked and
+    broadcast as ``shard_map`` does)."""
+    _, leaf_specs, treedef, _ = _pair_specs(specs, values, what, mesh)
+    return FlatSpecs(treedef, leaf_specs)
+
+
+def flat_checks(check_rep: Any, values: Any) -> FlatSpecs:
+    """The :class:`FlatSpecs` of a tree prefix of replication checks over the structure of ``values``."""
+    try:
+        modes = optree.broadcast_prefix(check_rep, values, is_leaf=_is_mode, none_is_leaf=True,
+                                        namespace=_tree.NAMESPACE)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"shard_map: check_rep must be a check or a tree prefix of the outputs; got {check_rep!r}: "
+                         f"{e}") from None
+    for m in modes:
+        _check_mode(m)
+    return FlatSpecs(optree.tree_structure(values, none_is_leaf=True, namespace=_tree.NAMESPACE), modes)
+
+
 def _pair_specs(specs: Any, values: Any, what: str,
                 mesh: Mesh | None = None) -> tuple[list[Any], Sequence[P], Any, Callable[[int], str]]:
     """Flatten ``values`` and pair each leaf with its spec from the prefix tree ``specs``.
@@ -85,6 +121,14 @@ def _pair_specs(specs: Any, values: Any, what: str,
     over a state of a few hundred leaves costs milliseconds per call.
     """
     leaves, treedef = optree.tree_flatten(values, none_is_leaf=True, namespace=_tree.NAMESPACE)
+
+    def path(i: int) -> str:
+        return _tree.path_str(optree.tree_paths(values, none_is_leaf=True, namespace=_tree.NAMESPACE)[i])
+
+    if isinstance(specs, FlatSpecs):
+        if specs.treedef != treedef:
+            raise SpecError(f"{what}: the specs were built for values of structure {specs.treedef}, found {treedef}")
+        return leaves, specs.leaves, treedef, path
     spec_leaves, spec_def = optree.tree_flatten(specs, is_leaf=_is_spec, none_is_leaf=True, namespace=_tree.NAMESPACE)
 
     def paired() -> tuple[P, ...]:
@@ -98,9 +142,6 @@ def _pair_specs(specs: Any, values: Any, what: str,
                     f"{what} must be a spec P(...) or a tree prefix of the {what.split('_')[0]}puts; got {specs!r}: {e}"
                 ) from None
         return tuple(s if isinstance(s, P) else as_spec(s) for s in found)
-
-    def path(i: int) -> str:
-        return _tree.path_str(optree.tree_paths(values, none_is_leaf=True, namespace=_tree.NAMESPACE)[i])
 
     # (type, value) pairs: a P and a plain tuple of the same entries compare equal
     key = None if mesh is None else _cache_key("shard_map.specs", spec_def, tuple((type(x), x) for x in spec_leaves),
@@ -187,6 +228,15 @@ def _leaf_checks(check_rep: Any, out: Any, mesh: Mesh | None = None) -> list[str
     modes are still read per call (``HPFUNC_CHECK_REP`` may change between calls)."""
     if _is_mode(check_rep):
         return _check_mode(check_rep)
+    if isinstance(check_rep, FlatSpecs):
+        modes: Sequence[Any] = check_rep.leaves
+        if check_rep.treedef != optree.tree_structure(out, none_is_leaf=True, namespace=_tree.NAMESPACE):
+            raise ValueError(f"shard_map: check_rep was built for outputs of structure {check_rep.treedef}")
+        table: dict = {}
+        for m in modes:
+            if (type(m), m) not in table:
+                table[(type(m), m)] = _check_mode(m)
+        return [table[(type(m), m)] for m in modes]
 
     def broadcast() -> tuple:
         try:
@@ -497,6 +547,48 @@ def _out_layout(y: torch.Tensor, spec: P, mesh: Mesh, where: Callable[[], str]) 
     return mesh._cached(("shard_map.out", spec, tuple(y.shape)), make)
 
 
+def _enter_leaves(leaves: list, leaf_specs: Sequence[P], mesh: Mesh, argname: str, path: Callable[[int], str]) -> list:
+    """:func:`_enter` of every leaf. A DTensor already laid out as its spec says on this mesh, whose
+    layout was checked before for its spec and shape (a parallelized step's state from the second step
+    on), is its local tensor at once: the check and the placements are read from the mesh's cache."""
+    memo, dm = mesh._memo, mesh.device_mesh
+    out = []
+    for j, (x, s) in enumerate(zip(leaves, leaf_specs)):
+        if type(x) is DTensor and not x.requires_grad:
+            lay = memo.get(("shard_map.in", s, x.shape))
+            if lay is not None:
+                xs = x._spec
+                if xs.mesh is dm and xs.placements == lay[0]:
+                    out.append(x._local_tensor.detach())
+                    continue
+        out.append(_enter(functools.partial(path, j), x, s, mesh, argname))
+    return out
+
+
+def _exit_leaves(leaves: list, leaf_specs: Sequence[P], mesh: Mesh, checks: Any, to_check: list,
+                 path: Callable[[int], str]) -> list:
+    """:func:`_exit` of every leaf. A plain tensor that needs no gradient and no replication check, of a
+    spec, shape and dtype seen before, is wrapped at once with a copy of the DTensor spec cached then."""
+    memo, device_type = mesh._memo, mesh.device_type
+    out = []
+    for j, (y, s) in enumerate(zip(leaves, leaf_specs)):
+        check = checks[j] if isinstance(checks, list) else checks
+        if type(y) is torch.Tensor and not y.requires_grad:
+            key = ("shard_map.out wrap", s, y.shape, y.dtype)
+            hit = memo.get(key)
+            if hit is not None and (check is None or not hit[1]) and y.device.type == device_type:
+                out.append(DTensor.__new__(DTensor, y, _copy_spec(hit[0]), requires_grad=False))
+                continue
+            wrapped = _exit(functools.partial(path, j), y, s, mesh, check, to_check)
+            if hit is None and type(wrapped) is DTensor and wrapped._local_tensor is y:
+                placements, replicated, _ = _out_layout(y, s, mesh, lambda: path(j))
+                memo[key] = (_copy_spec(wrapped._spec), replicated)
+            out.append(wrapped)
+            continue
+        out.append(_exit(functools.partial(path, j), y, s, mesh, check, to_check))
+    return out
+
+
 def _exit(path: Callable[[], str], y: Any, spec: P, mesh: Mesh, check: str | None, to_check: list) -> Any:
     if not isinstance(y, torch.Tensor):
         return y
@@ -538,7 +630,7 @@ def shard_map(
             returning one. See the module docstring.
         check_rtol: tolerance of that check (0 = bitwise equal blocks, or equal sums).
     """
-    if check_rep is not None and not callable(check_rep):  # a bad value fails here, not at the first call
+    if check_rep is not None and not callable(check_rep) and not isinstance(check_rep, FlatSpecs):  # fails here, not at the first call
         for m in optree.tree_leaves(check_rep, is_leaf=_is_mode, none_is_leaf=True, namespace=_tree.NAMESPACE):
             _check_mode(m)
     if f is None:
@@ -559,18 +651,14 @@ def shard_map(
         local_args = []
         for i, (spec_i, arg) in enumerate(zip(specs, args)):
             leaves, leaf_specs, treedef, path = _pair_specs(spec_i, arg, "in_specs", m)
-            new = [_enter(functools.partial(path, j), x, s, m, f"args[{i}]")
-                   for j, (x, s) in enumerate(zip(leaves, leaf_specs))]
-            local_args.append(optree.tree_unflatten(treedef, new))
+            local_args.append(optree.tree_unflatten(treedef, _enter_leaves(leaves, leaf_specs, m, f"args[{i}]", path)))
         with m:
             out = f(*local_args)
         checks = _leaf_checks(check_rep(out) if callable(check_rep) else check_rep, out, m)
         specs_out = out_specs(out) if callable(out_specs) else out_specs
         leaves, leaf_specs, treedef, path = _pair_specs(specs_out, out, "out_specs", m)
         to_check: list = []
-        new = [_exit(functools.partial(path, j), y, s, m, checks if not isinstance(checks, list) else checks[j],
-                     to_check)
-               for j, (y, s) in enumerate(zip(leaves, leaf_specs))]
+        new = _exit_leaves(leaves, leaf_specs, m, checks, to_check, path)
         if to_check:
             for mode, run in (("exact", _check_exact), ("checksum", _check_checksums)):
                 items = [item[1:] for item in to_check if item[0] == mode]

@@ -170,3 +170,40 @@ def run_errors() -> list[str]:
     expect(norm_of_other, "'activations' is not a parameter path")
     expect(lambda s, b: (s, {}), "the state has no 'params'", params="params")
     return msgs
+
+
+def run_donated(name, model: str = "qwen3-dense-tiny", steps: int = 3) -> dict:
+    """``parallelize(step, ..., donate_state=True)`` against ``donate_state=False`` on the same batches:
+    metrics, parameters and optimizer state equal bit for bit after every step; the donated run's
+    moments (and, without ZeRO, its parameter blocks) live in the memory the step was handed.
+    Returns, per step, whether the moments and the parameters were written in place."""
+    import hpfunc
+    from hpfunc.models import qwen3
+    from hpfunc.testing import to_full
+    from hpfunc.train.step import init_train_state, make_train_step
+    from hpfunc.transforms.parallelize import init_sharded
+
+    cfg = H.config(model)
+    mesh, plan = H.make(name, cfg)
+    tx = optimizer("adamw", 0.5)
+    step = make_train_step(cfg, tx, loss_fn=qwen3.parallel_plan.loss)
+    runs = {d: hpfunc.parallelize(step, mesh, plan, donate_state=d) for d in (False, True)}
+    params = init_sharded(functools.partial(qwen3.init, cfg=cfg), mesh, plan, hpfunc.random.key(0),
+                          shapes=qwen3.param_shapes(cfg))
+    states = {d: runs[d].init_state(lambda p: init_train_state(p, tx), params) for d in runs}
+
+    def ptrs(tree):
+        return [x.to_local().data_ptr() for x in hpfunc.tree.leaves(tree) if x.numel()]
+
+    reused = []
+    for i, b in enumerate(H.batches(cfg, steps, 4, 8, 0)):
+        before = {"mu": ptrs(states[True].opt_state[1][0].mu), "params": ptrs(states[True].params)}
+        out = {d: runs[d](states[d], b) for d in runs}
+        states = {d: out[d][0] for d in runs}
+        after = {"mu": ptrs(states[True].opt_state[1][0].mu), "params": ptrs(states[True].params)}
+        reused.append({k: before[k] == after[k] for k in before})
+        for k in ("loss", "grad_norm"):
+            assert torch.equal(to_full(out[True][1][k]), to_full(out[False][1][k])), f"{name} step {i} {k}"
+        for a, c in zip(hpfunc.tree.leaves(to_full(states[True])), hpfunc.tree.leaves(to_full(states[False]))):
+            assert torch.equal(a, c), f"{name} step {i}: donated state differs"
+    return {"reused": reused}

@@ -73,8 +73,10 @@ class _Accumulation:
 class RankStep:
     """One rank's view of a parallelized step (see the module docstring)."""
 
-    def __init__(self, cfg: EngineConfig, paths: list[str], storage: list[torch.Tensor]):
+    def __init__(self, cfg: EngineConfig, paths: list[str], storage: list[torch.Tensor], *,
+                 donate_state: bool = False):
         self.cfg, self.mesh = cfg, cfg.mesh
+        self.donate_state = donate_state
         self.paths, self.leaves = paths, cfg.leaves
         self.by_path = cfg.by_path
         self.storage = storage
