@@ -22,6 +22,18 @@ def grad_sequence(shapes: dict, steps: int, seed: int) -> list[dict]:
     ]
 
 
+def torch_steps(opt, params: dict, grads: list[dict], sched=None) -> dict:
+    """Run ``opt`` (a ``torch.optim`` optimizer over ``params``' values) on the gradients of each step,
+    stepping ``sched`` after each; returns the final params, detached."""
+    for g in grads:
+        for k, p in params.items():
+            p.grad = g[k].clone()
+        opt.step()
+        if sched is not None:
+            sched.step()
+    return {k: p.detach() for k, p in params.items()}
+
+
 def scaled_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """max |a - b| / max(1, |b|): an absolute error for |b| <= 1, relative above (fp32 has
     about 7 significant digits, so a 1e-6 bound on params of magnitude 4 is a few ulps)."""

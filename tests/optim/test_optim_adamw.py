@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 
 from hpfunc import optim
 
-from _optim_helpers import grad_sequence, max_abs_diff, randn, scaled_err, one_intra_op_thread  # noqa: F401 (autouse fixture)
+from _optim_helpers import grad_sequence, max_abs_diff, randn, scaled_err, torch_steps, one_intra_op_thread  # noqa: F401 (autouse fixture)
 
 STEPS = 20
 TOL = 1e-6
@@ -31,13 +31,7 @@ def run_torch(params0: dict, grads: list[dict], *, lr, b1, b2, eps, wd, schedule
     sched = None
     if schedule is not None:
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: schedule(step) / lr)
-    for g in grads:
-        for k, p in params.items():
-            p.grad = g[k].clone()
-        opt.step()
-        if sched is not None:
-            sched.step()
-    return {k: p.detach() for k, p in params.items()}
+    return torch_steps(opt, params, grads, sched)
 
 
 def run_ours(params0: dict, grads: list[dict], tx: optim.GradientTransformation) -> dict:

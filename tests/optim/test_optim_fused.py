@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 
 from hpfunc import optim
 
-from _optim_helpers import grad_sequence, randn, one_intra_op_thread  # noqa: F401 (autouse fixture)
+from _optim_helpers import grad_sequence, randn, torch_steps, one_intra_op_thread  # noqa: F401 (autouse fixture)
 
 STEPS = 12
 SHAPES = st.sampled_from([
@@ -36,13 +36,7 @@ def torch_adamw(params0, grads, *, lr, b1, b2, eps, wd, schedule=None, masked=Fa
         groups = [{"params": list(params.values())}]
     opt = torch.optim.AdamW(groups, lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd, foreach=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: schedule(step) / lr) if schedule else None
-    for g in grads:
-        for k, p in params.items():
-            p.grad = g[k].clone()
-        opt.step()
-        if sched is not None:
-            sched.step()
-    return {k: p.detach() for k, p in params.items()}
+    return torch_steps(opt, params, grads, sched)
 
 
 def fused_run(params0, grads, tx) -> tuple[dict, object]:

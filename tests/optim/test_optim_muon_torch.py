@@ -36,7 +36,7 @@ from hypothesis import assume, given, settings, strategies as st
 
 from hpfunc import optim
 
-from _optim_helpers import randn, run_updates, scaled_err, one_intra_op_thread  # noqa: F401 (autouse fixture)
+from _optim_helpers import randn, run_updates, scaled_err, torch_steps, one_intra_op_thread  # noqa: F401 (autouse fixture)
 
 STEPS = 6
 FP32_ULP = torch.finfo(torch.float32).eps
@@ -64,13 +64,7 @@ def run_torch(params: dict, grads: list[dict], schedule=None, **kw) -> dict:
     ps = {k: torch.nn.Parameter(v.clone()) for k, v in params.items()}
     opt = torch.optim.Muon(list(ps.values()), **kw)
     sched = None if schedule is None else torch.optim.lr_scheduler.LambdaLR(opt, lambda s: schedule(s) / kw["lr"])
-    for g in grads:
-        for k, p in ps.items():
-            p.grad = g[k].clone()
-        opt.step()
-        if sched is not None:
-            sched.step()
-    return {k: p.detach() for k, p in ps.items()}
+    return torch_steps(opt, ps, grads, sched)
 
 
 def ours_for(torch_kw: dict, *, ns_dtype=torch.bfloat16, schedule=None):
