@@ -154,8 +154,7 @@ def donated() -> bool:
     >>> donated()
     False
     """
-    ctx = current()
-    return bool(getattr(ctx, "donate_state", False)) if ctx is not None else False
+    return bool(getattr(current(), "donate_state", False))
 
 
 def leaf(path: str, x: torch.Tensor | None = None, *, where: str = "layout.leaf") -> LeafLayout | None:

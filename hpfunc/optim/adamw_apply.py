@@ -24,7 +24,7 @@ import torch
 from hpfunc.optim import _ops, _tree
 from hpfunc.optim.adam import ScaleByAdamState
 from hpfunc.optim.base import EmptyState, OptState, Params, UpdateFn, Updates, apply_updates
-from hpfunc.optim.combine import MaskedState
+from hpfunc.optim.combine import MaskedState, mask_flags
 from hpfunc.optim.scale import ScalarOrSchedule, ScaleByScheduleState
 
 __all__ = ["adamw_apply"]
@@ -43,10 +43,7 @@ def adamw_apply(chain_update: UpdateFn, *, b1: float, b2: float, eps: float, eps
         key = (spec, tuple(tuple(x.shape) for x in leaves))
         hit = masks.get(key)
         if hit is None:
-            from hpfunc.optim.combine import _check_bool
-
-            hit = masks[key] = _tree.resolve_leafwise(mask, grads, what="mask", where="masked",
-                                                      check=_check_bool("masked", "the mask"))
+            hit = masks[key] = mask_flags(mask, grads)
         return hit
 
     def fallback(grads: Updates, state: OptState, params: Params) -> tuple[Params, OptState]:
@@ -93,18 +90,14 @@ def adamw_apply(chain_update: UpdateFn, *, b1: float, b2: float, eps: float, eps
             torch._foreach_add_(denom, eps_root)
             torch._foreach_sqrt_(denom)
         torch._foreach_add_(denom, eps)
+        flags = decays(grads, g, spec) if weight_decay != 0.0 else [False] * len(p)
+        decayed = [x for x, f in zip(p, flags) if f]
         if in_place:
             new_p = p
-            if weight_decay != 0.0:
-                decayed = [x for x, f in zip(p, decays(grads, g, spec)) if f]
-                if decayed:
-                    torch._foreach_mul_(decayed, 1.0 - lr * weight_decay)
-        elif weight_decay == 0.0:
-            new_p = [x.clone() for x in p]
+            if decayed:
+                torch._foreach_mul_(decayed, 1.0 - lr * weight_decay)
         else:
-            flags = decays(grads, g, spec)
-            decayed = [x for x, f in zip(p, flags) if f]
-            scaled = iter(torch._foreach_mul(decayed, 1.0 - lr * weight_decay) if decayed else [])
+            scaled = iter(torch._foreach_mul(decayed, 1.0 - lr * weight_decay) if decayed else ())
             new_p = [next(scaled) if f else x.clone() for x, f in zip(p, flags)]
         torch._foreach_addcdiv_(new_p, new_m, denom, value=-lr / bc1)
         if in_place:  # new tensor objects over the same memory: the outputs are not the inputs

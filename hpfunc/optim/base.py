@@ -139,7 +139,6 @@ def apply_updates(params: Params, updates: Updates) -> Params:
     return _tree.unflatten(spec, [s.to(p.dtype) for s, p in zip(summed, p_leaves)])
 
 
-
 class FusedUpdate:
     """An ``update`` function that can also apply itself in one pass.
 

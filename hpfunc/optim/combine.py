@@ -72,6 +72,11 @@ def _check_bool(where: str, what: str) -> Callable[[str, Any], None]:
     return check
 
 
+def mask_flags(mask: Any, tree: Any) -> list[bool]:
+    """Which leaves of ``tree`` a :func:`masked` mask selects, in flattening order."""
+    return _tree.resolve_leafwise(mask, tree, what="mask", where="masked", check=_check_bool("masked", "the mask"))
+
+
 class MaskedState(NamedTuple):
     """State of :func:`masked`: the inner transformation's state over the selected leaves only."""
 
@@ -108,9 +113,7 @@ def masked(inner: GradientTransformation, mask: Any) -> GradientTransformation:
     """
 
     def keep(tree: Any) -> list[bool]:
-        return _tree.resolve_leafwise(
-            mask, tree, what="mask", where="masked", check=_check_bool("masked", "the mask")
-        )
+        return mask_flags(mask, tree)
 
     def init(params: Params) -> MaskedState:
         return MaskedState(inner.init(_tree.select(params, keep(params))))

@@ -169,7 +169,7 @@ class ParallelizedStep:
 
             def check(out: Any) -> FlatSpecs:
                 # once per structure of the extra outputs (the metrics): the checks depend on paths only
-                key = ("pipeline checks", id(planned), _tree.structure(out, none_is_leaf=True))
+                key = ("pipeline checks", id(planned), _tree.structure(tuple(out[1:])))
                 hit = self._cache.get(key)
                 if hit is None:
                     rest = tuple(_tree.map_with_path(lambda path, x: False if _laid_out_like_a_stage_leaf(
@@ -178,10 +178,11 @@ class ParallelizedStep:
                 return hit
 
         def flat_out(out: Any) -> FlatSpecs:
-            # the output specs flattened once per (state plan, output structure): shard_map then pairs the
-            # outputs' leaves with them without flattening and broadcasting the spec tree again
+            # the output specs flattened once per (state plan, spec trees): shard_map then pairs the outputs'
+            # leaves with them without flattening and broadcasting the spec tree again (the metrics' specs are
+            # one cached object per metrics structure; an output of another structure is a SpecError there)
             specs = out_specs(out) if callable(out_specs) else out_specs
-            key = ("out specs", id(planned), tuple(id(x) for x in specs), _tree.structure(out, none_is_leaf=True))
+            key = ("out specs", id(planned), tuple(id(x) for x in specs))
             hit = self._cache.get(key)
             if hit is None or hit[0] != specs:
                 hit = self._cache[key] = (specs, flat_specs(specs, out, "out_specs", mesh))

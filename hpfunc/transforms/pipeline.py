@@ -423,8 +423,12 @@ class PipelineStep:
         _event("post", action)
         return pending
 
-    def _recv(self, action: Any, like: Sequence[torch.Tensor] | None) -> list[torch.Tensor]:
-        return self._post_recv(action, like).wait()
+    def _post_forward_recv(self, action: Any, like: Sequence[Any] | None, mb: Any) -> "_PendingRecv":
+        """Post a forward receive: into buffers of the shapes the sender told in an earlier step (no
+        header comes, see ``_boundary``), else shaped ``like`` with the header checked against them, or
+        (``like=None``) header first."""
+        known = self._boundary.get(self._boundary_key(action.stage - 1, action.microbatch, mb))
+        return self._post_recv(action, like) if known is None else self._post_recv(action, known, header=False)
 
     # -- FSDP ----------------------------------------------------------------------------------------
     def _unshard(self, shards: Any) -> Any:
@@ -622,19 +626,15 @@ class PipelineStep:
                 self._send(tensors, a, pending, header=self._forward_header(tensors, a, mbs[i]))
                 del tensors
             elif kind is K.RECV_F:
-                got = posted.pop((K.RECV_F, s, i), None)
-                if got is None:
-                    known = self._boundary.get(self._boundary_key(s - 1, i, mbs[i]))
-                    got = self._post_recv(a, known, header=False) if known is not None else self._post_recv(a, None)
+                got = posted.pop((K.RECV_F, s, i), None) or self._post_forward_recv(a, None, mbs[i])
                 got = tuple(got.wait())
                 inputs[(s, i)] = got
-                self._boundary.setdefault(self._boundary_key(s - 1, i, mbs[i]), [(tuple(t.shape), t.dtype) for t in got])
+                like = [(tuple(t.shape), t.dtype) for t in got]
+                self._boundary.setdefault(self._boundary_key(s - 1, i, mbs[i]), like)
                 if self.with_microbatch and recv_f.get(s) and recv_f[s][0] is a:
-                    like = [(t.shape, t.dtype) for t in got]
                     for later in recv_f[s][1:]:
-                        known = self._boundary.get(self._boundary_key(s - 1, later.microbatch, mbs[later.microbatch]))
-                        posted[(K.RECV_F, s, later.microbatch)] = (
-                            self._post_recv(later, like) if known is None else self._post_recv(later, known, header=False))
+                        j = later.microbatch
+                        posted[(K.RECV_F, s, j)] = self._post_forward_recv(later, like, mbs[j])
             elif kind is K.SEND_B:
                 self._send(outbox.pop((K.SEND_B, s, i)), a, pending, header=False)
             elif kind is K.RECV_B:

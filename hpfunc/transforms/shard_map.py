@@ -99,15 +99,10 @@ def flat_specs(specs: Any, values: Any, what: str = "in_specs", mesh: Mesh | Non
 
 
 def flat_checks(check_rep: Any, values: Any) -> FlatSpecs:
-    """The :class:`FlatSpecs` of a tree prefix of replication checks over the structure of ``values``."""
-    try:
-        modes = optree.broadcast_prefix(check_rep, values, is_leaf=_is_mode, none_is_leaf=True,
-                                        namespace=_tree.NAMESPACE)
-    except (ValueError, TypeError) as e:
-        raise ValueError(f"shard_map: check_rep must be a check or a tree prefix of the outputs; got {check_rep!r}: "
-                         f"{e}") from None
-    for m in modes:
-        _check_mode(m)
+    """The :class:`FlatSpecs` of a tree prefix of replication checks over the structure of ``values``
+    (each check validated here, once)."""
+    modes = _broadcast_checks(check_rep, values)
+    _modes(modes)
     return FlatSpecs(optree.tree_structure(values, none_is_leaf=True, namespace=_tree.NAMESPACE), modes)
 
 
@@ -222,43 +217,46 @@ def _check_mode(check_rep: bool | str | None) -> str | None:
                      f"'checksum', 'exact' (or True), 'trusted' or False, or a tree prefix of the outputs of those")
 
 
-def _leaf_checks(check_rep: Any, out: Any, mesh: Mesh | None = None) -> list[str | None] | str | None:
-    """One check for all outputs, or (``check_rep`` a tree prefix of the outputs) one per output leaf.
-    With ``mesh``, the broadcast of the prefix is computed once per (check tree, output structure); the
-    modes are still read per call (``HPFUNC_CHECK_REP`` may change between calls)."""
+def _broadcast_checks(check_rep: Any, out: Any) -> tuple:
+    """The check of every output leaf from a tree prefix of checks."""
+    try:
+        return tuple(optree.broadcast_prefix(check_rep, out, is_leaf=_is_mode, none_is_leaf=True,
+                                             namespace=_tree.NAMESPACE))
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"shard_map: check_rep must be a check (None, 'checksum', 'exact', 'trusted', True, "
+                         f"False) or a tree prefix of the outputs; got {check_rep!r}: {e}") from None
+
+
+def _modes(checks: Sequence[Any]) -> list[str | None]:
+    """:func:`_check_mode` of every leaf's check, read once per distinct check."""
+    table: dict = {}
+    for m in checks:
+        if (type(m), m) not in table:  # (type, value): True == 1 and hash alike, but they are different checks
+            table[(type(m), m)] = _check_mode(m)
+    return [table[(type(m), m)] for m in checks]
+
+
+def _leaf_checks(check_rep: Any, out: Any, mesh: Mesh | None = None,
+                 treedef: Any = None) -> list[str | None] | str | None:
+    """One check for all outputs, or (``check_rep`` a tree prefix of the outputs) one per output leaf;
+    ``treedef`` is the outputs' structure (``None`` as a leaf) when the caller has it. With ``mesh``,
+    the broadcast of the prefix is computed once per (check tree, output structure); the modes are
+    still read per call (``HPFUNC_CHECK_REP`` may change between calls)."""
     if _is_mode(check_rep):
         return _check_mode(check_rep)
+    if treedef is None:
+        treedef = optree.tree_structure(out, none_is_leaf=True, namespace=_tree.NAMESPACE)
     if isinstance(check_rep, FlatSpecs):
-        modes: Sequence[Any] = check_rep.leaves
-        if check_rep.treedef != optree.tree_structure(out, none_is_leaf=True, namespace=_tree.NAMESPACE):
+        if check_rep.treedef != treedef:
             raise ValueError(f"shard_map: check_rep was built for outputs of structure {check_rep.treedef}")
-        table: dict = {}
-        for m in modes:
-            if (type(m), m) not in table:
-                table[(type(m), m)] = _check_mode(m)
-        return [table[(type(m), m)] for m in modes]
-
-    def broadcast() -> tuple:
-        try:
-            return tuple(optree.broadcast_prefix(check_rep, out, is_leaf=_is_mode, none_is_leaf=True,
-                                                 namespace=_tree.NAMESPACE))
-        except (ValueError, TypeError) as e:
-            raise ValueError(f"shard_map: check_rep must be a check (None, 'checksum', 'exact', 'trusted', True, "
-                             f"False) or a tree prefix of the outputs; got {check_rep!r}: {e}") from None
-
+        return _modes(check_rep.leaves)
     key = None
     if mesh is not None:
         check_leaves, check_def = optree.tree_flatten(check_rep, is_leaf=_is_mode, none_is_leaf=True,
                                                       namespace=_tree.NAMESPACE)
-        # (type, value) pairs: True == 1 and hash alike, but they are different checks
-        key = _cache_key("shard_map.checks", check_def, tuple((type(m), m) for m in check_leaves),
-                         optree.tree_structure(out, none_is_leaf=True, namespace=_tree.NAMESPACE))
-    modes = broadcast() if key is None else mesh._cached(key, broadcast)
-    table: dict = {}
-    for m in modes:
-        if (type(m), m) not in table:
-            table[(type(m), m)] = _check_mode(m)
-    return [table[(type(m), m)] for m in modes]
+        key = _cache_key("shard_map.checks", check_def, tuple((type(m), m) for m in check_leaves), treedef)
+    return _modes(_broadcast_checks(check_rep, out) if key is None
+                  else mesh._cached(key, lambda: _broadcast_checks(check_rep, out)))
 
 
 def _replicated_axes(spec: P, mesh: Mesh) -> tuple[str, ...]:
@@ -581,7 +579,7 @@ def _exit_leaves(leaves: list, leaf_specs: Sequence[P], mesh: Mesh, checks: Any,
                 continue
             wrapped = _exit(functools.partial(path, j), y, s, mesh, check, to_check)
             if hit is None and type(wrapped) is DTensor and wrapped._local_tensor is y:
-                placements, replicated, _ = _out_layout(y, s, mesh, lambda: path(j))
+                _, replicated, _ = _out_layout(y, s, mesh, lambda: path(j))  # cached by _exit just now
                 memo[key] = (_copy_spec(wrapped._spec), replicated)
             out.append(wrapped)
             continue
@@ -654,9 +652,9 @@ def shard_map(
             local_args.append(optree.tree_unflatten(treedef, _enter_leaves(leaves, leaf_specs, m, f"args[{i}]", path)))
         with m:
             out = f(*local_args)
-        checks = _leaf_checks(check_rep(out) if callable(check_rep) else check_rep, out, m)
         specs_out = out_specs(out) if callable(out_specs) else out_specs
         leaves, leaf_specs, treedef, path = _pair_specs(specs_out, out, "out_specs", m)
+        checks = _leaf_checks(check_rep(out) if callable(check_rep) else check_rep, out, m, treedef)
         to_check: list = []
         new = _exit_leaves(leaves, leaf_specs, m, checks, to_check, path)
         if to_check:
