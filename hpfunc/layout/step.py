@@ -275,8 +275,8 @@ def _block_sq_sums(xs: list[torch.Tensor]) -> torch.Tensor:
     elements, against ~1e-5 for a plain fp32 norm), then widened."""
     if all(x.device == xs[0].device for x in xs) and xs[0].device.type != "cpu":
         return torch.stack(torch._foreach_norm(xs, 2, dtype=torch.float64)).square()
-    return torch.stack([(x if x.dtype in (torch.float32, torch.float64) else x.float()).square().sum().double()
-                        .to(xs[0].device) for x in xs])
+    return torch.stack([(x if x.dtype in (torch.float32, torch.float64) else x.float()).square().sum()
+                        for x in xs]).double()
 
 
 def blocks_sq_norm(mesh: Any, opt_specs: list[P], blocks: list[torch.Tensor], *, stage_axis: str | None = None,
@@ -288,17 +288,23 @@ def blocks_sq_norm(mesh: Any, opt_specs: list[P], blocks: list[torch.Tensor], *,
     others by every pipeline rank (they add ``1/p`` each)."""
     from hpfunc import lax
 
-    # only the axes some block is split on need a sum (on the others every block is whole on every rank)
-    split = tuple(a for a in mesh.axis_names if mesh.axis_size(a) > 1 and (
-        any(a in s.axes for s in opt_specs) or a == stage_axis))
+    local = tuple(stage_local) if stage_local else (False,) * len(opt_specs)
+
+    def weights() -> tuple:
+        # only the axes some block is split on need a sum (on the others every block is whole on every rank)
+        split = tuple(a for a in mesh.axis_names if mesh.axis_size(a) > 1 and (
+            any(a in s.axes for s in opt_specs) or a == stage_axis))
+        reps = [math.prod(mesh.axis_size(a) for a in split if a not in spec.axes and not (mine and a == stage_axis))
+                for spec, mine in zip(opt_specs, local)]
+        return split, (reps if any(r != 1 for r in reps) else None)
+
+    # once per mesh and layout of the blocks (a step's gradient norm asks the same every step)
+    split, reps = mesh._cached(("blocks_sq_norm", tuple(opt_specs), local, stage_axis), weights)
     if not blocks:
         total = torch.zeros((), dtype=torch.float64)
     else:
-        local = stage_local or [False] * len(opt_specs)
-        reps = [math.prod(mesh.axis_size(a) for a in split if a not in spec.axes and not (mine and a == stage_axis))
-                for spec, mine in zip(opt_specs, local)]
-        sq = _block_sq_sums([x.detach() for x in blocks])
-        if any(r != 1 for r in reps):
+        sq = _block_sq_sums([x.detach() if x.requires_grad else x for x in blocks])
+        if reps is not None:
             sq = sq / torch.tensor(reps, dtype=torch.float64, device=sq.device)
         total = sq.sum()
     return lax.psum(total, split) if split else total

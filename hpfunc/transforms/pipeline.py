@@ -10,7 +10,9 @@ a :class:`~hpfunc.schedules.Schedule` and a :class:`~hpfunc.Mesh`; the step walk
                 the gradient flowing into each parameter's use site (the matmul with the weight)
 ``W``           weight gradient only (:func:`~hpfunc.transforms.backward_split.backward_weight`): re-runs
                 the use sites towards the parameters from what ``B`` kept; accumulated
-``BW``          both in one ``torch.autograd.grad`` call
+``BW``          both in one ``torch.autograd.backward`` call: the weight gradients accumulate over
+                microbatches in the stage's parameter leaves' ``.grad`` inside autograd, as torch's
+                ``PipelineStage`` does (no Python-side sum per parameter and microbatch)
 ``SEND_*``      posted asynchronously (``dist.batch_isend_irecv``); a finished one is let go at the next
                 send (its buffer with it), the rest are waited for at the end
 ``RECV_*``      received (and waited for) right where the schedule puts it
@@ -489,18 +491,35 @@ class PipelineStep:
 
         diff_pos: dict[int, list[int]] = {}  # per stage: the positions of its differentiable leaves
 
+        # Every set of differentiable leaves a stage's forwards used (one per UNSHARD under FSDP, else one):
+        # a full backward (BW) accumulates into their ``.grad`` inside autograd, as torch's own stages do.
+        generations: dict[int, list[list[torch.Tensor]]] = {s: [] for s in self.local_stages}
+
         def make_live(s: int, leaves: list[torch.Tensor]) -> None:
             live[s] = [x.detach().requires_grad_(_is_diff(x)) if isinstance(x, torch.Tensor) else x for x in leaves]
             diff_pos[s] = [k for k, t in enumerate(live[s]) if isinstance(t, torch.Tensor) and t.requires_grad]
+            generations[s].append(live[s])
 
         if not self.fsdp:
             for s in self.local_stages:
                 make_live(s, stored[s])
+        # The weight gradients of split backwards (W) over microbatches: the first is kept as autograd
+        # returned it (it may alias another tensor, e.g. an incoming gradient), the second sum is a fresh
+        # tensor, and later ones are added into it in place (the values of out-of-place sums, fewer
+        # allocations). A BW's go to the leaves' ``.grad`` instead (autograd's AccumulateGrad, which steals
+        # or copies by the same rule); ``collect`` adds the two.
         grads: dict[int, list[torch.Tensor | None]] = {s: [None] * len(stored[s]) for s in self.local_stages}
-        # Accumulation over microbatches: the first gradient is kept as autograd returned it (it may
-        # alias another tensor, e.g. an incoming gradient), the second sum is a fresh tensor, and later
-        # ones are added into it in place (the same values as out-of-place sums, fewer allocations).
         owned: dict[int, list[bool]] = {s: [False] * len(stored[s]) for s in self.local_stages}
+
+        def collect(s: int) -> list[torch.Tensor | None]:
+            out = list(grads[s])
+            for gen in generations[s]:
+                for k, t in enumerate(gen):
+                    g = t.grad if isinstance(t, torch.Tensor) else None
+                    if g is not None:
+                        out[k] = g if out[k] is None else out[k] + g
+                        t.grad = None
+            return out
         reduced: set[int] = set()
 
         inputs: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
@@ -522,11 +541,11 @@ class PipelineStep:
             p_inputs = [sv.params[k] for k in ks]
             dx: list[torch.Tensor | None] = []
             dw: Sequence[torch.Tensor | None] = []
-            if want_dx and want_dw:  # BW: one pass
+            if want_dx and want_dw:  # BW: one pass; the weight gradients accumulate in the leaves' .grad
                 targets = dx_inputs + p_inputs
                 if outs and targets:
-                    got = torch.autograd.grad(outs, targets, grad_outputs=gouts, allow_unused=True)
-                    dx, dw = list(got[:len(dx_inputs)]), got[len(dx_inputs):]
+                    torch.autograd.backward(outs, grad_tensors=gouts, inputs=targets)
+                    dx = [x.grad for x in dx_inputs]
             elif want_dx:  # B: dx, keeping the gradients at the parameters' use sites for W
                 dx, sv.weight_state = backward_input(outs, gouts, dx_inputs, p_inputs)
             elif sv.weight_state is not None:  # W: weight gradients only, from what B kept
@@ -658,7 +677,7 @@ class PipelineStep:
             elif kind is K.RESHARD:
                 live.pop(s, None)
             elif kind is K.REDUCE_GRAD:
-                grads[s] = [None if g is None else self._reduce_grad_shard(g) for g in grads[s]]
+                grads[s] = [None if g is None else self._reduce_grad_shard(g) for g in collect(s)]
                 reduced.add(s)
             elif kind in (K.SWAP_OUT, K.SWAP_IN):
                 rec = saved.get((s, i))
@@ -690,7 +709,7 @@ class PipelineStep:
             if self.fsdp and s not in reduced:
                 raise PipelineError(f"pp rank {self.pp_index}: stage {s} never got its REDUCE_GRAD")
             gs = []
-            for x, g in zip(ref, grads[s]):
+            for x, g in zip(ref, grads[s] if s in reduced else collect(s)):
                 if not isinstance(x, torch.Tensor):
                     gs.append(x)
                     continue

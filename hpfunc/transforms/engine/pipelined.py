@@ -20,7 +20,6 @@ replica over the pipeline axis: the engine sums its per-stage gradients there as
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -28,19 +27,9 @@ import torch
 from hpfunc import lax
 from hpfunc import tree as _tree
 from hpfunc.layout import PlanError
+from hpfunc.transforms.engine.view import materialize
 
 __all__ = ["StagePipeline"]
-
-
-def _materialize(view: Any) -> Any:
-    """Read every leaf of a lazy parameter view (gathering it), keeping the structure (``None`` stays)."""
-    if isinstance(view, torch.Tensor) or view is None:
-        return view
-    if isinstance(view, Mapping):
-        return {k: _materialize(view[k]) for k in view}
-    if isinstance(view, (list, tuple)) or hasattr(view, "__getitem__") and hasattr(view, "__len__"):
-        return [_materialize(view[i]) for i in range(len(view))]
-    return view
 
 
 class _Attach(torch.autograd.Function):
@@ -123,7 +112,7 @@ class StagePipeline:
             raise PlanError("pp: the pipelined loss ran twice in one differentiation; a step differentiates the "
                             "model's loss once (use plans.pp(..., microbatches=m) instead of hpfunc.microbatch)")
         self.used = True
-        full = _materialize(params)
+        full = materialize(params)
         leaves, treedef = _tree.flatten(full)
         # per local stage: the positions of the leaves it uses (once per parameter structure)
         uses = self.memo.get(treedef)

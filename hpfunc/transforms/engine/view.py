@@ -34,7 +34,7 @@ import torch
 
 from hpfunc import tree as _tree
 
-__all__ = ["tag", "index_of", "lazy"]
+__all__ = ["tag", "index_of", "lazy", "materialize"]
 
 
 def tag(x: torch.Tensor, owner: Any, index: int, *, requires_grad: bool = False) -> torch.Tensor:
@@ -109,6 +109,31 @@ def _view(v: Any, read: Callable[[torch.Tensor], torch.Tensor]) -> Any:
 def lazy(tree: Any, read: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     """``tree`` (dicts and lists of tensors) as a view whose leaves are ``read(leaf)`` when indexed."""
     return _view(tree, read)
+
+
+def _is_view(x: Any) -> bool:
+    return isinstance(x, (_LazyDict, _LazyList))
+
+
+def materialize(tree: Any) -> Any:
+    """Every leaf of ``tree`` read now (a view's leaves as used), in a tree of the same structure made of
+    plain containers; leaves that are not tensors (``None``) stay.
+
+    >>> materialize(lazy({"a": [torch.ones(1)], "b": None}, lambda b: b * 2))
+    {'a': [tensor([2.])], 'b': None}
+    """
+    if isinstance(tree, _LazyDict):
+        base, read = tree._d, tree._read
+    elif isinstance(tree, _LazyList):
+        base, read = tree._l, tree._read
+    else:
+        base, read = tree, None
+    # one flatten of the plain tree under the view; a view nested in it (a tree built of several) is read
+    # by its own function
+    leaves, treedef = _tree.flatten(base, is_leaf=_is_view)
+    return _tree.unflatten(treedef, [materialize(x) if _is_view(x) else
+                                     read(x) if read is not None and isinstance(x, torch.Tensor) else x
+                                     for x in leaves])
 
 
 _tree.register_node(
