@@ -37,6 +37,7 @@ import threading
 from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 from hpfunc.faults import Watchdog, check_timeout, timeout_from_env
+from hpfunc.host_memory import rank_environment
 
 __all__ = ["spmd", "main", "torchrun_args", "parse_args", "run_ranks", "LaunchArgs", "UsageError", "USAGE"]
 
@@ -219,7 +220,8 @@ def run_ranks(torchrun_argv: Sequence[str], *, nproc: int | None, timeout_s: flo
         args.training_script, args.module = "hpfunc.rank", True
     timeout = timeout_from_env() if timeout_s is None else check_timeout(timeout_s, "timeout")
     of = f" of {nproc}" if nproc else ""
-    with Watchdog(nproc, timeout, who=who) as dog, _environ(dog.env()), _signal_handlers_kept():
+    with Watchdog(nproc, timeout, who=who) as dog, _environ({**rank_environment(), **dog.env()}), \
+            _signal_handlers_kept():
         try:
             torchrun.run(args)
         except ChildFailedError as e:

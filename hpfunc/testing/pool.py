@@ -49,6 +49,8 @@ from typing import Any, Callable
 
 import cloudpickle
 
+from hpfunc.host_memory import rank_environment
+
 __all__ = ["RankPool", "RankError", "RankTimeout"]
 
 
@@ -265,7 +267,7 @@ class RankPool:
 
     def _spawn(self) -> None:
         port = _free_port()
-        env = {**os.environ, **self.env}
+        env = {**os.environ, **rank_environment(), **self.env}  # the host allocator's thresholds (hpfunc.host_memory)
         for r in range(self.nprocs):
             mine, theirs = socket.socketpair()
             try:

@@ -78,9 +78,15 @@ def test_hpfunc_launch_runs_a_script_on_two_ranks(tmp_path):
         x = hpfunc.shard(torch.arange(8.0).reshape(4, 2), mesh, P("dp"))
         s = hpfunc.shard_map(lambda v: hpfunc.lax.psum(v.sum(), "dp"), mesh=mesh, in_specs=P("dp"), out_specs=P())(x)
         print(f"rank {mesh.axis_index('dp')} {hpfunc.typeof(x)} total={s.to_local().item():.0f}", flush=True)
+        import os
+        print("malloc", os.environ.get("MALLOC_MMAP_THRESHOLD_"), os.environ.get("MALLOC_TRIM_THRESHOLD_"), flush=True)
     """))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     out = subprocess.run([sys.executable, "-m", "hpfunc.launch", "--nproc", "2", str(script)],
                          capture_output=True, text=True, timeout=240, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "rank 0 f32[4@dp,2] total=28" in out.stdout and "rank 1 f32[4@dp,2] total=28" in out.stdout
+    # the ranks' host allocator thresholds (hpfunc.host_memory), unless the environment set its own
+    want = "malloc 268435456 268435456" if "MALLOC_MMAP_THRESHOLD_" not in env and "MALLOC_TRIM_THRESHOLD_" not in env \
+        and env.get("HPFUNC_HOST_MALLOC", "hpfunc") == "hpfunc" else "malloc"
+    assert out.stdout.count(want) == 2, out.stdout

@@ -39,10 +39,11 @@ def torch_adamw(params0, grads, *, lr, b1, b2, eps, wd, schedule=None, masked=Fa
     return torch_steps(opt, params, grads, sched)
 
 
-def fused_run(params0, grads, tx) -> tuple[dict, object]:
-    params, state = dict(params0), tx.init(params0)
+def fused_run(params0, grads, tx, *, donate: bool = False) -> tuple[dict, object]:
+    params = {k: v.clone() for k, v in params0.items()} if donate else dict(params0)
+    state = tx.init(params)
     for g in grads:
-        params, state = optim.update_and_apply(tx, g, state, params)
+        params, state = optim.update_and_apply(tx, g, state, params, donate=donate)
     return params, state
 
 
@@ -57,15 +58,25 @@ def two_call_run(params0, grads, tx) -> tuple[dict, object]:
 @settings(max_examples=25, deadline=None)
 @given(shapes=SHAPES, lr=st.floats(1e-4, 0.1), b1=st.sampled_from([0.0, 0.9, 0.95]),
        b2=st.sampled_from([0.9, 0.999]), eps=st.sampled_from([1e-8, 1e-3]), wd=st.sampled_from([0.0, 0.1]),
-       use_schedule=st.booleans(), masked=st.booleans(), seed=st.integers(0, 2**16))
-def test_fused_adamw_is_torch_foreach_adamw_bit_for_bit(shapes, lr, b1, b2, eps, wd, use_schedule, masked, seed):
+       use_schedule=st.booleans(), masked=st.booleans(), seed=st.integers(0, 2**16),
+       chunk=st.sampled_from([1 << 20, 1, 24, 100]), donate=st.booleans())
+def test_fused_adamw_is_torch_foreach_adamw_bit_for_bit(shapes, lr, b1, b2, eps, wd, use_schedule, masked, seed,
+                                                        chunk, donate):
+    """Also with the leaves cut into groups of ``chunk`` elements (one leaf per group at 1) and with the
+    state donated (written in place)."""
+    from hpfunc.optim import adamw_apply
+
     params0 = {k: randn(s, seed=seed + i) for i, (k, s) in enumerate(sorted(shapes.items()))}
     grads = grad_sequence(shapes, STEPS, seed)
     schedule = (optim.linear_warmup_cosine_decay(0.0, lr, warmup_steps=3, decay_steps=9, end_value=lr / 10)
                 if use_schedule else None)
     tx = optim.adamw(schedule or lr, b1, b2, eps, weight_decay=wd, mask=_decays if masked else None)
     expected = torch_adamw(params0, grads, lr=lr, b1=b1, b2=b2, eps=eps, wd=wd, schedule=schedule, masked=masked)
-    got, _ = fused_run(params0, grads, tx)
+    saved, adamw_apply._CHUNK_ELEMENTS = adamw_apply._CHUNK_ELEMENTS, chunk
+    try:
+        got, _ = fused_run(params0, grads, tx, donate=donate)
+    finally:
+        adamw_apply._CHUNK_ELEMENTS = saved
     for k in expected:
         assert torch.equal(got[k], expected[k]), f"{k}: max |diff| {(got[k] - expected[k]).abs().max():.3e}"
     two, _ = two_call_run(params0, grads, tx)  # the chain rounds differently, within a few ulps
