@@ -10,12 +10,12 @@ the heap the allocator returns and refetches them step after step. Measured on h
 Qwen3 step (``bench/pipeline.py``'s model at hidden 512, 2 pipeline ranks, 1f1b, 8 microbatches):
 4,000-14,000 page faults a step per rank (mostly in the first backwards of a step), 12 with both
 thresholds at 256 MiB, and the step's CPU time 9% lower (median of 6 steps, 4 runs alternating the two
-settings); torch's twin in the same processes faulted in some steps too and gained 4%. The tiny main job does not change (its
-tensors are small enough for glibc's adaptation). A tensor above 32 MiB (a large embedding's gradient)
-is mapped and unmapped every step whatever the heap looks like (a 48 MiB one: 12,289 faults a step);
-with the thresholds raised glibc keeps it when it can grow its heap in place, which depends on the
-process's address layout, and blocks above 256 MiB are mapped each time. A caching allocator (jemalloc
-or tcmalloc through ``LD_PRELOAD``) avoids all of that.
+settings); torch's twin in the same processes faulted in some steps too and gained 4%. The tiny main
+job does not change (its tensors are small enough for glibc's adaptation). A tensor above 32 MiB (a
+large embedding's gradient) is mapped and unmapped every step whatever the heap looks like (a 48 MiB
+one: 12,289 faults a step); with the thresholds raised glibc keeps it when it can grow its heap in
+place, which depends on the process's address layout, and blocks above 256 MiB are mapped each time. A
+caching allocator (jemalloc or tcmalloc through ``LD_PRELOAD``) avoids all of that.
 
 So the ranks that ``hpfunc launch``, ``hpfunc train``, :func:`hpfunc.launch.spmd` and
 :class:`hpfunc.testing.RankPool` start get ``MALLOC_MMAP_THRESHOLD_`` and ``MALLOC_TRIM_THRESHOLD_`` of
