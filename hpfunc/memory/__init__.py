@@ -36,6 +36,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any, Callable, Sequence
 
 import torch
@@ -147,11 +148,31 @@ def saved_activations(fn: Callable, *args: Any, policy: Any = None, state_argnum
     graph = [t.grad_fn for t in tensors_in(out) if t.grad_fn is not None]
     del out, args, kwargs
     _release(copies)
-    alive = rec.measure(names)
+    alive = _settled(rec, names)
     del graph
     entries = [e for k, e in alive if k not in state_keys]
     state = [e for k, e in alive if k in state_keys]
     return SavedReport(entries, state, label)
+
+
+def _settled(rec: Recorder, names: Any, budget_s: float = 0.1) -> list:
+    """``rec.measure(names)``, once the storages no mechanism reported (``other``) have had a moment to go.
+
+    A collective that has completed can still hold its buffers in the process group's worker thread for
+    a moment after the waiting caller was woken (gloo drops its work object, and with it the send and
+    receive buffers, after marking it done): that is not the graph keeping them, so with a process group
+    running, unreported storages are measured again after short pauses (at most ``budget_s`` in all)
+    until none is left; what is still alive then is reported."""
+    alive = rec.measure(names)
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return alive
+    waited, pause = 0.0, 0.002
+    while waited < budget_s and any(e.kind == "other" for _, e in alive):
+        time.sleep(pause)
+        waited += pause
+        pause = min(2 * pause, budget_s - waited) if waited < budget_s else pause
+        alive = rec.measure(names)
+    return alive
 
 
 def _release(copies: dict[int, torch.Tensor]) -> None:
