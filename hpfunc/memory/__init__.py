@@ -170,7 +170,7 @@ def _settled(rec: Recorder, names: Any, budget_s: float = 0.1) -> list:
     while waited < budget_s and any(e.kind == "other" for _, e in alive):
         time.sleep(pause)
         waited += pause
-        pause = min(2 * pause, budget_s - waited) if waited < budget_s else pause
+        pause = min(2 * pause, budget_s - waited)
         alive = rec.measure(names)
     return alive
 

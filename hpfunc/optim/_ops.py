@@ -76,6 +76,21 @@ def adam_moments(
     return new_m, new_v
 
 
+def adam_denominator(v: Sequence[torch.Tensor], *, bias_correction2: float, eps: float,
+                     eps_root: float) -> list[torch.Tensor]:
+    """``sqrt(v / bc2 + eps_root) + eps`` as new tensors, foreach; with ``eps_root == 0``
+    ``sqrt(v) / sqrt(bc2) + eps``, torch's rounding (``v`` foreachable)."""
+    if eps_root == 0.0:
+        denom = list(torch._foreach_sqrt(list(v)))
+        torch._foreach_div_(denom, bias_correction2**0.5)
+    else:
+        denom = list(torch._foreach_div(list(v), bias_correction2))
+        torch._foreach_add_(denom, eps_root)
+        torch._foreach_sqrt_(denom)
+    torch._foreach_add_(denom, eps)
+    return denom
+
+
 def adam_direction(
     m: Sequence[torch.Tensor],
     v: Sequence[torch.Tensor],
@@ -89,14 +104,7 @@ def adam_direction(
     ``sqrt(v) / sqrt(bc2) + eps`` as in torch."""
     bc2_sqrt = bias_correction2**0.5
     if foreachable(m, v):
-        if eps_root == 0.0:
-            denom = list(torch._foreach_sqrt(list(v)))
-            torch._foreach_div_(denom, bc2_sqrt)
-        else:
-            denom = list(torch._foreach_div(list(v), bias_correction2))
-            torch._foreach_add_(denom, eps_root)
-            torch._foreach_sqrt_(denom)
-        torch._foreach_add_(denom, eps)
+        denom = adam_denominator(v, bias_correction2=bias_correction2, eps=eps, eps_root=eps_root)
         out = list(torch._foreach_div(list(m), denom))
         torch._foreach_div_(out, bias_correction1)
         return out

@@ -90,14 +90,7 @@ def adamw_apply(chain_update: UpdateFn, *, b1: float, b2: float, eps: float, eps
                 nm, nv = cm, cv
             else:
                 nm, nv = _ops.adam_moments(cm, cv, cg, b1, b2)
-            if eps_root == 0.0:
-                denom = list(torch._foreach_sqrt(nv))
-                torch._foreach_div_(denom, bc2**0.5)
-            else:
-                denom = list(torch._foreach_div(nv, bc2))
-                torch._foreach_add_(denom, eps_root)
-                torch._foreach_sqrt_(denom)
-            torch._foreach_add_(denom, eps)
+            denom = _ops.adam_denominator(nv, bias_correction2=bc2, eps=eps, eps_root=eps_root)
             decayed = [x for x, f in zip(cp, cf) if f]
             if in_place:
                 np_ = cp
