@@ -234,6 +234,11 @@ def test_collective_error_names_the_rank_the_collective_and_the_silent_peer(tmp_
     stopped = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         os.kill(stopped.pid, signal.SIGSTOP)
+        # the stop takes effect when the kernel next runs the child's signal handling: on a loaded machine
+        # that is after kill() returns, so wait for /proc to say so before asking for the message
+        deadline = time.monotonic() + 30
+        while (_stat(stopped.pid) or ("?",))[0] != "T" and time.monotonic() < deadline:
+            time.sleep(0.01)
         (tmp_path / "rank0").write_text(f"{os.getpid()}\n")
         (tmp_path / "rank1").write_text(f"{stopped.pid}\n")
         (tmp_path / "rank2").write_text(f"{os.getpid()}\n")
