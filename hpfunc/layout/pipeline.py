@@ -41,7 +41,10 @@ class Stages:
     carry``: stage ``s`` (``carry`` is ``None`` on stage 0; a carry is a tuple of tensors, the
     floating ones carry gradients back); ``loss(params, carry, microbatch) -> (loss, aux)`` ends the
     last stage (a scalar mean over the microbatch; ``aux`` a dict of tensors, floats averaged and
-    integers summed over microbatches). ``aux_template(microbatch)``: zeros shaped like that ``aux``
+    integers summed over microbatches). Both are pure functions of their arguments: gradients reach
+    the parameters only through ``params`` (the executor runs a stage's full backward without naming
+    its targets, as ``torch.distributed.pipelining`` does, and a stage that reads parameters it closed
+    over is a :class:`PlanError`). ``aux_template(microbatch)``: zeros shaped like that ``aux``
     (the ranks without the last stage receive it into them). ``owner``: what built it (the model's
     config), checked by the model's hook so that a plan built for one model is not run by another.
     """

@@ -178,6 +178,35 @@ def run_unpipelined_loss() -> str:
     return "no error"
 
 
+def run_stage_reaching_around_its_params() -> str:
+    """Stage functions that read the step's parameters from a tree they closed over (the lazy view the
+    loss received) instead of their own ``params`` argument: the error each rank raises."""
+    import hpfunc
+    from hpfunc import layout, optim
+    from hpfunc.layout import PlanError, Stages
+    from hpfunc.transforms import plans
+    from hpfunc.transforms.parallelize import parallel_train_step
+
+    box: dict = {}
+    stages = Stages(num_stages=2, paths=("a", "b"), stage_of=lambda path: (0,) if path == "a" else (1,),
+                    forward=lambda s, p, carry, mb: ((mb["x"] * box["p"]["a"],) if s == 0
+                                                     else (carry[0] * box["p"]["b"],)),
+                    loss=lambda p, carry, mb: ((carry[0] ** 2).mean(), {}), aux_template=lambda mb: {})
+
+    def loss(params, batch):
+        box["p"] = params
+        return layout.runner().run(params, batch)
+
+    step = parallel_train_step(loss, optim.adamw(LR), hpfunc.Mesh({"pp": 2}),
+                               plans.pp("pp", stages, schedule="1f1b", microbatches=2), has_aux=True)
+    params = step.shard_params({"a": torch.ones(3), "b": torch.ones(3)})
+    try:
+        step(params, step.init_opt_state(params), {"x": torch.ones(4, 3)})
+    except PlanError as err:
+        return str(err)
+    return "no error"
+
+
 def _resident_probe(exclude: set):
     """A layer on the saved-tensor stack that remembers every storage kept for backward by weak
     reference only (storages in ``exclude`` apart) and, each time one is added, sums the bytes of those

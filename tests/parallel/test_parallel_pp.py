@@ -378,3 +378,10 @@ def test_receives_are_posted_ahead_of_the_compute_that_waits_for_them(pools, sch
 def test_a_loss_that_skips_the_pipeline_stages_is_a_plan_error(pools):
     for msg in pools(2).run(H.run_unpipelined_loss):
         assert "under a pp plan" in msg and "qwen3.parallel_plan.loss" in msg, msg
+
+
+def test_a_stage_that_reaches_around_its_params_is_a_plan_error(pools):
+    """The executor's stages are closed (a full backward names no targets): a stage function that takes
+    a parameter from elsewhere than its arguments is caught, not left with a zero gradient."""
+    for rank, msg in enumerate(pools(2).run(H.run_stage_reaching_around_its_params)):
+        assert "reached the step's parameter" in msg and repr("ab"[rank]) in msg, msg

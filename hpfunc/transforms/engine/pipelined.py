@@ -129,6 +129,15 @@ class StagePipeline:
             trees[s] = _tree.unflatten(treedef, mine)
         with self.params_layer.keeping_gathered():
             losses, auxes, grads = self.executor.execute(trees, batch)
+        # The executor's stages are closed (their backward names no targets): a stage function that reached
+        # the step's parameters by another way than its arguments would have put gradients in their .grad
+        leaked = [k for k, x in enumerate(leaves) if x.is_leaf and x.grad is not None]
+        if leaked:
+            paths = [path for path, _ in _tree.leaves_with_paths(full)]
+            raise PlanError(f"pp: a pipeline stage's backward reached the step's parameter {paths[leaked[0]]!r} "
+                            f"other than through the parameters the stage was given (their gradient landed in "
+                            f"its .grad); a stage function must read the parameters from its params argument, not "
+                            f"from a tree it closed over")
         # the gradient of every leaf this rank holds, summed over its local stages (a leaf shared by
         # stages on several pipeline ranks is a replica over the pipeline axis: the engine sums it there)
         by_leaf: dict[int, torch.Tensor] = {}
