@@ -20,6 +20,11 @@ def _plain(cls: type) -> bool:
         and cls.__torch_function__ is torch._C._disabled_torch_function_impl)
 
 
+def plain_type(cls: type) -> bool:
+    """``cls`` computes as a plain tensor (``torch.Tensor`` itself, or a subclass that overrides no dispatch)."""
+    return cls is torch.Tensor or _plain(cls)
+
+
 def foreachable(*lists: Sequence[torch.Tensor]) -> bool:
     """True when all leaves are plain tensors of one device and dtype (the fast foreach path)."""
     first = lists[0][0] if lists and lists[0] else None

@@ -8,12 +8,18 @@ way torch's foreach AdamW does::
     m <- lerp(m, g, 1 - b1)        v <- b2 v + (1 - b2) g^2
     p <- p (1 - lr wd) - (lr / bc1) m / (sqrt(v) / sqrt(bc2) + eps)
 
-in 4 new tensors (m, v, the denominator, p) and 8 passes, bit for bit torch's result on plain tensors
-of one dtype. The state is the chain's own (``ScaleByAdamState``, the decay's, the rate's), so the
-two paths are interchangeable step by step and checkpoints do not change. With ``donate=True`` the
-same foreach ops write into the old moments and params (in place, as torch does): no new tensors but
-the denominator. The leaves go in groups of about a million elements (:data:`_CHUNK_ELEMENTS`), so that
-the temporaries stay small enough for the allocator to reuse (values unchanged: every op is
+For contiguous fp32 or fp64 leaves of one device (and no ``eps_root``, which torch lacks) it runs
+torch's fused AdamW kernel, ``torch._fused_adamw_`` (what ``torch.optim.AdamW(fused=True)`` runs): one
+pass over each leaf's parameter, gradient and two moments, bit for bit ``AdamW(fused=True)``'s result
+(within an ulp of the foreach form's) and on CPU about 4x faster than the foreach form (0.53 against
+2.2 ms a step on 722,048 parameters). Otherwise it computes the formula the way torch's foreach AdamW
+does, in 4 new tensors (m, v, the denominator, p) and 8 passes, bit for bit torch's foreach result on
+plain tensors of one dtype. The state is the chain's own (``ScaleByAdamState``, the decay's, the
+rate's), so the two paths are interchangeable step by step and checkpoints do not change. With
+``donate=True`` both write into the old moments and params (in place, as torch does; the kernel then
+makes no new tensor, the foreach form only the denominator); without, the kernel updates copies. The
+foreach form takes the leaves in groups of about a million elements (:data:`_CHUNK_ELEMENTS`), so that
+its temporaries stay small enough for the allocator to reuse (values unchanged: every op is
 elementwise).
 """
 
@@ -59,10 +65,14 @@ def adamw_apply(chain_update: UpdateFn, *, b1: float, b2: float, eps: float, eps
         adam, decay_state, rate_state = state
         (g, m, v, p), spec = _tree.flatten_aligned([grads, adam.mu, adam.nu, params],
                                                    ["updates", "state.mu", "state.nu", "params"], "adamw")
-        if not g or not _ops.foreachable(g, m, v, p):
+        if not g:
             return fallback(grads, state, params)
-        _tree.check_shapes(g, m, grads, "updates", "state.mu", "adamw")
-        _tree.check_shapes(p, m, grads, "params", "state.mu", "adamw")
+        kernel, writable = _kernel_leaves(p, g, m, v, donate) if eps_root == 0.0 else (False, False)
+        if not kernel:
+            if not _ops.foreachable(g, m, v, p):
+                return fallback(grads, state, params)
+            _tree.check_shapes(g, m, grads, "updates", "state.mu", "adamw")
+            _tree.check_shapes(p, m, grads, "params", "state.mu", "adamw")
         count = adam.count + 1
         t = int(count)
         if callable(learning_rate):
@@ -76,8 +86,13 @@ def adamw_apply(chain_update: UpdateFn, *, b1: float, b2: float, eps: float, eps
             # a factor the params' dtype cannot hold (lr 1e39 in fp32): torch's foreach ops refuse such a
             # scalar; the chain multiplies in steps and gives the infinities such a rate deserves
             return fallback(grads, state, params)
-        in_place = donate and _writable(p, m, v)
+        in_place = writable if kernel else donate and _writable(p, m, v)
         flags = decays(grads, g, spec) if weight_decay != 0.0 else [False] * len(p)
+        if kernel:
+            new_p, new_m, new_v = _fused_kernel(p, m, v, g, flags, t=t, lr=lr, b1=b1, b2=b2, eps=eps,
+                                                weight_decay=weight_decay, in_place=in_place)
+            new_adam = ScaleByAdamState(count=count, mu=_tree.unflatten(spec, new_m), nu=_tree.unflatten(spec, new_v))
+            return _tree.unflatten(spec, new_p), (new_adam, decay_state, new_rate_state)
         new_p: list[torch.Tensor] = []
         new_m: list[torch.Tensor] = []
         new_v: list[torch.Tensor] = []
@@ -110,6 +125,69 @@ def adamw_apply(chain_update: UpdateFn, *, b1: float, b2: float, eps: float, eps
         return _tree.unflatten(spec, new_p), (new_adam, decay_state, new_rate_state)
 
     return apply
+
+
+def _kernel_leaves(p: list[torch.Tensor], g: list[torch.Tensor], m: list[torch.Tensor], v: list[torch.Tensor],
+                   donate: bool) -> tuple[bool, bool]:
+    """``(fits, writable)``: whether torch's fused AdamW kernel (``torch._fused_adamw_``, what
+    ``torch.optim.AdamW(fused=True)`` runs) can take these leaves (with no ``eps_root``, which torch
+    lacks): plain tensors, all fp32 or all fp64 on one device, contiguous (the kernel walks each tensor's
+    memory in order), each parameter's gradient and moments of its shape; and, with ``donate``, whether
+    the parameters and moments can be written in place (:func:`_writable`). One pass; a leaf that does
+    not fit sends the step the foreach way, whose checks name what is wrong."""
+    if _FUSED is None:
+        return False, False
+    first = p[0]
+    dtype = first.dtype
+    if dtype is not torch.float32 and dtype is not torch.float64:
+        return False, False
+    device = first.device
+    cpu = device.type == "cpu"
+    plain, tensor = _ops.plain_type, torch.Tensor
+    writable, seen = donate, set()
+    for a, b, c, d in zip(p, g, m, v):
+        for x in (a, b, c, d):
+            if ((type(x) is not tensor and not plain(type(x))) or x.dtype is not dtype or not x.is_contiguous()
+                    or (not x.is_cpu if cpu else x.device != device)):
+                return False, False
+        shape = a.shape
+        if b.shape != shape or c.shape != shape or d.shape != shape:
+            return False, False
+        if writable:
+            if a.requires_grad or c.requires_grad or d.requires_grad:
+                writable = False
+            elif a.numel():  # no two leaves starting at one address (a leaf twice, a parameter aliasing a moment)
+                pa, pc, pd = a.data_ptr(), c.data_ptr(), d.data_ptr()
+                if pa in seen or pc in seen or pd in seen or pa == pc or pa == pd or pc == pd:
+                    writable = False
+                seen.update((pa, pc, pd))
+    return True, writable
+
+
+_FUSED = getattr(torch, "_fused_adamw_", None)
+
+
+def _fused_kernel(p: list[torch.Tensor], m: list[torch.Tensor], v: list[torch.Tensor], g: list[torch.Tensor],
+                  flags: list[bool], *, t: int, lr: float, b1: float, b2: float, eps: float, weight_decay: float,
+                  in_place: bool) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """The update by torch's fused AdamW kernel: one pass over each leaf's parameter, gradient and
+    moments, no temporaries (about 4x faster on CPU than the 8 foreach passes). It writes in place: into
+    the donated buffers, else into copies. The decayed and the other leaves go in two calls, as two
+    ``torch.optim.AdamW`` parameter groups would (``weight_decay`` 0 for the second)."""
+    if not in_place:
+        p, m, v = ([x.clone() for x in xs] for xs in (p, m, v))
+    step = torch.tensor(float(t), dtype=torch.float32, device=p[0].device)  # torch's fused step: fp32, counted
+    for decay in (True, False):
+        idx = [k for k, f in enumerate(flags) if f is decay]
+        if not idx:
+            continue
+        pick = (lambda xs: xs) if len(idx) == len(p) else (lambda xs: [xs[k] for k in idx])
+        _FUSED(pick(p), pick(g), pick(m), pick(v), [], [step] * len(idx), amsgrad=False, lr=lr, beta1=b1, beta2=b2,
+               weight_decay=weight_decay if decay else 0.0, eps=eps, maximize=False, grad_scale=None,
+               found_inf=None)
+    if in_place:  # new tensor objects over the same memory: the outputs are not the inputs
+        return ([x.detach() for x in xs] for xs in (p, m, v))  # type: ignore[return-value]
+    return p, m, v
 
 
 # Leaves are updated in groups of at most this many elements (one leaf at least): the denominators (and

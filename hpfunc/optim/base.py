@@ -183,9 +183,11 @@ def update_and_apply(tx: GradientTransformation, updates: Updates, state: OptSta
     (a tensor that requires grad, two leaves sharing memory, the unfused path) gets new tensors. Inside
     :func:`hpfunc.parallelize` pass :func:`hpfunc.layout.donated` (``parallelize(..., donate_state=True)``).
 
-    The fused AdamW computes torch's arithmetic (``torch.optim.AdamW``'s foreach step, bit for bit,
-    on plain tensors of one dtype) in 4 new tensors instead of 7 and 8 passes over memory instead of
-    11; leaves it cannot fuse (DTensors, bf16 params with fp32 moments) take the two-call path.
+    The fused AdamW computes torch's arithmetic: on contiguous fp32 or fp64 leaves with torch's fused
+    AdamW kernel (``torch.optim.AdamW(fused=True)``, bit for bit: one pass over memory), otherwise as
+    ``torch.optim.AdamW``'s foreach step (bit for bit, on plain tensors of one dtype) in 4 new tensors
+    instead of 7 and 8 passes instead of 11; leaves it cannot fuse (DTensors, bf16 params with fp32
+    moments) take the two-call path.
 
     >>> import torch
     >>> from hpfunc import optim

@@ -1,5 +1,6 @@
-"""``update_and_apply``: AdamW's fused update-and-apply equals torch's foreach AdamW bit for bit, and
-the two-call path (``update`` then ``apply_updates``) to rounding, with the same state."""
+"""``update_and_apply``: AdamW's fused update-and-apply equals torch's fused AdamW bit for bit (it runs
+torch's fused kernel), its foreach form (where that kernel does not apply) torch's foreach AdamW, and
+the two-call path (``update`` then ``apply_updates``) both to rounding, with the same state."""
 
 from __future__ import annotations
 
@@ -25,8 +26,9 @@ def _decays(path: str, x: torch.Tensor) -> bool:
     return x.ndim >= 2
 
 
-def torch_adamw(params0, grads, *, lr, b1, b2, eps, wd, schedule=None, masked=False) -> dict:
-    """``torch.optim.AdamW(foreach=True)``; with ``masked`` the 1-d and 0-d leaves in a group without decay."""
+def torch_adamw(params0, grads, *, lr, b1, b2, eps, wd, schedule=None, masked=False, fused=False) -> dict:
+    """``torch.optim.AdamW(foreach=True)`` (``fused=True`` with ``fused``); with ``masked`` the 1-d and 0-d
+    leaves in a group without decay."""
     params = {k: torch.nn.Parameter(v.clone()) for k, v in params0.items()}
     if masked:
         groups = [{"params": [p for p in params.values() if p.ndim >= 2]},
@@ -34,7 +36,8 @@ def torch_adamw(params0, grads, *, lr, b1, b2, eps, wd, schedule=None, masked=Fa
         groups = [g for g in groups if g["params"]]
     else:
         groups = [{"params": list(params.values())}]
-    opt = torch.optim.AdamW(groups, lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd, foreach=True)
+    opt = torch.optim.AdamW(groups, lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd,
+                            **({"fused": True} if fused else {"foreach": True}))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: schedule(step) / lr) if schedule else None
     return torch_steps(opt, params, grads, sched)
 
@@ -59,11 +62,12 @@ def two_call_run(params0, grads, tx) -> tuple[dict, object]:
 @given(shapes=SHAPES, lr=st.floats(1e-4, 0.1), b1=st.sampled_from([0.0, 0.9, 0.95]),
        b2=st.sampled_from([0.9, 0.999]), eps=st.sampled_from([1e-8, 1e-3]), wd=st.sampled_from([0.0, 0.1]),
        use_schedule=st.booleans(), masked=st.booleans(), seed=st.integers(0, 2**16),
-       chunk=st.sampled_from([1 << 20, 1, 24, 100]), donate=st.booleans())
-def test_fused_adamw_is_torch_foreach_adamw_bit_for_bit(shapes, lr, b1, b2, eps, wd, use_schedule, masked, seed,
-                                                        chunk, donate):
-    """Also with the leaves cut into groups of ``chunk`` elements (one leaf per group at 1) and with the
-    state donated (written in place)."""
+       chunk=st.sampled_from([1 << 20, 1, 24, 100]), donate=st.booleans(), kernel=st.booleans())
+def test_fused_adamw_is_torch_adamw_bit_for_bit(shapes, lr, b1, b2, eps, wd, use_schedule, masked, seed, chunk,
+                                                donate, kernel):
+    """With torch's fused kernel, torch's ``AdamW(fused=True)``; without it (the foreach form, here forced)
+    torch's ``AdamW(foreach=True)``, also with the leaves cut into groups of ``chunk`` elements (one leaf
+    per group at 1). Both also with the state donated (written in place)."""
     from hpfunc.optim import adamw_apply
 
     params0 = {k: randn(s, seed=seed + i) for i, (k, s) in enumerate(sorted(shapes.items()))}
@@ -71,12 +75,14 @@ def test_fused_adamw_is_torch_foreach_adamw_bit_for_bit(shapes, lr, b1, b2, eps,
     schedule = (optim.linear_warmup_cosine_decay(0.0, lr, warmup_steps=3, decay_steps=9, end_value=lr / 10)
                 if use_schedule else None)
     tx = optim.adamw(schedule or lr, b1, b2, eps, weight_decay=wd, mask=_decays if masked else None)
-    expected = torch_adamw(params0, grads, lr=lr, b1=b1, b2=b2, eps=eps, wd=wd, schedule=schedule, masked=masked)
-    saved, adamw_apply._CHUNK_ELEMENTS = adamw_apply._CHUNK_ELEMENTS, chunk
+    expected = torch_adamw(params0, grads, lr=lr, b1=b1, b2=b2, eps=eps, wd=wd, schedule=schedule, masked=masked,
+                           fused=kernel)
+    saved = adamw_apply._CHUNK_ELEMENTS, adamw_apply._FUSED
+    adamw_apply._CHUNK_ELEMENTS, adamw_apply._FUSED = chunk, (saved[1] if kernel else None)
     try:
         got, _ = fused_run(params0, grads, tx, donate=donate)
     finally:
-        adamw_apply._CHUNK_ELEMENTS = saved
+        adamw_apply._CHUNK_ELEMENTS, adamw_apply._FUSED = saved
     for k in expected:
         assert torch.equal(got[k], expected[k]), f"{k}: max |diff| {(got[k] - expected[k]).abs().max():.3e}"
     two, _ = two_call_run(params0, grads, tx)  # the chain rounds differently, within a few ulps
