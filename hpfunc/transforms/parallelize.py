@@ -61,7 +61,7 @@ from hpfunc.transforms.engine.differentiate import EngineConfig
 from hpfunc.transforms.engine.state import get_path, holder, param_suffix, positions_of, replace_path
 from hpfunc.transforms.engine.step_layout import RankStep
 from hpfunc.transforms.plans import Plan
-from hpfunc.transforms.shard_map import FlatSpecs, flat_checks, flat_specs, shard_map
+from hpfunc.transforms.shard_map import FlatSpecs, flat_checks, flat_specs, layout_mark, shard_map
 
 __all__ = ["parallelize", "ParallelizedStep", "init_sharded", "parallel_train_step", "ParallelTrainStep",
            "PlanError"]
@@ -78,6 +78,10 @@ class _Planned:
     cfg: EngineConfig
     placements: list[tuple]  # the storage placements of the parameters, in flattening order
     checks: Any = "trusted"  # the replication check of the state's leaves (a tree under a pp layer)
+    # per state leaf (flattening order): None for a leaf that is not a tensor, else the mark this step puts
+    # on the DTensor it returns there and the global shape planned for it (shard_map's out marks); a state
+    # whose DTensors all carry their marks is this step's output, laid out as planned (``_marked``)
+    marks: tuple = ()
 
 
 @attrs.frozen(eq=False)
@@ -103,11 +107,24 @@ class ParallelizedStep:
         return self._planned(state).specs
 
     def _planned(self, state: Any) -> _Planned:
+        return self._plan_of(state)[0]
+
+    def _plan_of(self, state: Any) -> tuple[_Planned, bool]:
+        """The plan of ``state``'s structure, and whether the state is this step's own output, unchanged in
+        layout (every DTensor leaf carries the mark this step put on it: its spec, mesh and shape are
+        those planned, so they need no check)."""
         leaves, treedef = _tree.flatten(state)
+        hit = self._cache.get(("marked", treedef))
+        if hit is not None and _marked(leaves, hit.marks):
+            return hit, True
         key = (treedef, tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in leaves))
         hit = self._cache.get(key)
-        if hit is not None:
-            return hit
+        if hit is None:
+            hit = self._cache[key] = self._make_planned(state, leaves, treedef)
+        self._cache[("marked", treedef)] = hit
+        return hit, False
+
+    def _make_planned(self, state: Any, leaves: list, treedef: Any) -> _Planned:
         params = get_path(state, self.params)
         res = self.resolve(params, is_params=True)
         pairs = _tree.leaves_with_paths(params)
@@ -127,8 +144,8 @@ class ParallelizedStep:
             checks = _tree.unflatten(treedef, [
                 False if _stage_local(path, k, is_param, paths, res) else "trusted"
                 for k, (path, _) in enumerate(_tree.leaves_with_paths(state))])
-        hit = self._cache[key] = _Planned(res, specs, paths, cfg, placements, checks)
-        return hit
+        return _Planned(res, specs, paths, cfg, placements, checks,
+                        tuple((object(), x.shape) if isinstance(x, torch.Tensor) else None for x in leaves))
 
     def _metrics_specs(self, metrics: Any, res: Mapping[str, LeafLayout]) -> Any:
         """The out specs of this rank's metrics (once per metrics structure)."""
@@ -142,7 +159,11 @@ class ParallelizedStep:
 
     # -- running ----------------------------------------------------------------------------------
     def _run(self, fn: Callable, state_in: Any, planned: _Planned, args: tuple, arg_specs: tuple,
-             out_specs: Any, state_checks: Any = "trusted", *, donate: bool = False) -> Any:
+             out_specs: Any, state_checks: Any = "trusted", *, donate: bool = False, vouched: bool = False,
+             out_planned: _Planned | None = None) -> Any:
+        """``fn(state, *args)`` in a ``shard_map`` over the state's blocks; its output's first element is a
+        state planned as ``out_planned`` (default ``planned``), whose DTensors leave marked by it."""
+        out_planned = planned if out_planned is None else out_planned
         mesh, pp = self.mesh, self.params
 
         def body(state: Any, *rest: Any) -> Any:
@@ -182,16 +203,19 @@ class ParallelizedStep:
             # leaves with them without flattening and broadcasting the spec tree again (the metrics' specs are
             # one cached object per metrics structure; an output of another structure is a SpecError there)
             specs = out_specs(out) if callable(out_specs) else out_specs
-            key = ("out specs", id(planned), tuple(id(x) for x in specs))
+            key = ("out specs", id(planned), id(out_planned), tuple(id(x) for x in specs))
             hit = self._cache.get(key)
             if hit is None or hit[0] != specs:
-                hit = self._cache[key] = (specs, flat_specs(specs, out, "out_specs", mesh))
+                flat = flat_specs(specs, out, "out_specs", mesh)
+                marks = out_planned.marks + (None,) * (len(flat.leaves) - len(out_planned.marks))
+                hit = self._cache[key] = (specs, flat.marked(marks))
             return hit[1]
 
-        key = ("in specs", id(planned))
+        key = ("in specs", id(planned), vouched)
         hit = self._cache.get(key)
         if hit is None:
-            hit = self._cache[key] = flat_specs(planned.specs, state_in, "in_specs", mesh)
+            hit = flat_specs(planned.specs, state_in, "in_specs", mesh)
+            hit = self._cache[key] = hit.vouched() if vouched else hit
         return shard_map(body, mesh=mesh, in_specs=(hit, *arg_specs), out_specs=flat_out,
                          check_rep=check)(state_in, *args)
 
@@ -229,7 +253,8 @@ class ParallelizedStep:
         def first(state: Any) -> tuple:
             return (init_fn(get_path(state, pp)),)
 
-        return self._run(first, first_state, planned, (), (), (out_specs,), out_planned.checks)[0]
+        return self._run(first, first_state, planned, (), (), (out_specs,), out_planned.checks,
+                         out_planned=out_planned)[0]
 
     def shard_params(self, params: Any) -> Any:
         """Full parameters (identical on every rank) -> DTensors with the plan's storage specs (under a
@@ -259,8 +284,9 @@ class ParallelizedStep:
 
     def __call__(self, state: Any, batch: Any) -> tuple[Any, Any]:
         self._check_context()
-        planned = self._planned(state)
-        check_params(get_path(state, self.params), planned.res, self.mesh, planned.paths, planned.placements)
+        planned, vouched = self._plan_of(state)
+        if not vouched:  # a state this step returned is laid out as planned: its marks say so
+            check_params(get_path(state, self.params), planned.res, self.mesh, planned.paths, planned.placements)
         batch_spec = self.plan.batch_spec(self.mesh)
         self.plan.check_batch(batch, self.mesh)
 
@@ -271,8 +297,26 @@ class ParallelizedStep:
             return out
 
         return self._run(fn, state, planned, (batch,), (batch_spec,),
-                         lambda out: (planned.specs, self._metrics_specs(out[1], planned.res)), planned.checks,
-                         donate=self.donate_state)
+                         lambda out: (planned.specs, self._metrics_specs(out[1], planned.res)),
+                         planned.checks, donate=self.donate_state, vouched=vouched)
+
+
+def _marked(leaves: list, marks: tuple) -> bool:
+    """Whether every tensor leaf of a state is a DTensor this step returned at that position, laid out as
+    planned there (it carries the plan's mark for the position, which shard_map put only on a DTensor of
+    the planned shape; spec and mesh are the plan's, and a DTensor's layout does not change in place),
+    needing no gradient, and no other leaf is a tensor. A mark is one object per plan and position, so a
+    state made by another step, or another plan of this one, is checked as usual."""
+    if len(leaves) != len(marks):
+        return False
+    tensor, mark_of = torch.Tensor, layout_mark
+    for x, ms in zip(leaves, marks):
+        if ms is None:
+            if isinstance(x, tensor):
+                return False
+        elif mark_of(x) is not ms[0] or x.requires_grad:
+            return False
+    return True
 
 
 def _broadcast_stages(local: Any, plan: Plan, mesh: Mesh) -> Any:

@@ -25,6 +25,9 @@ and the axis (``check_rep=``; the default comes from the environment variable ``
 ``check_rep`` may also be a tree prefix of the outputs, one check per subtree, or a function of the
 output returning one (as ``out_specs`` may).
 
+An output that is the very block of an input DTensor of the same spec (returned unchanged, or written
+in place: a donated state) comes back as that input DTensor itself; every other output is a new DTensor.
+
 Gradients flow through it: the gradient of an input replicated along an axis is summed over that
 axis, and the cotangent of an output replicated along an axis is split among its replicas (see
 :mod:`hpfunc.lax` for the per-rank semantics this completes).
@@ -55,7 +58,7 @@ from hpfunc import tree as _tree
 from hpfunc.mesh import Mesh, current_mesh
 from hpfunc.sharding import P, SpecError, _copy_spec, _wrap_local, as_spec, spec_to_placements
 
-__all__ = ["shard_map", "ReplicationError"]
+__all__ = ["shard_map", "ReplicationError", "FlatSpecs", "layout_mark"]
 
 
 class ReplicationError(ValueError):
@@ -82,13 +85,29 @@ class FlatSpecs:
     :func:`flat_specs` and passes it as ``in_specs`` / ``out_specs`` / ``check_rep`` (or returns it from
     the callable form), so that the spec tree is not flattened and broadcast again on every call."""
 
-    __slots__ = ("treedef", "leaves")
+    __slots__ = ("treedef", "leaves", "laid_out", "marks", "_modes")
 
-    def __init__(self, treedef: Any, leaves: Sequence[Any]):
+    def __init__(self, treedef: Any, leaves: Sequence[Any], *, laid_out: bool = False, marks: Sequence | None = None):
         self.treedef, self.leaves = treedef, tuple(leaves)
+        self._modes: tuple | None = None  # as checks: (HPFUNC_CHECK_REP, the mode of each leaf) last read
+        # as in_specs: the caller vouches that every DTensor leaf of the values is already laid out on the
+        # mesh as its spec says (it made them so: a parallelized step's own output), so that each enters as
+        # its local block without the layout being looked up and compared
+        self.laid_out = laid_out
+        # as out_specs: per leaf ``None`` or ``(mark, global shape)``: the DTensor returned there, if of that
+        # shape, carries ``mark`` (read by :func:`layout_mark`), e.g. to recognise it when it comes back
+        self.marks = None if marks is None else tuple(marks)
+
+    def vouched(self) -> "FlatSpecs":
+        """These specs, with the caller's word that the values' DTensors are laid out by them (see above)."""
+        return FlatSpecs(self.treedef, self.leaves, laid_out=True, marks=self.marks)
+
+    def marked(self, marks: Sequence) -> "FlatSpecs":
+        """These specs, the outputs made by them marked (see above)."""
+        return FlatSpecs(self.treedef, self.leaves, laid_out=self.laid_out, marks=marks)
 
     def __repr__(self) -> str:
-        return f"FlatSpecs({len(self.leaves)} leaves)"
+        return f"FlatSpecs({len(self.leaves)} leaves{', laid out' if self.laid_out else ''})"
 
 
 def flat_specs(specs: Any, values: Any, what: str = "in_specs", mesh: Mesh | None = None) -> FlatSpecs:
@@ -249,7 +268,10 @@ def _leaf_checks(check_rep: Any, out: Any, mesh: Mesh | None = None,
     if isinstance(check_rep, FlatSpecs):
         if check_rep.treedef != treedef:
             raise ValueError(f"shard_map: check_rep was built for outputs of structure {check_rep.treedef}")
-        return _modes(check_rep.leaves)
+        env = os.environ.get("HPFUNC_CHECK_REP")  # the modes follow it: read again when it changed
+        if check_rep._modes is None or check_rep._modes[0] != env:
+            check_rep._modes = (env, _modes(check_rep.leaves))
+        return check_rep._modes[1]
     key = None
     if mesh is not None:
         check_leaves, check_def = optree.tree_flatten(check_rep, is_leaf=_is_mode, none_is_leaf=True,
@@ -545,45 +567,90 @@ def _out_layout(y: torch.Tensor, spec: P, mesh: Mesh, where: Callable[[], str]) 
     return mesh._cached(("shard_map.out", spec, tuple(y.shape)), make)
 
 
-def _enter_leaves(leaves: list, leaf_specs: Sequence[P], mesh: Mesh, argname: str, path: Callable[[int], str]) -> list:
+def _enter_leaves(leaves: list, leaf_specs: Sequence[P], mesh: Mesh, argname: str, path: Callable[[int], str],
+                  entered: dict, laid_out: bool = False) -> list:
     """:func:`_enter` of every leaf. A DTensor already laid out as its spec says on this mesh, whose
     layout was checked before for its spec and shape (a parallelized step's state from the second step
-    on), is its local tensor at once: the check and the placements are read from the mesh's cache."""
+    on), is its local tensor at once: the check and the placements are read from the mesh's cache (with
+    ``laid_out``, the caller's word for it: not even that). Each such DTensor is noted in ``entered`` by
+    the address of its block, with its spec, so that an output that is that very block leaves as it
+    (:func:`_exit_leaves`)."""
     memo, dm = mesh._memo, mesh.device_mesh
     out = []
     for j, (x, s) in enumerate(zip(leaves, leaf_specs)):
+        if x is None:  # (a pipeline rank's state holds None for other stages' leaves)
+            out.append(x)
+            continue
         if type(x) is DTensor and not x.requires_grad:
-            lay = memo.get(("shard_map.in", s, x.shape))
-            if lay is not None:
+            if not laid_out:
+                lay = memo.get(("shard_map.in", s, x.shape))
                 xs = x._spec
-                if xs.mesh is dm and xs.placements == lay[0]:
-                    out.append(x._local_tensor.detach())
+                if lay is None or xs.mesh is not dm or xs.placements != lay[0]:
+                    out.append(_enter(functools.partial(path, j), x, s, mesh, argname))
                     continue
+            local = x._local_tensor
+            if local.numel():
+                entered[local.data_ptr()] = (x, s, local)
+            out.append(local.detach())
+            continue
         out.append(_enter(functools.partial(path, j), x, s, mesh, argname))
     return out
 
 
+_MARK = "_hpfunc_shard_map_mark"
+
+
+def layout_mark(x: Any) -> Any:
+    """The mark a ``shard_map`` whose ``out_specs`` carried marks (:meth:`FlatSpecs.marked`) put on the
+    DTensor ``x`` it returned, or ``None``. DTensors do not change layout in place, so a mark vouches for
+    the spec, mesh and shape the marking caller chose."""
+    return getattr(x, _MARK, None)
+
+
 def _exit_leaves(leaves: list, leaf_specs: Sequence[P], mesh: Mesh, checks: Any, to_check: list,
-                 path: Callable[[int], str]) -> list:
-    """:func:`_exit` of every leaf. A plain tensor that needs no gradient and no replication check, of a
-    spec, shape and dtype seen before, is wrapped at once with a copy of the DTensor spec cached then."""
+                 path: Callable[[int], str], entered: dict | None = None, marks: Sequence | None = None) -> list:
+    """:func:`_exit` of every leaf. A plain tensor that needs no gradient is, when it is the very block of
+    an input DTensor of the same spec (``entered``: the same memory, shape, strides and dtype; a state
+    leaf the step returned unchanged, or updated in place under donation), that DTensor again; else, of
+    a spec, shape and dtype seen before and with no replication check due, it is wrapped at once with a
+    copy of the DTensor spec cached then. ``marks`` (per leaf ``None`` or ``(mark, global shape)``,
+    see :class:`FlatSpecs`): the DTensor returned there, if of that shape, carries the mark."""
     memo, device_type = mesh._memo, mesh.device_type
     out = []
     for j, (y, s) in enumerate(zip(leaves, leaf_specs)):
-        check = checks[j] if isinstance(checks, list) else checks
-        if type(y) is torch.Tensor and not y.requires_grad:
-            key = ("shard_map.out wrap", s, y.shape, y.dtype)
-            hit = memo.get(key)
-            if hit is not None and (check is None or not hit[1]) and y.device.type == device_type:
-                out.append(DTensor.__new__(DTensor, y, _copy_spec(hit[0]), requires_grad=False))
-                continue
-            wrapped = _exit(functools.partial(path, j), y, s, mesh, check, to_check)
-            if hit is None and type(wrapped) is DTensor and wrapped._local_tensor is y:
-                _, replicated, _ = _out_layout(y, s, mesh, lambda: path(j))  # cached by _exit just now
-                memo[key] = (_copy_spec(wrapped._spec), replicated)
-            out.append(wrapped)
+        if y is None:
+            out.append(y)
             continue
-        out.append(_exit(functools.partial(path, j), y, s, mesh, check, to_check))
+        check = checks[j] if isinstance(checks, list) else checks
+        o = None
+        if type(y) is torch.Tensor and not y.requires_grad:
+            hit = entered.get(y.data_ptr()) if entered else None
+            if hit is not None:
+                x, xs, local = hit
+                if ((xs is s or xs == s) and y.dtype is local.dtype and y.shape == local.shape
+                        and y.stride() == local.stride()):
+                    if check is not None:  # the promise of replication is checked all the same
+                        _, replicated, _ = _out_layout(y, s, mesh, lambda: path(j))
+                        if replicated:
+                            to_check.append((check, functools.partial(path, j), y, replicated))
+                    o = x
+            if o is None:
+                key = ("shard_map.out wrap", s, y.shape, y.dtype)
+                hit = memo.get(key)
+                if hit is not None and (check is None or not hit[1]) and y.device.type == device_type:
+                    o = DTensor.__new__(DTensor, y, _copy_spec(hit[0]), requires_grad=False)
+                else:
+                    o = _exit(functools.partial(path, j), y, s, mesh, check, to_check)
+                    if hit is None and type(o) is DTensor and o._local_tensor is y:
+                        _, replicated, _ = _out_layout(y, s, mesh, lambda: path(j))  # cached by _exit just now
+                        memo[key] = (_copy_spec(o._spec), replicated)
+        else:
+            o = _exit(functools.partial(path, j), y, s, mesh, check, to_check)
+        if marks is not None:
+            ms = marks[j]
+            if ms is not None and type(o) is DTensor and getattr(o, _MARK, None) is not ms[0] and o.shape == ms[1]:
+                setattr(o, _MARK, ms[0])
+        out.append(o)
     return out
 
 
@@ -647,16 +714,21 @@ def shard_map(
                 f"per positional argument ({len(args)}), found {in_specs!r}"
             )
         local_args = []
+        entered: dict = {}  # the address of an input DTensor's block -> (that DTensor, its spec, the block)
         for i, (spec_i, arg) in enumerate(zip(specs, args)):
             leaves, leaf_specs, treedef, path = _pair_specs(spec_i, arg, "in_specs", m)
-            local_args.append(optree.tree_unflatten(treedef, _enter_leaves(leaves, leaf_specs, m, f"args[{i}]", path)))
+            laid_out = isinstance(spec_i, FlatSpecs) and spec_i.laid_out
+            local_args.append(optree.tree_unflatten(treedef, _enter_leaves(leaves, leaf_specs, m, f"args[{i}]", path,
+                                                                           entered, laid_out)))
         with m:
             out = f(*local_args)
         specs_out = out_specs(out) if callable(out_specs) else out_specs
         leaves, leaf_specs, treedef, path = _pair_specs(specs_out, out, "out_specs", m)
         checks = _leaf_checks(check_rep(out) if callable(check_rep) else check_rep, out, m, treedef)
         to_check: list = []
-        new = _exit_leaves(leaves, leaf_specs, m, checks, to_check, path)
+        new = _exit_leaves(leaves, leaf_specs, m, checks, to_check, path, entered,
+                           specs_out.marks if isinstance(specs_out, FlatSpecs) else None)
+        del entered
         if to_check:
             for mode, run in (("exact", _check_exact), ("checksum", _check_checksums)):
                 items = [item[1:] for item in to_check if item[0] == mode]

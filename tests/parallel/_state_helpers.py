@@ -207,3 +207,53 @@ def run_donated(name, model: str = "qwen3-dense-tiny", steps: int = 3) -> dict:
         for a, c in zip(hpfunc.tree.leaves(to_full(states[True])), hpfunc.tree.leaves(to_full(states[False]))):
             assert torch.equal(a, c), f"{name} step {i}: donated state differs"
     return {"reused": reused}
+
+
+def run_marked_state() -> dict:
+    """A state a parallelized step returned comes back into it on the short path (its DTensors carry
+    the step's marks: no layout check); a leaf replaced from outside sends the state the checked way,
+    with the same result, and a leaf laid out otherwise than planned is still a PlanError. Returns
+    how many states took the checked way, and the losses."""
+    import hpfunc
+    from hpfunc import optim
+    from hpfunc.transforms import parallelize as par
+    from hpfunc.transforms import plans
+    from hpfunc.transforms.plans import PlanError
+
+    mesh = hpfunc.Mesh({"fsdp": 2})
+    tx = optim.adamw(LR)
+
+    def step(state, b):
+        loss, g = hpfunc.value_and_grad(lambda p: ((b @ p["w"]) ** 2).mean())(state["params"])
+        new, opt = optim.update_and_apply(tx, g, state["opt"], state["params"])
+        return {"params": new, "opt": opt}, {"loss": loss}
+
+    checked = []
+    original = par.check_params
+    par.check_params = lambda *a, **k: (checked.append(1), original(*a, **k))[1]
+    try:
+        ts = hpfunc.parallelize(step, mesh, plans.fsdp("fsdp"))
+        full = {"w": torch.arange(12.0).reshape(4, 3) / 10}
+        state = ts.init_state(lambda p: {"params": p, "opt": tx.init(p)}, ts.shard_params(full))
+        checked.clear()  # (init_state checks the parameters it is given)
+        batch = torch.ones(4, 4)
+        losses = []
+        for _ in range(2):
+            state, m = ts(state, batch)
+            losses.append(float(m["loss"].full_tensor()))
+        marked = len(checked)
+        # the same values and layout, but made outside the step: checked, and computed alike
+        fresh = dict(state, params={"w": hpfunc.shard(state["params"]["w"].full_tensor(), mesh, hpfunc.P("fsdp"))})
+        _, m_fresh = ts(fresh, batch)
+        _, m_same = ts(state, batch)
+        after_fresh = len(checked) - marked
+        other = hpfunc.parallelize(step, mesh, plans.ddp("fsdp"))  # another plan: its marks are not these
+        try:
+            other(state, batch)
+            wrong = "no error"
+        except PlanError as err:
+            wrong = str(err)
+    finally:
+        par.check_params = original
+    return {"marked": marked, "after_fresh": after_fresh, "losses": losses, "fresh": float(m_fresh["loss"].full_tensor()),
+            "same": float(m_same["loss"].full_tensor()), "wrong": wrong}
