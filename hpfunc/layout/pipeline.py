@@ -44,8 +44,9 @@ class Stages:
     integers summed over microbatches). Both are pure functions of their arguments: gradients reach
     the parameters only through ``params`` (the executor runs a stage's full backward without naming
     its targets, as ``torch.distributed.pipelining`` does, and a stage that reads parameters it closed
-    over is a :class:`PlanError`). ``aux_template(microbatch)``: zeros shaped like that ``aux``
-    (the ranks without the last stage receive it into them). ``owner``: what built it (the model's
+    over is a :class:`PlanError`). ``aux_template(batch)``: zeros shaped like that ``aux`` (the ranks
+    without the last stage receive it into them), a function of the batch's shapes and dtypes only (the
+    runner makes it once per shapes). ``owner``: what built it (the model's
     config), checked by the model's hook so that a plan built for one model is not run by another.
     """
 

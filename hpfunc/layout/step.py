@@ -123,6 +123,10 @@ class StepLayout(Protocol):
     def accumulate(self) -> ContextManager[Accumulation]:
         """A block inside which ``value_and_grad`` returns per-rank gradients, reduced once at the end."""
 
+    def known_sq_norm(self, leaves: list[torch.Tensor]) -> torch.Tensor | None:
+        """The global sum of squares of exactly these gradient blocks when the step already has it (a
+        pipeline reduces it together with its loss), else ``None``: :func:`global_sq_norm` computes it."""
+
     donate_state: bool
     """The step was handed its state to reuse (``parallelize(..., donate_state=True)``)."""
 
@@ -250,9 +254,10 @@ def gather_block(path: str, block: torch.Tensor, *, dims: Any = None) -> torch.T
     return block
 
 
-def global_sq_norm(tree: Any, where: str = "global_sq_norm") -> torch.Tensor | None:
+def global_sq_norm(tree: Any, where: str = "global_sq_norm", *, leaves: list | None = None) -> torch.Tensor | None:
     """Sum of squares (fp64) of the global tensors whose blocks here are the leaves of ``tree`` (shaped
-    like the parameters, or a subtree of them), or ``None`` outside a parallelized step.
+    like the parameters, or a subtree of them), or ``None`` outside a parallelized step. ``leaves``: the
+    caller's ``hpfunc.tree.leaves(tree)``, when it has them.
 
     >>> global_sq_norm({"w": torch.ones(2)}) is None
     True
@@ -262,9 +267,15 @@ def global_sq_norm(tree: Any, where: str = "global_sq_norm") -> torch.Tensor | N
         return None
     from hpfunc import tree as _tree
 
+    leaves = _tree.leaves(tree) if leaves is None else leaves
+    known = getattr(ctx, "known_sq_norm", None)
+    if known is not None:
+        hit = known(leaves)  # the step's own gradient blocks, whose norm it has
+        if hit is not None:
+            return hit
     layouts = ctx.leaf_layouts(tree, where)
     stage = getattr(ctx, "pipeline_axis", None)
-    return blocks_sq_norm(ctx.mesh, [lay.spec.opt for lay in layouts], _tree.leaves(tree), stage_axis=stage,
+    return blocks_sq_norm(ctx.mesh, [lay.spec.opt for lay in layouts], leaves, stage_axis=stage,
                           stage_local=[lay.stage_axis is not None for lay in layouts] if stage else None)
 
 

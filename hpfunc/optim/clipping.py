@@ -38,8 +38,8 @@ def global_norm(updates: Updates) -> torch.Tensor:
         >>> global_norm({"a": torch.tensor([3.0]), "b": [torch.tensor([4.0])]})
         tensor(5.)
     """
-    sq = layout.global_sq_norm(updates, "global_norm")
     leaves = _tree.flatten(updates)[0]
+    sq = layout.global_sq_norm(updates, "global_norm", leaves=leaves)
     if sq is not None:  # inside hpfunc.parallelize: the leaves are blocks of sharded tensors
         return sq.sqrt().to(torch.promote_types(leaves[0].dtype, torch.float32) if leaves else torch.float32)
     if not leaves:

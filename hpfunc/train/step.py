@@ -72,7 +72,10 @@ def split_params(params: Any, is_frozen: Callable[[str], bool]) -> tuple[Any, An
 
 
 def merge_params(trained: Any, frozen: Any) -> Any:
-    """Inverse of :func:`split_params`: take each leaf from whichever tree holds it."""
+    """Inverse of :func:`split_params`: take each leaf from whichever tree holds it (``trained`` itself
+    when ``frozen`` holds none, the common case of a model without frozen leaves)."""
+    if not _tree.leaves(frozen):
+        return trained
     return _tree.tree_map(lambda a, b: a if b is None else b, trained, frozen, none_is_leaf=True)
 
 
@@ -168,11 +171,14 @@ def make_train_step(
     frozen_masks: dict = {}  # parameter tree structure -> is_frozen of each leaf (paths are per structure)
 
     def split(params: Any) -> tuple[Any, Any]:
-        """:func:`split_params` with the predicate evaluated once per tree structure, not per leaf and step."""
+        """:func:`split_params` with the predicate evaluated once per tree structure, not per leaf and step
+        (and ``(params, None)`` when no leaf is frozen: nothing to split or merge)."""
         leaves, treedef = _tree.flatten(params)
         mask = frozen_masks.get(treedef)
         if mask is None:
             mask = frozen_masks[treedef] = [bool(is_frozen(path)) for path, _ in _tree.leaves_with_paths(params)]
+        if not any(mask):
+            return params, None
         return (_tree.unflatten(treedef, [None if f else x for x, f in zip(leaves, mask)]),
                 _tree.unflatten(treedef, [x if f else None for x, f in zip(leaves, mask)]))
 
@@ -184,13 +190,13 @@ def make_train_step(
         load = aux.get("expert_load")
         if load is not None and expert_bias_rate != 0.0 and update_frozen is not None:
             params = update_frozen(params, load, expert_bias_rate)
-        step = int(state.step)
         metrics = {
             "loss": loss,
             "ce_loss": torch.as_tensor(aux.get("ce_loss", loss)).detach(),
             "aux_loss": torch.as_tensor(aux.get("aux_loss", 0.0)).detach(),
             "grad_norm": global_norm(grads).detach(),
-            "lr": torch.tensor(float("nan") if lr_schedule is None else float(lr_schedule(step)), dtype=torch.float64),
+            "lr": torch.tensor(float("nan") if lr_schedule is None else float(lr_schedule(int(state.step))),
+                               dtype=torch.float64),
         }
         if load is not None:
             metrics["expert_load"] = load.detach()

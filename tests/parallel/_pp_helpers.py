@@ -207,6 +207,32 @@ def run_stage_reaching_around_its_params() -> str:
     return "no error"
 
 
+def run_norm_of_gradients_scaled_in_place() -> tuple[float, float]:
+    """The global norm of a pipelined step's gradients (reduced with the loss), then of the same gradient
+    tensors doubled in place (which must be computed again): ``(first, second)``."""
+    import hpfunc
+    from hpfunc import optim
+    from hpfunc.models import qwen3
+    from hpfunc.models.qwen3 import parallel_plan
+    from hpfunc.testing import to_full
+
+    cfg = model_cfg("dense", 4, False)
+    plan = plan_of(cfg, {"pp": 2}, ["pp"], "1f1b", 2)
+
+    def step(state, batch):
+        (_, _), grads = hpfunc.value_and_grad(lambda p: parallel_plan.loss(p, batch, cfg), has_aux=True)(state["params"])
+        first = optim.global_norm(grads)
+        for g in hpfunc.tree.leaves(grads):
+            g.mul_(2)
+        return state, {"first": first, "second": optim.global_norm(grads)}
+
+    train_step = hpfunc.parallelize(step, hpfunc.Mesh({"pp": 2}), plan)
+    params = train_step.shard_params(qwen3.init(hpfunc.random.key(0), cfg))
+    state = train_step.init_state(lambda p: {"params": p}, params)
+    _, metrics = train_step(state, {"tokens": torch.randint(0, 256, (4, 8), generator=torch.Generator().manual_seed(0))})
+    return float(to_full(metrics["first"])), float(to_full(metrics["second"]))
+
+
 def _resident_probe(exclude: set):
     """A layer on the saved-tensor stack that remembers every storage kept for backward by weak
     reference only (storages in ``exclude`` apart) and, each time one is added, sums the bytes of those

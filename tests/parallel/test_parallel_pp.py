@@ -130,7 +130,10 @@ def test_random_schedules_microbatches_and_splits(pools, data):
 def test_pipeline_sends_are_counted_as_the_schedule_says(pools):
     """1F1B on 2 ranks, 4 microbatches of [2, 8, 64] fp32 hidden states: in each step rank 0 sends 4
     activations, rank 1 sends 4 gradients back, each b/m x s x H x 4 bytes; in the first step each
-    forward message also has a header naming its shapes, in the second none (both ends know them)."""
+    forward message also has a header naming its shapes, in the second none (both ends know them).
+    Besides them each rank makes one collective a step: the loss, the aux and the gradients' sum of
+    squares (the train step's grad_norm) packed in one fp64 psum (loss, ce_loss, aux_loss, tokens and
+    the norm: 5 x 8 bytes; a dense model's expert load is empty)."""
     out = pools(2).run(H.run_pp_parity, {"pp": 2}, ["pp"], schedule="1f1b", m=4, steps=2, count_comm=True)
     nbytes = 2 * 8 * 64 * 4
     for step in range(2):
@@ -139,6 +142,9 @@ def test_pipeline_sends_are_counted_as_the_schedule_says(pools):
             sends = [r for r in records if r[0] == "send" and r[6] != "header"]
             assert [(r[1], r[4], r[3], r[5]) for r in sends] == [(name, phase, nbytes, float(nbytes))] * 4, (step, rank)
         assert sum(r[0] == "send" and r[6] == "header" for r in out[0]["records_per_step"][step]) == (4, 0)[step]
+        for rank in range(2):
+            others = [r[:4] for r in out[rank]["records_per_step"][step] if r[0] != "send"]
+            assert others == [("all_reduce", "psum", ("pp",), 5 * 8)], (step, rank, others)
 
 
 def test_fsdp_inside_stages_gathers_each_stage_once_per_step(pools):
@@ -385,3 +391,10 @@ def test_a_stage_that_reaches_around_its_params_is_a_plan_error(pools):
     a parameter from elsewhere than its arguments is caught, not left with a zero gradient."""
     for rank, msg in enumerate(pools(2).run(H.run_stage_reaching_around_its_params)):
         assert "reached the step's parameter" in msg and repr("ab"[rank]) in msg, msg
+
+
+def test_the_norm_reduced_with_the_loss_is_not_reused_for_gradients_changed_in_place(pools):
+    """The pipeline reduces its gradients' sum of squares together with the loss, and global_norm of
+    those very tensors reads it; once they are written to in place it is computed again."""
+    for first, second in pools(2).run(H.run_norm_of_gradients_scaled_in_place):
+        assert first > 0 and abs(second - 2 * first) <= 1e-6 * second, (first, second)

@@ -29,7 +29,8 @@ from hpfunc.layout import LeafLayout, PlanError
 from hpfunc.transforms.engine import sdc
 from hpfunc.transforms.engine.gather import ParamLayer, gather_group, group_key
 from hpfunc.transforms.engine.mixed import cast_for_use
-from hpfunc.transforms.engine.reduce import reduce_gradients
+from hpfunc.transforms.engine.pipelined import StagePipeline, known_gradients
+from hpfunc.transforms.engine.reduce import needs_reduction, reduce_gradients
 from hpfunc.transforms.engine.view import index_of, tag
 
 __all__ = ["EngineConfig", "value_and_grad"]
@@ -41,17 +42,24 @@ class EngineConfig:
     def __init__(self, mesh: Any, plan: Any, leaves: list[LeafLayout], dtypes: list[torch.dtype]):
         self.mesh, self.plan, self.leaves = mesh, plan, leaves
         self.by_path = {lay.path: lay for lay in leaves}
-        self.paths_of: dict = {}  # tree structure -> its leaves' paths (trees shaped like the parameters)
+        # tree structure -> its leaves' paths, layouts and block shapes (trees shaped like the parameters)
+        self.paths_of: dict = {}
         self.block_shapes = {lay.path: lay.block_shape(mesh) for lay in leaves}
         groups: dict[tuple, list[int]] = {}
         for i, (lay, dt) in enumerate(zip(leaves, dtypes)):
             if lay.gather:
                 groups.setdefault(group_key(lay.path, lay.gather, dt), []).append(i)
         self.group_of = {i: members for members in groups.values() for i in members}
+        self.reduced = [needs_reduction(lay) for lay in leaves]  # which leaves' gradients take a collective
+        self.any_zero = any(lay.opt_extra for lay in leaves)  # optimizer blocks narrower than storage (ZeRO)
         self.any_gather = any(lay.gather for lay in leaves)
         pd = plan.param_dtype
         self.mixed = None if pd is None else (pd, plan.reduce_dtype or pd)
         self.needs_view = self.any_gather or self.mixed is not None  # parameters are read through `read`
+        # the gradients a pipeline hands out are the step's gradients, laid out as they will be returned:
+        # nothing gathered, cast or reduced after it (then it can reduce their norm with its loss)
+        self.pipeline_grads_final = (plan.pipeline is not None and not self.needs_view and not any(self.reduced)
+                                     and plan.sdc_check is None and plan.reduce_dtype is None)
         self.reshard = plan.reshard_after_forward
         n_data = math.prod(mesh.axis_size(a) for a in mesh.axis_names if a in plan.data_axes)
         self.seed_scale = self.seed(mesh.size, n_data, plan.gradient_scaling_factor)
@@ -59,6 +67,8 @@ class EngineConfig:
         self.sdc_checks = 0  # reductions checked so far (the "step" an SDC report names)
         self._executor = None  # the pipeline's schedule executor (a pp layer), built on first use
         self.stage_uses: dict = {}  # parameter tree structure -> per local pipeline stage, the leaves it uses
+        self.aux_templates: dict = {}  # batch structure and shapes -> the pipeline's aux template (zeros)
+        self.alike_args: dict = {}  # argument structures -> the arguments shaped like parameter-holding ones
 
     def pipeline_executor(self) -> Any:
         """The plan's pipeline executor on this mesh (built once: it validates the schedule)."""
@@ -75,6 +85,9 @@ class EngineConfig:
 
     def reduce(self, grads: list[torch.Tensor], wanted: list[int]) -> list[torch.Tensor]:
         """Per-rank gradients of the leaves ``wanted`` (storage layout) -> reduced, optimizer layout."""
+        plan = self.plan
+        if plan.sdc_check is None and plan.reduce_dtype is None and not any(self.reduced[i] for i in wanted):
+            return grads  # nothing to reduce (a pipeline, pure FSDP): the gradients are the optimizer blocks
         leaves = [self.leaves[i] for i in wanted]
         with torch.no_grad():
             out = reduce_gradients(grads, leaves, self.plan.reduce_dtype)
@@ -129,21 +142,19 @@ class _Reads:
 
 
 def value_and_grad(cfg: EngineConfig, blocks: list[torch.Tensor], call: Callable[[list[torch.Tensor], Callable], Any],
-                   has_aux: bool, wanted: list[int] | None = None, *, where: str, reduce: bool = True):
+                   has_aux: bool, wanted: list[int] | None = None, *, where: str, reduce: bool = True,
+                   step: Any = None):
     """``(loss, aux, grads)``: the per-rank loss of ``call(ws, read)`` and the gradients of the leaves
     ``wanted`` (all by default): reduced and laid out like the optimizer blocks, or with
-    ``reduce=False`` per rank (the caller reduces an accumulated sum once, :meth:`EngineConfig.reduce`)."""
+    ``reduce=False`` per rank (the caller reduces an accumulated sum once, :meth:`EngineConfig.reduce`).
+    ``step``: the step's layout, told by a pipeline the global norm of the gradients it hands out."""
     plan = cfg.plan
     layer = ParamLayer(cfg.mesh, reshard=cfg.reshard, any_gather=cfg.any_gather)
     reads = _Reads(cfg, [], layer)
     ws = [tag(x, reads, i, requires_grad=x.is_floating_point()) for i, x in enumerate(blocks)]
     reads.ws = ws
     layer.own_blocks(ws)
-    pipe = None
-    if plan.pipeline is not None:
-        from hpfunc.transforms.engine.pipelined import StagePipeline
-
-        pipe = StagePipeline(cfg, layer)
+    pipe = None if plan.pipeline is None else StagePipeline(cfg, layer, step if reduce else None)
     with torch.enable_grad(), saved_tensors.layer(layer), layout.tensor_parallel(
             plan.tp_axis, vocab_parallel=plan.tp_vocab_parallel, sequence_parallel=plan.tp_sequence_parallel), \
             layout.expert_parallel(plan.ep_axis), layout.data_parallel(cfg.data_axes), layout.pipeline(pipe):
@@ -172,9 +183,12 @@ def value_and_grad(cfg: EngineConfig, blocks: list[torch.Tensor], call: Callable
                         f"{' (as the first element, has_aux=True)' if has_aux else ''}; found {loss!r}")
     wanted = list(range(len(ws))) if wanted is None else wanted
     diff = [i for i in wanted if ws[i].requires_grad]
-    seed = torch.full_like(loss, cfg.seed_scale)
-    gs = (torch.autograd.grad(loss, [ws[i] for i in diff], grad_outputs=seed, allow_unused=True)
-          if diff and loss.requires_grad else [None] * len(diff))
+    targets = [ws[i] for i in diff]
+    # the pipelined loss itself (not a function of it) comes with its gradients already computed
+    gs = None if pipe is None or not diff else known_gradients(loss, targets, cfg.seed_scale)
+    if gs is None:
+        gs = (torch.autograd.grad(loss, targets, grad_outputs=torch.full_like(loss, cfg.seed_scale),
+                                  allow_unused=True) if diff and loss.requires_grad else [None] * len(diff))
     reads.ready.clear()  # gathered again by a recompute in the backward and not read
     reads.kept.clear()
     by_leaf = dict(zip(diff, gs))

@@ -27,9 +27,10 @@ import torch
 from hpfunc import lax
 from hpfunc import tree as _tree
 from hpfunc.layout import PlanError
+from hpfunc.layout.step import _block_sq_sums
 from hpfunc.transforms.engine.view import materialize
 
-__all__ = ["StagePipeline"]
+__all__ = ["StagePipeline", "known_gradients"]
 
 
 class _Attach(torch.autograd.Function):
@@ -38,7 +39,7 @@ class _Attach(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, loss, grads, seed, *params):
-        ctx.grads, ctx.seed = grads, seed
+        ctx.grads, ctx.seed, ctx.params = grads, seed, params
         return loss.clone()
 
     @staticmethod
@@ -50,6 +51,29 @@ class _Attach(torch.autograd.Function):
             return (None, None, None, *ctx.grads)
         scale = g / ctx.seed
         return (None, None, None, *[None if gr is None else gr * scale.to(gr.dtype) for gr in ctx.grads])
+
+
+def known_gradients(loss: torch.Tensor, leaves: list[torch.Tensor], seed: float) -> list | None:
+    """The gradients of ``loss`` seeded with ``seed`` with respect to ``leaves`` without a backward pass,
+    when ``loss`` is the pipeline's loss itself (the output of :class:`_Attach`, not a function of it)
+    attached to exactly these leaves (the parameters as stored: no gather or cast between them and the
+    stages) with the same seed: then they are the gradients the schedule computed (``None`` for a leaf
+    the pipeline did not use, as ``torch.autograd.grad(..., allow_unused=True)``). ``None`` otherwise:
+    differentiate as usual."""
+    node = loss.grad_fn
+    if type(node) is not _Attach._backward_cls or node.seed != seed:
+        return None
+    if len(node.params) == len(leaves) and all(x is w for x, w in zip(node.params, leaves)):
+        return list(node.grads)  # attached to these leaves in this order (the common case)
+    by_id: dict[int, Any] = {}
+    for x, g in zip(node.params, node.grads):
+        if id(x) in by_id:  # one tensor at two leaves of the tree: leave the sum to autograd
+            return None
+        by_id[id(x)] = g
+    wanted = {id(w) for w in leaves}
+    if any(i not in wanted for i in by_id):  # attached to tensors made from the leaves (gathered, cast)
+        return None
+    return [by_id.get(id(w)) for w in leaves]
 
 
 def build_executor(cfg: Any) -> Any:
@@ -93,14 +117,19 @@ def build_executor(cfg: Any) -> Any:
 class StagePipeline:
     """The pipeline runner of one differentiation (see the module docstring)."""
 
-    def __init__(self, cfg: Any, params_layer: Any):
+    def __init__(self, cfg: Any, params_layer: Any, step: Any = None):
         self.params_layer = params_layer  # the step's saved-tensor layer (gather.ParamLayer)
+        # told the global sum of squares of the gradients handed out, reduced with the loss (one collective
+        # for both), when those gradients are the step's own (see EngineConfig.pipeline_grads_final)
+        self.step = step if cfg.pipeline_grads_final else None
         self.layer = cfg.plan.pipeline
         self.axis, self.stages = self.layer.axis, self.layer.stages
         self.seed = cfg.seed_scale
         self.memo = cfg.stage_uses
         self.executor = cfg.pipeline_executor()
         self.local_stages = self.executor.local_stages
+        self.needs_view = cfg.needs_view
+        self.aux_templates = cfg.aux_templates
         self.used = False
 
     def run(self, params: Any, batch: Any, *, owner: Any = None) -> tuple[torch.Tensor, dict]:
@@ -112,7 +141,9 @@ class StagePipeline:
             raise PlanError("pp: the pipelined loss ran twice in one differentiation; a step differentiates the "
                             "model's loss once (use plans.pp(..., microbatches=m) instead of hpfunc.microbatch)")
         self.used = True
-        full = materialize(params)
+        # the parameters as used (gathered, cast) are read through a lazy view only when the plan gathers or
+        # casts them; otherwise the step's blocks are in the tree as they are
+        full = materialize(params) if self.needs_view else params
         leaves, treedef = _tree.flatten(full)
         # per local stage: the positions of the leaves it uses (once per parameter structure)
         uses = self.memo.get(treedef)
@@ -129,47 +160,67 @@ class StagePipeline:
             trees[s] = _tree.unflatten(treedef, mine)
         with self.params_layer.keeping_gathered():
             losses, auxes, grads = self.executor.execute(trees, batch)
-        # The executor's stages are closed (their backward names no targets): a stage function that reached
-        # the step's parameters by another way than its arguments would have put gradients in their .grad
-        leaked = [k for k, x in enumerate(leaves) if x.is_leaf and x.grad is not None]
-        if leaked:
-            paths = [path for path, _ in _tree.leaves_with_paths(full)]
-            raise PlanError(f"pp: a pipeline stage's backward reached the step's parameter {paths[leaked[0]]!r} "
-                            f"other than through the parameters the stage was given (their gradient landed in "
-                            f"its .grad); a stage function must read the parameters from its params argument, not "
-                            f"from a tree it closed over")
+        wants = []
+        for k, x in enumerate(leaves):
+            if x.requires_grad:
+                wants.append(k)
+                # The executor's stages are closed (their backward names no targets): a stage function that
+                # reached the step's parameters other than through its arguments put gradients in their .grad
+                if x.is_leaf and x.grad is not None:
+                    paths = [path for path, _ in _tree.leaves_with_paths(full)]
+                    raise PlanError(f"pp: a pipeline stage's backward reached the step's parameter {paths[k]!r} "
+                                    f"other than through the parameters the stage was given (their gradient landed "
+                                    f"in its .grad); a stage function must read the parameters from its params "
+                                    f"argument, not from a tree it closed over")
         # the gradient of every leaf this rank holds, summed over its local stages (a leaf shared by
         # stages on several pipeline ranks is a replica over the pipeline axis: the engine sums it there)
         by_leaf: dict[int, torch.Tensor] = {}
         for s in self.local_stages:
             for k, g in zip(uses[s], _tree.leaves(grads[s])):
                 by_leaf[k] = g if k not in by_leaf else by_leaf[k] + g
+        grads = [by_leaf.get(k) for k in wants]
         with torch.no_grad():
             # only the last stage's rank has the losses
             value = torch.stack(losses).mean().float() if losses else torch.zeros((), dtype=torch.float32)
-            value, aux = self._to_every_rank(value, auxes, batch)
-        wants = [k for k, x in enumerate(leaves) if x.requires_grad]
+            # this rank's part of the gradients' global norm (each of its blocks held here alone), as
+            # layout.blocks_sq_norm sums it, reduced in the loss's collective
+            sq = None
+            if self.step is not None and grads and all(g is not None for g in grads):
+                sq = _block_sq_sums(grads).sum()
+            value, aux, sq = self._to_every_rank(value, auxes, batch, sq)
+        if sq is not None:
+            self.step.remember_sq_norm(grads, sq)
         if not wants:
             return value, aux
-        return _Attach.apply(value, [by_leaf.get(k) for k in wants], self.seed, *[leaves[k] for k in wants]), aux
+        return _Attach.apply(value, grads, self.seed, *[leaves[k] for k in wants]), aux
 
-    def _to_every_rank(self, value: torch.Tensor, auxes: list[dict], batch: Any) -> tuple[torch.Tensor, dict]:
+    def _to_every_rank(self, value: torch.Tensor, auxes: list[dict], batch: Any,
+                       sq: torch.Tensor | None = None) -> tuple[torch.Tensor, dict, torch.Tensor | None]:
         """The loss and the aux of the microbatches (floats averaged, integers summed) on every pipeline
         rank: one ``psum`` over the pipeline axis of them all packed in fp64. Only the last stage's rank
         holds values (the others add zeros), so the sum is exact: fp32 values and integer counts below
-        2**53 pass through fp64 unchanged."""
-        template = self.stages.aux_template(batch)
+        2**53 pass through fp64 unchanged. ``sq`` (an fp64 scalar, every rank's own) rides along: its
+        sum over the pipeline ranks comes back third."""
+        # the template (zeros shaped like the aux) follows from the batch's shapes: made once per shapes
+        leaves, treedef = _tree.flatten(batch)
+        key = (treedef, tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x for x in leaves))
+        template = self.aux_templates.get(key)
+        if template is None:
+            template = self.aux_templates[key] = self.stages.aux_template(batch)
         parts = [value]
         for k, z in template.items():
             if auxes:
-                v = torch.stack([torch.as_tensor(a[k]).detach() for a in auxes])
-                v = v.float().mean(0).to(z.dtype) if z.is_floating_point() else v.sum(0)
+                vals = [a[k] for a in auxes]
+                v = torch.stack(vals if all(type(t) is torch.Tensor for t in vals)
+                                else [torch.as_tensor(t) for t in vals]).detach()
+                v = v.float().mean(0) if z.is_floating_point() else v.sum(0)
             else:
                 v = z
             parts.append(v.to(z.dtype))
+        if sq is not None:
+            parts.append(sq)
         packed = lax.psum(torch.cat([t.reshape(-1).to(torch.float64) for t in parts]), self.axis)
-        out, at = [], 0
-        for t in parts:
-            out.append(packed[at:at + t.numel()].reshape(t.shape).to(t.dtype))
-            at += t.numel()
-        return out[0], dict(zip(template, out[1:]))
+        out = [x.reshape(t.shape).to(t.dtype) for x, t in zip(packed.split([t.numel() for t in parts]), parts)]
+        if sq is not None:
+            return out[0], dict(zip(template, out[1:-1])), out[-1]
+        return out[0], dict(zip(template, out[1:])), None

@@ -24,7 +24,7 @@ from hpfunc.layout import LeafLayout
 from hpfunc.transforms.engine.mixed import axis_arg
 from hpfunc.transforms.engine.packing import packed_all_gather, packed_psum, packed_psum_scatter
 
-__all__ = ["reduce_gradients", "gather_updated", "narrow_to_opt"]
+__all__ = ["reduce_gradients", "gather_updated", "narrow_to_opt", "needs_reduction"]
 
 
 def narrow_to_opt(x: torch.Tensor, extra: tuple) -> torch.Tensor:
@@ -46,10 +46,19 @@ def reduce_gradients(grads: list[torch.Tensor], leaves: list[LeafLayout],
     return [r.to(g.dtype) for r, g in zip(_reduce(cast, leaves), grads)]
 
 
+def needs_reduction(lay: LeafLayout) -> bool:
+    """Whether a gradient of this leaf needs a collective: a replicated or ZeRO-split optimizer block
+    (a pipeline's or a pure-FSDP plan's gradients come out of the backward already reduced)."""
+    return bool(lay.opt_extra or lay.replicated)
+
+
 def _reduce(grads: list[torch.Tensor], leaves: list[LeafLayout]) -> list[torch.Tensor]:
     out: list[torch.Tensor | None] = [None] * len(grads)
     buckets: dict[tuple, list[int]] = {}
     for i, (lay, g) in enumerate(zip(leaves, grads)):
+        if not lay.opt_extra and not lay.replicated:
+            out[i] = g
+            continue
         done = {a for _, axes in lay.opt_extra for a in axes}
         rest = tuple(a for a in lay.replicated if a not in done)
         if len(lay.opt_extra) > 1:  # rare (two ZeRO dims): one collective per dimension

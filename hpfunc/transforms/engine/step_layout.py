@@ -85,6 +85,7 @@ class RankStep:
         self.block_shapes = cfg.block_shapes
         self.pipeline_axis = cfg.plan.pp_axis  # norms sum over it: each pipeline rank holds some stages
         self._acc: _Accumulation | None = None
+        self._sq_norm: tuple | None = None  # (gradient blocks, their versions, their global sum of squares)
 
     # -- the StepLayout protocol ------------------------------------------------------------------
     def leaf(self, path: str, x: torch.Tensor | None, where: str) -> LeafLayout:
@@ -101,13 +102,34 @@ class RankStep:
 
     def leaf_layouts(self, tree: Any, where: str) -> list[LeafLayout]:
         leaves, treedef = _tree.flatten(tree)
-        paths = self.cfg.paths_of.get(treedef)
-        if paths is None:  # once per tree structure: its paths (building them is what costs)
-            paths = self.cfg.paths_of[treedef] = [p for p, _ in _tree.leaves_with_paths(tree)]
-        return [self.leaf(path, x, where) for path, x in zip(paths, leaves)]
+        hit = self.cfg.paths_of.get(treedef)
+        if hit is None:  # once per tree structure: its paths, their layouts and block shapes
+            paths = [p for p, _ in _tree.leaves_with_paths(tree)]
+            layouts = [self.leaf(path, None, where) for path in paths]
+            hit = self.cfg.paths_of[treedef] = (paths, layouts,
+                                                [torch.Size(self.block_shapes[path]) for path in paths])
+        paths, layouts, shapes = hit
+        for path, x, shape in zip(paths, leaves, shapes):
+            if x is not None and x.shape != shape:
+                self.leaf(path, x, where)  # raises, naming the leaf
+        return layouts
 
     def data_axes(self) -> tuple[str, ...]:
         return self.cfg.data_axes
+
+    def remember_sq_norm(self, grads: list[torch.Tensor], total: torch.Tensor) -> None:
+        """Keep the global sum of squares of these gradient blocks (computed with the pipeline's loss)."""
+        self._sq_norm = (grads, [g._version for g in grads], total)
+
+    def known_sq_norm(self, leaves: list[torch.Tensor]) -> torch.Tensor | None:
+        hit = self._sq_norm
+        if hit is None or len(leaves) != len(hit[0]):
+            return None
+        grads, versions, total = hit
+        # the very tensors, not written to since (an in-place op bumps a tensor's version)
+        if all(x is g and x._version == v for x, g, v in zip(leaves, grads, versions)):
+            return total.clone()
+        return None
 
     @contextlib.contextmanager
     def accumulate(self) -> Iterator[_Accumulation]:
@@ -151,7 +173,7 @@ class RankStep:
 
         acc = self._acc
         loss, aux, red = differentiate.value_and_grad(cfg, self.storage, call, has_aux, wanted,
-                                                      where="value_and_grad", reduce=acc is None)
+                                                      where="value_and_grad", reduce=acc is None, step=self)
         grad_of = dict(zip(wanted, red))
         with torch.no_grad():
             value = lax.pmean(loss.detach(), cfg.data_axes) if cfg.data_axes else loss.detach()
@@ -187,11 +209,16 @@ class RankStep:
                             "state's parameters (the tensors parallelize passed to the step); a gradient of anything "
                             "else would be per-rank, not the single-device one")
         # an argument shaped like a parameter-holding one (e.g. the `frozen` half of a split with no
-        # leaves) is viewed too, so that structural tree operations between them still line up
-        shapes = {_tree.structure(args[a], none_is_leaf=True) for a in with_params}
-        with_params += [a for a, arg in enumerate(args) if a not in with_params and isinstance(arg, (Mapping, list))
-                        and _tree.structure(arg, none_is_leaf=True) in shapes]
-        return with_params, sorted(set(wanted))
+        # leaves) is viewed too, so that structural tree operations between them still line up (decided by
+        # the arguments' structures: once per structures)
+        key = (tuple(treedef for _, treedef in flat), tuple(with_params))
+        alike = self.cfg.alike_args.get(key)
+        if alike is None:
+            shapes = {_tree.structure(args[a], none_is_leaf=True) for a in with_params}
+            alike = self.cfg.alike_args[key] = [
+                a for a, arg in enumerate(args) if a not in with_params and isinstance(arg, (Mapping, list))
+                and _tree.structure(arg, none_is_leaf=True) in shapes]
+        return with_params + alike, sorted(set(wanted))
 
     # -- back to storage ------------------------------------------------------------------------
     def to_storage(self, new: list[Any]) -> list[torch.Tensor]:
@@ -201,12 +228,17 @@ class RankStep:
         for i, x in enumerate(new):
             if x is self.opt_blocks[i]:
                 continue
-            path = self.paths[i]
-            if not isinstance(x, torch.Tensor) or tuple(x.shape) != self.block_shapes[path]:
+            if not isinstance(x, torch.Tensor) or x.shape != self.opt_blocks[i].shape:
+                path = self.paths[i]
                 found = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
                 raise PlanError(f"parallelize: the step returned parameter {path!r} as {found}; it must keep the "
                                 f"shape of the block it was given, {self.block_shapes[path]}")
             changed.append(i)
+        if changed and not self.cfg.any_zero:  # the optimizer blocks are the storage blocks
+            for i in changed:
+                x = new[i]
+                out[i] = x.detach() if x.requires_grad else x
+            return out
         if changed:
             with torch.no_grad():
                 back = gather_updated([new[i].detach() for i in changed], [self.leaves[i] for i in changed])
