@@ -10,11 +10,11 @@ an ``nn.Module`` that holds copies of the same weights and calls the same stage 
 ``ScheduleGPipe`` / ``Schedule1F1B`` / ``ScheduleInterleaved1F1B`` / ``ScheduleZBVZeroBubble`` and
 ``torch.optim.AdamW`` (hpfunc's ``adamw`` has torch's semantics and defaults; the front door is built
 with ``donate_state=True``, so its fused AdamW writes into the old state's memory as torch's in-place
-step does, with the values of a step without donation). The two are timed
-side by side, step by step in alternating order after a warm-up, a barrier before each step; a step's
-time is the slowest rank's, the table shows medians. Both see the same batch every step and start
-from the same weights, so their per-step losses agree to rounding (checked and shown): the
-comparison is of the same work.
+step does, with the values of a step without donation). They are timed side by side, step by step in
+alternating order after a warm-up, a barrier before each step; a step's time is the slowest rank's, the
+table shows medians. All see the same batch every step and start from the same weights, so their
+per-step losses agree to rounding (checked and shown; with the same AdamW kernel, ``torch+mf`` below,
+bit for bit): the comparison is of the same work.
 
 Every timed hpfunc step records the per-rank timeline (``hpfunc.transforms.pipeline.record_timeline``:
 start and end of each F, B, W, BW; ``time.perf_counter`` is the system-wide monotonic clock, so the
@@ -36,8 +36,12 @@ work each framework does for the same step. hpfunc's training step does more tha
 reports the global gradient norm (an all-reduce over the pipeline ranks) and returns the loss and aux
 on every rank (``lax.psum``), which the bare twin does not. A second twin, ``torch+m``
 (``torch_step(..., metrics=True)``), does that work too (the norm of its gradients, all-reduced, and the
-loss all-reduced to every rank); the table gives the ratio against both, of the median step's CPU time
-and of the least (other jobs only ever add time, so the least is the step they disturbed least).
+loss all-reduced to every rank). Both use ``torch.optim.AdamW``'s defaults (one tensor at a time on CPU),
+as a user writes it; hpfunc's ``adamw`` runs torch's fused AdamW kernel (``AdamW(fused=True)``'s), so a
+third twin, ``torch+mf`` (``metrics=True, fused=True``), is ``torch+m`` with that same kernel: the strict
+comparison of the two frameworks' steps, the optimizer's arithmetic taken out. The table gives the ratio
+against each, of the median step's CPU time and of the least (other jobs only ever add time, so the least
+is the step they disturbed least).
 
 The gap between span and prediction is what the model leaves out: transfers and their waits, the
 executor's own work between actions, and on an oversubscribed CPU the ranks competing for cores (4
@@ -71,6 +75,9 @@ TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleave
                    "zbv": "ScheduleZBVZeroBubble"}
 STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "zbv": 2}
 COMPUTE = ("F", "B", "W", "BW")
+# the torch twins (see the module docstring): bare with AdamW's defaults, + the metrics, + the fused kernel
+TWINS = {"torch": {}, "torch_metrics": {"metrics": True}, "torch_fused": {"metrics": True, "fused": True}}
+TWIN_LABELS = {"torch": "torch", "torch_metrics": "torch+m", "torch_fused": "torch+mf"}
 LR = 1e-3
 
 
@@ -146,13 +153,13 @@ def _stage_module(stages, s: int, full: Any):
     return Stage()
 
 
-def torch_step(cfg, name: str, p: int, m: int, full: Any, *, metrics: bool = False):
+def torch_step(cfg, name: str, p: int, m: int, full: Any, *, metrics: bool = False, fused: bool = False):
     """``step(batch) -> loss or None`` (the loss on the rank of the last stage) of the torch twin.
 
     With ``metrics`` the twin also does the reporting work hpfunc's training step does besides the
     schedule: the global gradient norm (each rank's sum of squares, all-reduced over the pipeline ranks)
     and the loss on every rank (an all-reduce from the last stage's rank); it then returns the loss on
-    every rank, as hpfunc does."""
+    every rank, as hpfunc does. With ``fused`` its AdamW is ``fused=True``: the kernel hpfunc's runs."""
     import torch.distributed as dist
     from torch.distributed import pipelining
 
@@ -175,7 +182,7 @@ def torch_step(cfg, name: str, p: int, m: int, full: Any, *, metrics: bool = Fal
     cls = getattr(pipelining, TORCH_SCHEDULES[name])
     sched = cls(pstages[0], m, loss_fn=loss_fn) if v == 1 else cls(pstages, m, loss_fn=loss_fn)
     params = [w for mod in modules.values() for w in mod.parameters()]
-    opt = torch.optim.AdamW(params, lr=LR)
+    opt = torch.optim.AdamW(params, lr=LR, **({"fused": True} if fused else {}))
 
     def run(batch: dict) -> float | None:
         opt.zero_grad(set_to_none=True)
@@ -223,10 +230,10 @@ def bench_on_rank(name: str, m: int, layers: int, hidden: int, batch: int, seq: 
     data = {"tokens": torch.randint(0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))}
     hp, schedule = hpfunc_step(cfg, name, p, m, full)
     steps: dict[str, Any] = {"hpfunc": hp}
-    out: dict = {"torch_error": None, "losses": {"hpfunc": [], "torch": [], "torch_metrics": []}}
+    out: dict = {"torch_error": None, "losses": {"hpfunc": [], **{k: [] for k in TWINS}}}
     try:
-        steps["torch"] = torch_step(cfg, name, p, m, full)
-        steps["torch_metrics"] = torch_step(cfg, name, p, m, full, metrics=True)
+        for k, options in TWINS.items():
+            steps[k] = torch_step(cfg, name, p, m, full, **options)
     except Exception as err:  # noqa: BLE001 - reported in the table: that torch schedule does not run here
         out["torch_error"] = f"{type(err).__name__}: {err}".splitlines()[0][:200]
     timelines, times, cpu, main = [], {k: [] for k in steps}, {k: [] for k in steps}, {k: [] for k in steps}
@@ -255,7 +262,7 @@ def bench_on_rank(name: str, m: int, layers: int, hidden: int, batch: int, seq: 
                 if not k.startswith("torch"):
                     raise
                 out["torch_error"] = traceback.format_exc().strip().splitlines()[-1][:200]
-                for twin in ("torch", "torch_metrics"):
+                for twin in TWINS:
                     steps.pop(twin, None)
                     times.pop(twin, None)
                     cpu.pop(twin, None)
@@ -336,24 +343,16 @@ def summarise(name: str, p: int, m: int, per_rank: list[dict], schedule) -> dict
     if err is None:
         torch_ms = statistics.median(max(pr["times"]["torch"][j] for pr in per_rank)
                                      for j in range(len(per_rank[0]["times"]["torch"])))
-        hp_cpu = _cpu_per_step(per_rank, "hpfunc")
-        torch_cpu = _cpu_per_step(per_rank, "torch")
-        th = next(pr["losses"]["torch"] for pr in per_rank if pr["losses"]["torch"][0] is not None)
-        row["torch"] = {"step_s": torch_ms, "ratio": meas["step_s"] / torch_ms, "losses": th,
-                        "cpu_s": torch_cpu, "hpfunc_cpu_s": hp_cpu, "cpu_ratio": hp_cpu / torch_cpu,
-                        "cpu_ratio_min": _cpu_per_step(per_rank, "hpfunc", how="min")
-                        / _cpu_per_step(per_rank, "torch", how="min"),
-                        "max_loss_diff": max(abs(a - b) for a, b in zip(hp_losses, th))}
-        # the twin that also computes the gradient norm and hands the loss to every rank (hpfunc's metrics)
-        tm_cpu = _cpu_per_step(per_rank, "torch_metrics")
-        tm = per_rank[0]["losses"]["torch_metrics"]
-        hp_main, tm_main = _cpu_per_step(per_rank, "hpfunc", "main"), _cpu_per_step(per_rank, "torch_metrics", "main")
-        row["torch_metrics"] = {"cpu_s": tm_cpu, "cpu_ratio": hp_cpu / tm_cpu, "losses": tm,
-                                "cpu_ratio_min": _cpu_per_step(per_rank, "hpfunc", how="min")
-                                / _cpu_per_step(per_rank, "torch_metrics", how="min"),
-                                "main_thread_s": tm_main, "hpfunc_main_thread_s": hp_main,
-                                "main_thread_ratio": hp_main / tm_main,
-                                "max_loss_diff": max(abs(a - b) for a, b in zip(hp_losses, tm))}
+        hp_cpu, hp_main = _cpu_per_step(per_rank, "hpfunc"), _cpu_per_step(per_rank, "hpfunc", "main")
+        hp_min = _cpu_per_step(per_rank, "hpfunc", how="min")
+        for k in TWINS:
+            losses = next(pr["losses"][k] for pr in per_rank if pr["losses"][k][0] is not None)
+            cpu, main = _cpu_per_step(per_rank, k), _cpu_per_step(per_rank, k, "main")
+            row[k] = {"cpu_s": cpu, "hpfunc_cpu_s": hp_cpu, "cpu_ratio": hp_cpu / cpu, "losses": losses,
+                      "cpu_ratio_min": hp_min / _cpu_per_step(per_rank, k, how="min"),
+                      "main_thread_s": main, "hpfunc_main_thread_s": hp_main, "main_thread_ratio": hp_main / main,
+                      "max_loss_diff": max(abs(a - b) for a, b in zip(hp_losses, losses))}
+        row["torch"].update(step_s=torch_ms, ratio=meas["step_s"] / torch_ms)
     else:
         row["torch"] = {"error": err}
     return row
@@ -394,26 +393,32 @@ def print_tables(rows: list[dict]) -> None:
         print(f"{r['ranks']:>2} {r['schedule']:<12} {_costs_text(r['measured']['costs'])}")
     print("\nhpfunc vs torch.distributed.pipelining (same model, weights, batch and schedule; ms = median step "
           "of the slowest rank; wall time)")
+    twins = [TWIN_LABELS[k] for k in TWINS]
     print(f"{'p':>2} {'schedule':<12} {'hpfunc':>7} {'torch':>7} {'hp/torch':>8}  {'loss hpfunc':>11} "
-          f"{'loss torch':>11} {'max |diff|':>10} | {'cpu hp':>7} {'cpu torch':>9} {'hp/torch':>8} | "
-          f"{'cpu torch+m':>11} {'hp/torch+m':>10} {'main thread':>11} | {'min: hp/torch':>13} {'hp/torch+m':>10}")
+          f"{'loss torch':>11} {'max |diff|':>10} | {'cpu hp':>6} " + " ".join(f"{'hp/' + t:>11}" for t in twins)
+          + f" | {'main thread':>11} " + " ".join(f"{'hp/' + t:>11}" for t in twins[1:])
+          + " | min " + " ".join(f"{'hp/' + t:>11}" for t in twins))
     for r in rows:
         t = r["torch"]
         if "error" in t:
             print(f"{r['ranks']:>2} {r['schedule']:<12} {1e3 * r['measured']['step_s']:7.1f} {'-':>7} {'-':>8}  "
                   f"torch {TORCH_SCHEDULES[r['schedule']]} did not run: {t['error']}")
             continue
+        diff = r["torch_fused"]["max_loss_diff"]
         print(f"{r['ranks']:>2} {r['schedule']:<12} {1e3 * r['measured']['step_s']:7.1f} {1e3 * t['step_s']:7.1f} "
-              f"{t['ratio']:8.2f}  {r['hpfunc_losses'][0]:11.6f} {t['losses'][0]:11.6f} {t['max_loss_diff']:10.1e} | "
-              f"{1e3 * t['hpfunc_cpu_s']:7.0f} {1e3 * t['cpu_s']:9.0f} {t['cpu_ratio']:8.2f} | "
-              f"{1e3 * r['torch_metrics']['cpu_s']:11.0f} {r['torch_metrics']['cpu_ratio']:10.2f} "
-              f"{r['torch_metrics']['main_thread_ratio']:11.2f} | {t['cpu_ratio_min']:13.2f} "
-              f"{r['torch_metrics']['cpu_ratio_min']:10.2f}")
-    print("loss = first step's (same weights, same batch); max |diff| over all steps (warm-up included); cpu = CPU ms "
-          "of one step summed over the ranks (process time: gloo's threads included); torch+m = the twin that also "
-          "computes the global gradient norm and hands the loss to every rank, as hpfunc's step does; main thread = "
-          "hp / torch+m on the main threads' CPU time (gloo's threads left out); min = the same CPU ratios of each "
-          "framework's least CPU time per step (the step other jobs disturbed least)")
+              f"{t['ratio']:8.2f}  {r['hpfunc_losses'][0]:11.6f} {t['losses'][0]:11.6f} {diff:10.1e} | "
+              f"{1e3 * t['hpfunc_cpu_s']:6.0f} " + " ".join(f"{r[k]['cpu_ratio']:11.2f}" for k in TWINS)
+              + f" | {'':>11} " + " ".join(f"{r[k]['main_thread_ratio']:11.2f}" for k in list(TWINS)[1:])
+              + " |     " + " ".join(f"{r[k]['cpu_ratio_min']:11.2f}" for k in TWINS))
+    print("loss = first step's (same weights, same batch); max |diff| = the largest difference of the per-step "
+          "losses from torch+mf's, which runs hpfunc's AdamW kernel (0: bit for bit; the twins with AdamW's default "
+          "arithmetic differ by its rounding, in the JSON), over all steps (warm-up included); "
+          "cpu = CPU ms of one step summed over the ranks (process time: gloo's threads included), hp / each twin's; "
+          "torch = torch.optim.AdamW's defaults; torch+m = that twin also computing the global gradient norm and "
+          "handing the loss to every rank, as hpfunc's step does; torch+mf = torch+m with AdamW(fused=True), the "
+          "kernel hpfunc's adamw runs (the strict comparison); main thread = the same ratios on the main threads' "
+          "CPU time (gloo's threads left out); min = the ratios of each framework's least CPU time per step (the "
+          "step other jobs disturbed least)")
 
 
 def main(argv: list[str] | None = None) -> int:
