@@ -349,13 +349,24 @@ def summarise(name: str, p: int, m: int, per_rank: list[dict], schedule) -> dict
             losses = next(pr["losses"][k] for pr in per_rank if pr["losses"][k][0] is not None)
             cpu, main = _cpu_per_step(per_rank, k), _cpu_per_step(per_rank, k, "main")
             row[k] = {"cpu_s": cpu, "hpfunc_cpu_s": hp_cpu, "cpu_ratio": hp_cpu / cpu, "losses": losses,
+                      "cpu_ratio_paired": _paired_ratio(per_rank, k),
                       "cpu_ratio_min": hp_min / _cpu_per_step(per_rank, k, how="min"),
                       "main_thread_s": main, "hpfunc_main_thread_s": hp_main, "main_thread_ratio": hp_main / main,
+                      "main_thread_ratio_paired": _paired_ratio(per_rank, k, "main"),
                       "max_loss_diff": max(abs(a - b) for a, b in zip(hp_losses, losses))}
         row["torch"].update(step_s=torch_ms, ratio=meas["step_s"] / torch_ms)
     else:
         row["torch"] = {"error": err}
     return row
+
+
+def _paired_ratio(per_rank: list[dict], k: str, clock: str = "cpu") -> float:
+    """The median over rounds of hpfunc's CPU time in a round over twin ``k``'s in the same round (each
+    summed over the ranks). A round runs every framework once, back to back (in alternating order), so
+    each ratio compares steps that saw the same machine: the load's drift, which moves both, cancels."""
+    n = len(per_rank[0][clock][k])
+    return statistics.median(sum(pr[clock]["hpfunc"][j] for pr in per_rank) / sum(pr[clock][k][j] for pr in per_rank)
+                             for j in range(n))
 
 
 def _cpu_per_step(per_rank: list[dict], k: str, clock: str = "cpu", how: str = "median") -> float:
@@ -394,30 +405,32 @@ def print_tables(rows: list[dict]) -> None:
     print("\nhpfunc vs torch.distributed.pipelining (same model, weights, batch and schedule; ms = median step "
           "of the slowest rank; wall time)")
     twins = [TWIN_LABELS[k] for k in TWINS]
+    ratios = " ".join(f"{'hp/' + t:>11}" for t in twins)
     print(f"{'p':>2} {'schedule':<12} {'hpfunc':>7} {'torch':>7} {'hp/torch':>8}  {'loss hpfunc':>11} "
-          f"{'loss torch':>11} {'max |diff|':>10} | {'cpu hp':>6} " + " ".join(f"{'hp/' + t:>11}" for t in twins)
-          + f" | {'main thread':>11} " + " ".join(f"{'hp/' + t:>11}" for t in twins[1:])
-          + " | min " + " ".join(f"{'hp/' + t:>11}" for t in twins))
+          f"{'loss torch':>11} {'max |diff|':>10} | {'cpu hp':>6} | paired {ratios} | median {ratios} | "
+          f"main thread {'hp/torch+mf':>11} | min {'hp/torch+mf':>11}")
     for r in rows:
         t = r["torch"]
         if "error" in t:
             print(f"{r['ranks']:>2} {r['schedule']:<12} {1e3 * r['measured']['step_s']:7.1f} {'-':>7} {'-':>8}  "
                   f"torch {TORCH_SCHEDULES[r['schedule']]} did not run: {t['error']}")
             continue
-        diff = r["torch_fused"]["max_loss_diff"]
+        f = r["torch_fused"]
         print(f"{r['ranks']:>2} {r['schedule']:<12} {1e3 * r['measured']['step_s']:7.1f} {1e3 * t['step_s']:7.1f} "
-              f"{t['ratio']:8.2f}  {r['hpfunc_losses'][0]:11.6f} {t['losses'][0]:11.6f} {diff:10.1e} | "
-              f"{1e3 * t['hpfunc_cpu_s']:6.0f} " + " ".join(f"{r[k]['cpu_ratio']:11.2f}" for k in TWINS)
-              + f" | {'':>11} " + " ".join(f"{r[k]['main_thread_ratio']:11.2f}" for k in list(TWINS)[1:])
-              + " |     " + " ".join(f"{r[k]['cpu_ratio_min']:11.2f}" for k in TWINS))
+              f"{t['ratio']:8.2f}  {r['hpfunc_losses'][0]:11.6f} {t['losses'][0]:11.6f} {f['max_loss_diff']:10.1e} | "
+              f"{1e3 * t['hpfunc_cpu_s']:6.0f} |        " + " ".join(f"{r[k]['cpu_ratio_paired']:11.2f}" for k in TWINS)
+              + " |        " + " ".join(f"{r[k]['cpu_ratio']:11.2f}" for k in TWINS)
+              + f" |             {f['main_thread_ratio_paired']:11.2f} |     {f['cpu_ratio_min']:11.2f}")
     print("loss = first step's (same weights, same batch); max |diff| = the largest difference of the per-step "
           "losses from torch+mf's, which runs hpfunc's AdamW kernel (0: bit for bit; the twins with AdamW's default "
           "arithmetic differ by its rounding, in the JSON), over all steps (warm-up included); "
-          "cpu = CPU ms of one step summed over the ranks (process time: gloo's threads included), hp / each twin's; "
+          "cpu hp = hpfunc's CPU ms of one step summed over the ranks (process time: gloo's threads included); "
+          "paired = the median over rounds of hp's CPU time over the twin's in the same round (every framework runs "
+          "once a round, back to back: the machine's drift cancels); median = the ratio of the median steps; "
           "torch = torch.optim.AdamW's defaults; torch+m = that twin also computing the global gradient norm and "
           "handing the loss to every rank, as hpfunc's step does; torch+mf = torch+m with AdamW(fused=True), the "
-          "kernel hpfunc's adamw runs (the strict comparison); main thread = the same ratios on the main threads' "
-          "CPU time (gloo's threads left out); min = the ratios of each framework's least CPU time per step (the "
+          "kernel hpfunc's adamw runs (the strict comparison); main thread = the paired ratio on the main threads' "
+          "CPU time (gloo's threads left out); min = the ratio of each framework's least CPU time per step (the "
           "step other jobs disturbed least)")
 
 

@@ -78,9 +78,9 @@ class _Planned:
     cfg: EngineConfig
     placements: list[tuple]  # the storage placements of the parameters, in flattening order
     checks: Any = "trusted"  # the replication check of the state's leaves (a tree under a pp layer)
-    # per state leaf (flattening order): None for a leaf that is not a tensor, else the mark this step puts
-    # on the DTensor it returns there and the global shape planned for it (shard_map's out marks); a state
-    # whose DTensors all carry their marks is this step's output, laid out as planned (``_marked``)
+    # per position of the state as shard_map flattens it (None as a leaf): None where no tensor is, else the
+    # mark this step puts on the DTensor it returns there and the global shape planned for it (shard_map's
+    # out marks); a state whose DTensors all carry their marks is this step's output, laid out as planned
     marks: tuple = ()
 
 
@@ -113,18 +113,20 @@ class ParallelizedStep:
         """The plan of ``state``'s structure, and whether the state is this step's own output, unchanged in
         layout (every DTensor leaf carries the mark this step put on it: its spec, mesh and shape are
         those planned, so they need no check)."""
-        leaves, treedef = _tree.flatten(state)
-        hit = self._cache.get(("marked", treedef))
-        if hit is not None and _marked(leaves, hit.marks):
+        # every position shard_map pairs with a spec, None included (the leaves of other pipeline stages)
+        positions, full_def = _tree.flatten(state, none_is_leaf=True)
+        hit = self._cache.get(("marked", full_def))
+        if hit is not None and _marked(positions, hit.marks):
             return hit, True
+        leaves, treedef = _tree.flatten(state)
         key = (treedef, tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in leaves))
         hit = self._cache.get(key)
         if hit is None:
-            hit = self._cache[key] = self._make_planned(state, leaves, treedef)
-        self._cache[("marked", treedef)] = hit
+            hit = self._cache[key] = self._make_planned(state, leaves, treedef, positions)
+        self._cache[("marked", full_def)] = hit
         return hit, False
 
-    def _make_planned(self, state: Any, leaves: list, treedef: Any) -> _Planned:
+    def _make_planned(self, state: Any, leaves: list, treedef: Any, positions: list) -> _Planned:
         params = get_path(state, self.params)
         res = self.resolve(params, is_params=True)
         pairs = _tree.leaves_with_paths(params)
@@ -145,7 +147,7 @@ class ParallelizedStep:
                 False if _stage_local(path, k, is_param, paths, res) else "trusted"
                 for k, (path, _) in enumerate(_tree.leaves_with_paths(state))])
         return _Planned(res, specs, paths, cfg, placements, checks,
-                        tuple((object(), x.shape) if isinstance(x, torch.Tensor) else None for x in leaves))
+                        tuple((object(), x.shape) if isinstance(x, torch.Tensor) else None for x in positions))
 
     def _metrics_specs(self, metrics: Any, res: Mapping[str, LeafLayout]) -> Any:
         """The out specs of this rank's metrics (once per metrics structure)."""

@@ -502,10 +502,13 @@ class PipelineStep:
         # a full backward (BW) accumulates into their ``.grad`` inside autograd, as torch's own stages do.
         generations: dict[int, list[list[torch.Tensor]]] = {s: [] for s in self.local_stages}
 
+        live_trees: dict[int, Any] = {}  # the parameter tree of live[s], made once per UNSHARD
+
         def make_live(s: int, leaves: list[torch.Tensor]) -> None:
             live[s] = [x.detach().requires_grad_(_is_diff(x)) if isinstance(x, torch.Tensor) else x for x in leaves]
             diff_pos[s] = [k for k, t in enumerate(live[s]) if isinstance(t, torch.Tensor) and t.requires_grad]
             generations[s].append(live[s])
+            live_trees[s] = _tree.unflatten(specs[s], live[s])
 
         if not self.fsdp:
             for s in self.local_stages:
@@ -596,7 +599,7 @@ class PipelineStep:
                 xs = tuple(t.detach().requires_grad_(_is_diff(t)) for t in raw)
                 diff_inputs = [t for t in xs if _is_diff(t)]
                 x = xs[0] if len(xs) == 1 else xs
-            p_tree = _tree.unflatten(specs[s], live[s])
+            p_tree = live_trees[s]
             swap = None
             if (s, i) in self._swapped:
                 # Parameters, the batch and the stage inputs are held by the step: never copied.
@@ -686,6 +689,7 @@ class PipelineStep:
                 make_live(s, _tree.leaves(self._unshard(_tree.unflatten(specs[s], stored[s]))))
             elif kind is K.RESHARD:
                 live.pop(s, None)
+                live_trees.pop(s, None)
             elif kind is K.REDUCE_GRAD:
                 grads[s] = [None if g is None else self._reduce_grad_shard(g) for g in collect(s)]
                 reduced.add(s)

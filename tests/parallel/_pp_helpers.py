@@ -233,6 +233,33 @@ def run_norm_of_gradients_scaled_in_place() -> tuple[float, float]:
     return float(to_full(metrics["first"])), float(to_full(metrics["second"]))
 
 
+def run_pipelined_state_checks() -> int:
+    """How many of three pipelined steps (the state holds None for the other rank's stages) checked the
+    state's layout: none, the state being the step's own output (its marks line up with the None
+    positions too)."""
+    import hpfunc
+    from hpfunc import optim
+    from hpfunc.models import qwen3
+    from hpfunc.models.qwen3 import parallel_plan
+    from hpfunc.train.step import init_train_state, make_train_step
+    from hpfunc.transforms import parallelize as par
+
+    cfg = model_cfg("dense", 4, False)
+    tx = optim.adamw(LR)
+    step = hpfunc.parallelize(make_train_step(cfg, tx, loss_fn=parallel_plan.loss), hpfunc.Mesh({"pp": 2}),
+                              plan_of(cfg, {"pp": 2}, ["pp"], "1f1b", 2))
+    state = step.init_state(lambda p: init_train_state(p, tx), step.shard_params(qwen3.init(hpfunc.random.key(0), cfg)))
+    checked = []
+    original = par.check_params
+    par.check_params = lambda *a, **k: (checked.append(1), original(*a, **k))[1]
+    try:
+        for _ in range(3):
+            state, _ = step(state, {"tokens": torch.randint(0, 256, (4, 8), generator=torch.Generator().manual_seed(0))})
+    finally:
+        par.check_params = original
+    return len(checked)
+
+
 def _resident_probe(exclude: set):
     """A layer on the saved-tensor stack that remembers every storage kept for backward by weak
     reference only (storages in ``exclude`` apart) and, each time one is added, sums the bytes of those

@@ -398,3 +398,7 @@ def test_the_norm_reduced_with_the_loss_is_not_reused_for_gradients_changed_in_p
     those very tensors reads it; once they are written to in place it is computed again."""
     for first, second in pools(2).run(H.run_norm_of_gradients_scaled_in_place):
         assert first > 0 and abs(second - 2 * first) <= 1e-6 * second, (first, second)
+
+
+def test_the_pipelined_state_the_step_returned_skips_the_layout_check(pools):
+    assert pools(2).run(H.run_pipelined_state_checks) == [0, 0]
