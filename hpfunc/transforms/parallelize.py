@@ -61,7 +61,7 @@ from hpfunc.transforms.engine.differentiate import EngineConfig
 from hpfunc.transforms.engine.state import get_path, holder, param_suffix, positions_of, replace_path
 from hpfunc.transforms.engine.step_layout import RankStep
 from hpfunc.transforms.plans import Plan
-from hpfunc.transforms.shard_map import FlatSpecs, flat_checks, flat_specs, layout_mark, shard_map
+from hpfunc.transforms.shard_map import Flat, FlatSpecs, flat_checks, flat_specs, layout_mark, shard_map
 
 __all__ = ["parallelize", "ParallelizedStep", "init_sharded", "parallel_train_step", "ParallelTrainStep",
            "PlanError"]
@@ -109,22 +109,22 @@ class ParallelizedStep:
     def _planned(self, state: Any) -> _Planned:
         return self._plan_of(state)[0]
 
-    def _plan_of(self, state: Any) -> tuple[_Planned, bool]:
+    def _plan_of(self, state: Any) -> tuple[_Planned, bool, Flat]:
         """The plan of ``state``'s structure, and whether the state is this step's own output, unchanged in
         layout (every DTensor leaf carries the mark this step put on it: its spec, mesh and shape are
-        those planned, so they need no check)."""
+        those planned, so they need no check), and the state flattened as shard_map takes it."""
         # every position shard_map pairs with a spec, None included (the leaves of other pipeline stages)
         positions, full_def = _tree.flatten(state, none_is_leaf=True)
         hit = self._cache.get(("marked", full_def))
         if hit is not None and _marked(positions, hit.marks):
-            return hit, True
+            return hit, True, Flat(positions, full_def)
         leaves, treedef = _tree.flatten(state)
         key = (treedef, tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in leaves))
         hit = self._cache.get(key)
         if hit is None:
             hit = self._cache[key] = self._make_planned(state, leaves, treedef, positions)
         self._cache[("marked", full_def)] = hit
-        return hit, False
+        return hit, False, Flat(positions, full_def)
 
     def _make_planned(self, state: Any, leaves: list, treedef: Any, positions: list) -> _Planned:
         params = get_path(state, self.params)
@@ -286,7 +286,7 @@ class ParallelizedStep:
 
     def __call__(self, state: Any, batch: Any) -> tuple[Any, Any]:
         self._check_context()
-        planned, vouched = self._plan_of(state)
+        planned, vouched, flat = self._plan_of(state)
         if not vouched:  # a state this step returned is laid out as planned: its marks say so
             check_params(get_path(state, self.params), planned.res, self.mesh, planned.paths, planned.placements)
         batch_spec = self.plan.batch_spec(self.mesh)
@@ -298,7 +298,7 @@ class ParallelizedStep:
                 raise TypeError(f"parallelize: the step must return (state, metrics); found {type(out).__name__}")
             return out
 
-        return self._run(fn, state, planned, (batch,), (batch_spec,),
+        return self._run(fn, flat, planned, (batch,), (batch_spec,),
                          lambda out: (planned.specs, self._metrics_specs(out[1], planned.res)),
                          planned.checks, donate=self.donate_state, vouched=vouched)
 

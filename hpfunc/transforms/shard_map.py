@@ -58,7 +58,7 @@ from hpfunc import tree as _tree
 from hpfunc.mesh import Mesh, current_mesh
 from hpfunc.sharding import P, SpecError, _copy_spec, _wrap_local, as_spec, spec_to_placements
 
-__all__ = ["shard_map", "ReplicationError", "FlatSpecs", "layout_mark"]
+__all__ = ["shard_map", "ReplicationError", "Flat", "FlatSpecs", "layout_mark"]
 
 
 class ReplicationError(ValueError):
@@ -110,6 +110,17 @@ class FlatSpecs:
         return f"FlatSpecs({len(self.leaves)} leaves{', laid out' if self.laid_out else ''})"
 
 
+class Flat:
+    """An argument already flattened as ``shard_map`` flattens (``None`` as a leaf), passed in place of the
+    tree by a caller that has its leaves at hand (``hpfunc.parallelize``: the state); the function sees
+    the tree as usual."""
+
+    __slots__ = ("leaves", "treedef")
+
+    def __init__(self, leaves: list, treedef: Any):
+        self.leaves, self.treedef = leaves, treedef
+
+
 def flat_specs(specs: Any, values: Any, what: str = "in_specs", mesh: Mesh | None = None) -> FlatSpecs:
     """The :class:`FlatSpecs` of the prefix tree ``specs`` over the structure of ``values`` (checked and
     broadcast as ``shard_map`` does)."""
@@ -134,10 +145,16 @@ def _pair_specs(specs: Any, values: Any, what: str,
     computed once per (spec tree, structure): they depend on nothing else, and broadcasting a prefix
     over a state of a few hundred leaves costs milliseconds per call.
     """
-    leaves, treedef = optree.tree_flatten(values, none_is_leaf=True, namespace=_tree.NAMESPACE)
+    if isinstance(values, Flat):
+        leaves, treedef = values.leaves, values.treedef
+        if not isinstance(specs, FlatSpecs):  # a prefix of specs is broadcast over the tree itself
+            values = optree.tree_unflatten(treedef, leaves)
+    else:
+        leaves, treedef = optree.tree_flatten(values, none_is_leaf=True, namespace=_tree.NAMESPACE)
 
     def path(i: int) -> str:
-        return _tree.path_str(optree.tree_paths(values, none_is_leaf=True, namespace=_tree.NAMESPACE)[i])
+        tree = optree.tree_unflatten(treedef, leaves) if isinstance(values, Flat) else values
+        return _tree.path_str(optree.tree_paths(tree, none_is_leaf=True, namespace=_tree.NAMESPACE)[i])
 
     if isinstance(specs, FlatSpecs):
         if specs.treedef != treedef:
