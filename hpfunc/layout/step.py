@@ -290,6 +290,17 @@ def _block_sq_sums(xs: list[torch.Tensor]) -> torch.Tensor:
                         for x in xs]).double()
 
 
+def blocks_sq_sum(blocks: list[torch.Tensor]) -> torch.Tensor:
+    """This rank's sum of squares (fp64) of ``blocks``, each block's squares summed as
+    :func:`blocks_sq_norm` sums them (at least fp32, torch's cascade summation, then widened), with no
+    weights and no collective (a pipeline reduces it with its loss).
+
+    >>> float(blocks_sq_sum([torch.ones(3), torch.full((2,), 2.0)]))
+    11.0
+    """
+    return _block_sq_sums([x.detach() if x.requires_grad else x for x in blocks]).sum()
+
+
 def blocks_sq_norm(mesh: Any, opt_specs: list[P], blocks: list[torch.Tensor], *, stage_axis: str | None = None,
                    stage_local: list[bool] | None = None) -> torch.Tensor:
     """Sum of squares (fp64) of global tensors given as this rank's blocks laid out by ``opt_specs``

@@ -27,7 +27,7 @@ import torch
 from hpfunc import lax
 from hpfunc import tree as _tree
 from hpfunc.layout import PlanError
-from hpfunc.layout.step import _block_sq_sums
+from hpfunc.layout import blocks_sq_sum
 from hpfunc.transforms.engine.view import materialize
 
 __all__ = ["StagePipeline", "known_gradients"]
@@ -186,7 +186,7 @@ class StagePipeline:
             # layout.blocks_sq_norm sums it, reduced in the loss's collective
             sq = None
             if self.step is not None and grads and all(g is not None for g in grads):
-                sq = _block_sq_sums(grads).sum()
+                sq = blocks_sq_sum(grads)
             value, aux, sq = self._to_every_rank(value, auxes, batch, sq)
         if sq is not None:
             self.step.remember_sq_norm(grads, sq)
@@ -203,7 +203,7 @@ class StagePipeline:
         sum over the pipeline ranks comes back third."""
         # the template (zeros shaped like the aux) follows from the batch's shapes: made once per shapes
         leaves, treedef = _tree.flatten(batch)
-        key = (treedef, tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x for x in leaves))
+        key = (treedef, tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else None for x in leaves))
         template = self.aux_templates.get(key)
         if template is None:
             template = self.aux_templates[key] = self.stages.aux_template(batch)
