@@ -79,7 +79,9 @@ def test_hpfunc_launch_runs_a_script_on_two_ranks(tmp_path):
         s = hpfunc.shard_map(lambda v: hpfunc.lax.psum(v.sum(), "dp"), mesh=mesh, in_specs=P("dp"), out_specs=P())(x)
         print(f"rank {mesh.axis_index('dp')} {hpfunc.typeof(x)} total={s.to_local().item():.0f}", flush=True)
         import os
-        print("malloc", os.environ.get("MALLOC_MMAP_THRESHOLD_"), os.environ.get("MALLOC_TRIM_THRESHOLD_"), flush=True)
+        # one string, one write: the ranks share the launcher's stdout, and an unbuffered print of several
+        # arguments writes them one by one, so two ranks' words could interleave within a line
+        print(f"malloc {os.environ.get('MALLOC_MMAP_THRESHOLD_')} {os.environ.get('MALLOC_TRIM_THRESHOLD_')}", flush=True)
     """))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     out = subprocess.run([sys.executable, "-m", "hpfunc.launch", "--nproc", "2", str(script)],
