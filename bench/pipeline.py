@@ -40,8 +40,9 @@ loss all-reduced to every rank). Both use ``torch.optim.AdamW``'s defaults (one 
 as a user writes it; hpfunc's ``adamw`` runs torch's fused AdamW kernel (``AdamW(fused=True)``'s), so a
 third twin, ``torch+mf`` (``metrics=True, fused=True``), is ``torch+m`` with that same kernel: the strict
 comparison of the two frameworks' steps, the optimizer's arithmetic taken out. The table gives the ratio
-against each, of the median step's CPU time and of the least (other jobs only ever add time, so the least
-is the step they disturbed least).
+against each: paired (the median over rounds of the ratio within a round: every framework runs once a
+round, back to back, so the load's drift cancels), of the median steps, and of the least steps (other jobs
+only ever add time, so the least is the step they disturbed least).
 
 The gap between span and prediction is what the model leaves out: transfers and their waits, the
 executor's own work between actions, and on an oversubscribed CPU the ranks competing for cores (4
@@ -360,13 +361,16 @@ def summarise(name: str, p: int, m: int, per_rank: list[dict], schedule) -> dict
     return row
 
 
+def _per_step(per_rank: list[dict], k: str, clock: str = "cpu") -> list[float]:
+    """Framework ``k``'s CPU seconds of each timed step, summed over the ranks."""
+    return [sum(pr[clock][k][j] for pr in per_rank) for j in range(len(per_rank[0][clock][k]))]
+
+
 def _paired_ratio(per_rank: list[dict], k: str, clock: str = "cpu") -> float:
     """The median over rounds of hpfunc's CPU time in a round over twin ``k``'s in the same round (each
     summed over the ranks). A round runs every framework once, back to back (in alternating order), so
     each ratio compares steps that saw the same machine: the load's drift, which moves both, cancels."""
-    n = len(per_rank[0][clock][k])
-    return statistics.median(sum(pr[clock]["hpfunc"][j] for pr in per_rank) / sum(pr[clock][k][j] for pr in per_rank)
-                             for j in range(n))
+    return statistics.median(a / b for a, b in zip(_per_step(per_rank, "hpfunc", clock), _per_step(per_rank, k, clock)))
 
 
 def _cpu_per_step(per_rank: list[dict], k: str, clock: str = "cpu", how: str = "median") -> float:
@@ -375,8 +379,7 @@ def _cpu_per_step(per_rank: list[dict], k: str, clock: str = "cpu", how: str = "
     stretch wall time. ``clock="main"``: the main thread's CPU time only (without gloo's threads, whose
     time depends on how long transfers wait, so on the load). The minimum is the step least disturbed
     by other jobs (they only ever add time: contention for the cores and their caches)."""
-    n = len(per_rank[0][clock][k])
-    per_step = [sum(pr[clock][k][j] for pr in per_rank) for j in range(n)]
+    per_step = _per_step(per_rank, k, clock)
     return min(per_step) if how == "min" else statistics.median(per_step)
 
 

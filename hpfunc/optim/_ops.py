@@ -31,7 +31,7 @@ def foreachable(*lists: Sequence[torch.Tensor]) -> bool:
     if first is None:
         return False
     return all(
-        (type(x) is torch.Tensor or _plain(type(x))) and x.device == first.device and x.dtype == first.dtype
+        plain_type(type(x)) and x.device == first.device and x.dtype == first.dtype
         for xs in lists for x in xs
     )
 

@@ -43,7 +43,7 @@ class EngineConfig:
         self.mesh, self.plan, self.leaves = mesh, plan, leaves
         self.by_path = {lay.path: lay for lay in leaves}
         # tree structure -> its leaves' paths, layouts and block shapes (trees shaped like the parameters)
-        self.paths_of: dict = {}
+        self.layouts_of: dict = {}
         self.block_shapes = {lay.path: lay.block_shape(mesh) for lay in leaves}
         groups: dict[tuple, list[int]] = {}
         for i, (lay, dt) in enumerate(zip(leaves, dtypes)):

@@ -56,7 +56,7 @@ def _reduce(grads: list[torch.Tensor], leaves: list[LeafLayout]) -> list[torch.T
     out: list[torch.Tensor | None] = [None] * len(grads)
     buckets: dict[tuple, list[int]] = {}
     for i, (lay, g) in enumerate(zip(leaves, grads)):
-        if not lay.opt_extra and not lay.replicated:
+        if not needs_reduction(lay):
             out[i] = g
             continue
         done = {a for _, axes in lay.opt_extra for a in axes}

@@ -102,11 +102,11 @@ class RankStep:
 
     def leaf_layouts(self, tree: Any, where: str) -> list[LeafLayout]:
         leaves, treedef = _tree.flatten(tree)
-        hit = self.cfg.paths_of.get(treedef)
+        hit = self.cfg.layouts_of.get(treedef)
         if hit is None:  # once per tree structure: its paths, their layouts and block shapes
             paths = [p for p, _ in _tree.leaves_with_paths(tree)]
             layouts = [self.leaf(path, None, where) for path in paths]
-            hit = self.cfg.paths_of[treedef] = (paths, layouts,
+            hit = self.cfg.layouts_of[treedef] = (paths, layouts,
                                                 [torch.Size(self.block_shapes[path]) for path in paths])
         paths, layouts, shapes = hit
         for path, x, shape in zip(paths, leaves, shapes):
