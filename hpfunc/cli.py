@@ -1,4 +1,4 @@
-"""The ``hpfunc`` command: ``hpfunc launch ...``, ``hpfunc train CONFIG.yaml`` and ``hpfunc convert SRC DST``."""
+"""The ``hpfunc`` command: ``hpfunc launch ...``, ``hpfunc train CONFIG.yaml``, ``hpfunc convert SRC DST`` and ``hpfunc plan CONFIG.yaml``."""
 
 from __future__ import annotations
 
@@ -14,6 +14,9 @@ commands:
   convert SRC DST [--to dcp|hf|torch] convert a model's checkpoint between an hpfunc (DCP) folder, a
                                       Hugging Face safetensors folder and a .pt file, streamed
                                       (hpfunc convert --help)
+  plan CONFIG.yaml --devices N [--memory 80GiB] [--hardware h100]
+                                      search the parallel layouts that fit N devices, ranked by
+                                      estimated step time (hpfunc plan --help)
 """
 
 
@@ -35,6 +38,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         from hpfunc.models.qwen3.convert import main as convert_main
 
         convert_main(rest)
+    elif cmd == "plan":
+        from hpfunc.autoparallel.plan_cli import main as plan_main
+
+        plan_main(rest)
     else:
         print(f"hpfunc: unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
         raise SystemExit(2)

@@ -1,0 +1,190 @@
+"""Peak memory per rank of a layout: model states, gathered parameters, activations, loss, reserve.
+
+Terms (bytes, per rank; the largest rank of the pipeline is reported):
+
+* ``params``, ``grads``, ``master``, ``optimizer``: the rank's parameters (its pipeline stages; the
+  attention/MLP matrices over ``tp``; the experts over ``ep x tp``) times the bytes of
+  :data:`~hpfunc.autoparallel.configuration.STATE_BYTES`, divided by the data ranks that shard each:
+  the non-expert parameters over ``fsdp x ep`` (``ep`` shards them as fsdp), the experts over
+  ``fsdp``; ZeRO-1 shards only master and optimizer state, ZeRO-2 the gradients too. With mixed
+  precision and ZeRO-3 this is ``16 Psi / n`` (docs/reference.md#model-state-memory).
+* ``gathered``: FSDP's unsharded copies of two layers (the one computing and the one prefetched) and
+  one layer's unreduced gradients.
+* ``activations``: per layer and token, the saved values of the model description kept under the
+  remat kind (Korthikanti et al. 2022: ``2 s b h`` with full recompute; hidden-width values split over
+  ``tp`` only with sequence parallelism); times the tokens of a microbatch; times the rank's
+  layers; times the stage-microbatches in flight, ``peak_resident_until_w`` of
+  :func:`hpfunc.schedules.simulate` for the schedule (1 without a pipeline). Flash attention keeps no
+  ``s^2`` term; without it the float32 probabilities ``4 a s`` per token are added.
+* ``recompute``: with remat, one layer's full activations are rebuilt in its backward.
+* ``loss``: the last stage's logits for one microbatch, bf16 plus float32 log-softmax and its gradient.
+* ``reserve``: the workload's reserve for what is not modelled (:data:`UNMODELLED`).
+
+    >>> from hpfunc.models.qwen3.describe import describe
+    >>> from hpfunc.models.qwen3.model import preset
+    >>> from hpfunc.autoparallel.configuration import Layout, Workload
+    >>> m = memory(describe(preset("qwen3-30b-a3b")), Layout(ep=8, remat="full"), Workload(global_batch=8, seq_len=4096))
+    >>> round(m.model_states / 1e9, 1)   # 16 x 30.53e9 / 8
+    61.1
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Mapping
+
+import attrs
+
+from hpfunc.autoparallel.configuration import STATE_BYTES, Layout, Workload
+from hpfunc.models.description import LayerDescription, ModelDescription
+
+__all__ = ["MemoryEstimate", "memory", "stage_layers", "rank_stages", "inflight", "UNMODELLED",
+           "layer_activation_bytes_per_token", "tokens_per_microbatch", "rank_params"]
+
+UNMODELLED = (
+    "allocator reserve and fragmentation (the caching allocator's unused blocks)",
+    "communication buffers (NCCL channels, all-to-all staging, DeepEP buffers)",
+    "CUDA context, cuBLAS/cuDNN workspaces and kernels",
+    "optimizer-step temporaries (foreach copies, gradient-norm buffers)",
+    "routing imbalance beyond the declared factor (balanced routing assumed by default)",
+)
+
+
+@attrs.frozen
+class MemoryEstimate:
+    """Bytes per term on the largest rank (``rank``: its pipeline rank)."""
+
+    terms: Mapping[str, float]
+    rank: int = 0
+
+    @property
+    def total(self) -> float:
+        return float(sum(self.terms.values()))
+
+    @property
+    def model_states(self) -> float:
+        return float(sum(self.terms[k] for k in ("params", "grads", "master", "optimizer")))
+
+    def largest(self) -> tuple[str, float]:
+        """The largest term and its bytes."""
+        return max(self.terms.items(), key=lambda kv: kv[1])
+
+
+def stage_layers(num_layers: int, num_stages: int, given: tuple[int, ...] | None = None) -> tuple[int, ...]:
+    """Layers per stage: ``given``, or an even split with the remainder on the middle stages (which
+    hold neither the embedding nor the head)."""
+    if given is not None:
+        return tuple(given)
+    base, extra = divmod(num_layers, num_stages)
+    order = sorted(range(num_stages), key=lambda s: (s in (0, num_stages - 1), abs(s - (num_stages - 1) / 2)))
+    bonus = set(order[:extra])
+    return tuple(base + (s in bonus) for s in range(num_stages))
+
+
+def rank_stages(layout: Layout, rank: int) -> tuple[int, ...]:
+    """The stages pipeline rank ``rank`` holds (interleaved: ``c p + r``; V schedules: ``r, 2p - 1 - r``)."""
+    p = layout.pp
+    if layout.pp == 1:
+        return (0,)
+    if layout.schedule == "zbv":
+        return (rank, 2 * p - 1 - rank)
+    return tuple(c * p + rank for c in range(layout.stages_per_rank))
+
+
+def inflight(layout: Layout) -> tuple[int, ...]:
+    """Stage-microbatches each pipeline rank keeps at its peak (1 each without a pipeline)."""
+    if layout.pp == 1:
+        return (1,)
+    from hpfunc.autoparallel.pipeline_time import peak_inflight
+
+    return peak_inflight(layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages)
+
+
+def tokens_per_microbatch(layout: Layout, work: Workload) -> float:
+    return work.global_batch * work.seq_len / (layout.data_shards * layout.microbatches)
+
+
+def layer_activation_bytes_per_token(layer: LayerDescription, remat: str, layout: Layout, work: Workload) -> float:
+    """What one layer keeps per token of the microbatch on one rank (tp / sp splits applied)."""
+    return _layer_bytes(layer, remat, layout.tp, layout.sp, work.routing_imbalance, work.flash_attention, work.seq_len)
+
+
+@functools.lru_cache(maxsize=4096)
+def _layer_bytes(layer: LayerDescription, remat: str, t: int, sp: bool, imbalance: float, flash: bool,
+                 seq_len: int) -> float:
+    if remat == "full":
+        kept = layer.act_bytes * layer.hidden / (t if sp else 1)
+    else:
+        values = [v for v in layer.saved if (v.autograd if remat == "none" else v.matmul)]
+        kept = sum(v.bytes_per_token / (t if (v.tp_split or sp) else 1) for v in values)
+        if remat == "selective":
+            kept += layer.act_bytes * layer.hidden / (t if sp else 1)
+        moe = sum(v.bytes_per_token / (t if (v.tp_split or sp) else 1) for v in values
+                  if v.name.startswith(("expert_", "moe_")) or (layer.is_moe and v.name == "mlp_hidden"))
+        kept += moe * (imbalance - 1.0)
+        if remat == "none" and not flash:
+            kept += 4.0 * layer.heads * seq_len / t
+    return float(kept)
+
+
+def rank_params(desc: ModelDescription, layout: Layout, layers: list[int], first: bool, last: bool
+                 ) -> tuple[float, float]:
+    """(non-expert, expert) parameters of one model-parallel rank before data sharding."""
+    t = layout.tp
+    dense = sum(desc.layers[i].dense_params - desc.layers[i].tp_params + desc.layers[i].tp_params / t for i in layers)
+    expert = sum((desc.layers[i].expert_params - desc.layers[i].expert_tp_params) / layout.ep
+                 + desc.layers[i].expert_tp_params / (layout.ep * t) for i in layers)
+    if first:
+        dense += desc.embed_params
+    if last:
+        dense += desc.head_params + desc.final_norm_params
+    return dense, expert
+
+
+def memory(desc: ModelDescription, layout: Layout, work: Workload) -> MemoryEstimate:
+    """The memory estimate of the busiest rank (see the module docstring for the terms)."""
+    p_b, g_b, m_b, o_b = STATE_BYTES[work.precision]
+    counts = stage_layers(desc.num_layers, layout.num_stages, layout.layers_per_stage)
+    starts = [sum(counts[:s]) for s in range(len(counts))]
+    peaks = inflight(layout)
+    tokens = tokens_per_microbatch(layout, work)
+    n_dense = layout.fsdp * layout.ep
+    n_exp = layout.fsdp
+    shard_p = layout.zero == 3
+    shard_g = layout.zero >= 2
+    best: MemoryEstimate | None = None
+    for r in range(layout.pp):
+        stages = rank_stages(layout, r)
+        layers = [i for s in stages for i in range(starts[s], starts[s] + counts[s])]
+        first, last = 0 in stages, layout.num_stages - 1 in stages
+        dense, expert = rank_params(desc, layout, layers, first, last)
+        terms: dict[str, float] = {
+            "params": p_b * (dense / (n_dense if shard_p else layout.ep) + expert / (n_exp if shard_p else 1)),
+            "grads": g_b * (dense / (n_dense if shard_g else layout.ep) + expert / (n_exp if shard_g else 1)),
+            "master": m_b * (dense / n_dense + expert / n_exp),
+            "optimizer": o_b * (dense / n_dense + expert / n_exp),
+        }
+        # FSDP: two layers gathered (current + prefetched) and one layer's unreduced gradients
+        if layers and (n_dense > 1 and shard_p):
+            per_layer = max(rank_params(desc, layout, [i], False, False)[0]
+                            + (rank_params(desc, layout, [i], False, False)[1] if n_exp > 1 else 0) for i in layers)
+            terms["gathered"] = per_layer * (2 * p_b + g_b)
+        else:
+            terms["gathered"] = 0.0
+        remat_of = (lambda s: layout.stage_remat[s]) if layout.stage_remat is not None else (lambda s: layout.remat)
+        per_stage = [sum(layer_activation_bytes_per_token(desc.layers[i], remat_of(s), layout, work)
+                         for i in range(starts[s], starts[s] + counts[s])) * tokens for s in stages]
+        act = peaks[r] * max(per_stage)
+        if first:  # the embedding output of every microbatch in flight
+            act += peaks[r] * tokens * desc.act_bytes * desc.hidden / (layout.tp if layout.sp else 1)
+        terms["activations"] = act
+        rematted = [s for s in stages if remat_of(s) != "none"]
+        terms["recompute"] = max((layer_activation_bytes_per_token(desc.layers[i], "none", layout, work) * tokens
+                                  for s in rematted for i in range(starts[s], starts[s] + counts[s])), default=0.0)
+        terms["loss"] = tokens * desc.vocab * (desc.act_bytes + 8) if last else 0.0
+        terms["reserve"] = float(work.reserve_bytes)
+        est = MemoryEstimate(terms, rank=r)
+        if best is None or est.total > best.total:
+            best = est
+    assert best is not None
+    return best
