@@ -6,13 +6,14 @@ parallelism), expert parallelism (dividing the experts), the remaining ranks as 
 or hsdp, gradient accumulation, and remat (none / selective / full) is estimated with
 :func:`~hpfunc.autoparallel.memory_model.memory`; those under the memory limit are ranked by
 :func:`~hpfunc.autoparallel.step_time.step_time`. Families (mesh and plan kinds) without a single
-layout that fits are reported with the term that overflows in their smallest layout.
+layout that fits are reported with the term that overflows in their smallest layout. The fastest
+pipelines are then rebalanced (:mod:`hpfunc.autoparallel.stage_balance`: layers and remat per stage).
 
     >>> from hpfunc.models.qwen3.describe import describe
     >>> from hpfunc.models.qwen3.model import preset
     >>> from hpfunc.autoparallel.configuration import Workload
-    >>> r = search(describe(preset("qwen3-moe-tiny")), 4, Workload(global_batch=8, seq_len=128), "cpu",
-    ...            memory_limit=2**30)
+    >>> r = search(describe(preset("qwen3-moe-tiny")), 4, Workload(global_batch=8, seq_len=128, reserve_bytes=0),
+    ...            "cpu", memory_limit=2**30)
     >>> r.best.layout.world, len(r.feasible) > 10
     (4, True)
 """
@@ -217,5 +218,29 @@ def search(desc: ModelDescription, world: int, work: Workload, hw: str | Hardwar
             continue
         feasible.append(Candidate(lay, mem, step_time(desc, lay, work, hw)))
         feasible.sort(key=lambda c: c.time.total)  # type: ignore[union-attr]
+    feasible = _balanced(desc, feasible, work, hw, limit)
     return PlanResult(tuple(feasible) + tuple(unranked), tuple(rejected), limit, world, hw)
+
+
+def _balanced(desc: ModelDescription, ranked: list[Candidate], work: Workload, hw: Hardware, limit: float,
+              count: int = 20) -> list[Candidate]:
+    """The fastest ``count`` pipelines rebalanced (SAPP-PPB: layers and remat per stage), kept when faster."""
+    from hpfunc.autoparallel.stage_balance import BalanceError, balance_layout
+
+    out = list(ranked)
+    for i, c in enumerate(ranked[:count]):
+        if c.layout.pp == 1:
+            continue
+        try:
+            lay = balance_layout(desc, c.layout, work, hw, memory_limit=limit)
+        except BalanceError:
+            continue
+        mem = memory(desc, lay, work)
+        if mem.total > limit:
+            continue
+        t = step_time(desc, lay, work, hw)
+        if t.total < c.time.total:  # type: ignore[union-attr]
+            out[i] = Candidate(lay, mem, t)
+    out.sort(key=lambda c: c.time.total)  # type: ignore[union-attr]
+    return out
 

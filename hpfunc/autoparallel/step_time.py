@@ -21,7 +21,7 @@ This is a model, not a measurement: the efficiencies are the hardware preset's a
     >>> t = step_time(describe(preset("qwen3-30b-a3b")), Layout(ep=8, remat="full", microbatches=8),
     ...               Workload(global_batch=64, seq_len=4096), hardware("h100"))
     >>> sorted(t.terms)[:3], t.total > 0
-    (['compute', 'data_comm_exposed', 'ep_comm'], True)
+    (['compute', 'data_comm', 'data_comm_exposed'], True)
 """
 
 from __future__ import annotations
