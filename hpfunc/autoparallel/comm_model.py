@@ -90,10 +90,12 @@ def communication(desc: ModelDescription, layout: Layout, work: Workload) -> lis
 
     d_axis, d_n = _axes(("fsdp", layout.fsdp), ("ep", layout.ep))
     if layout.zero == 3:
-        add("all_gather", d_axis, d_n, 2 * m, dense * p_b, "data")
-        add("reduce_scatter", d_axis, d_n, m, dense * g_b, "data")
-        add("all_gather", "fsdp", layout.fsdp, 2 * m, expert * p_b, "data")
-        add("reduce_scatter", "fsdp", layout.fsdp, m, expert * g_b, "data")
+        same = layout.ep == 1  # experts and the rest are sharded over the same ranks: one collective each
+        add("all_gather", d_axis, d_n, 2 * m, (dense + (expert if same else 0)) * p_b, "data")
+        add("reduce_scatter", d_axis, d_n, m, (dense + (expert if same else 0)) * g_b, "data")
+        if not same:
+            add("all_gather", "fsdp", layout.fsdp, 2 * m, expert * p_b, "data")
+            add("reduce_scatter", "fsdp", layout.fsdp, m, expert * g_b, "data")
         shard_d, shard_e = d_n, layout.fsdp
     else:  # zero-1/2 on fsdp: once per step; ep still shards the non-experts as fsdp
         add("all_gather", "ep", layout.ep, 2 * m, dense / layout.fsdp * p_b, "data")

@@ -111,17 +111,17 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
-def parse_bytes(text: str | int | float, *, key: str = "--memory") -> int:
+def parse_bytes(text: str | int | float, *, key: str = "--memory", allow_zero: bool = False) -> int:
     """``"80GiB"`` (binary), ``"80GB"`` (decimal), ``"1.5e9"`` or a number of bytes."""
+    what = "a size >= 0" if allow_zero else "a positive size"
     if isinstance(text, (int, float)) and not isinstance(text, bool):
         value = float(text)
-        if value <= 0:
-            raise HardwareError(f"{key}: expected a positive size, found {text!r}")
+        if value < 0 or (value == 0 and not allow_zero):
+            raise HardwareError(f"{key}: expected {what}, found {text!r}")
         return int(value)
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
-    if not m or m.group(2).lower() not in _UNITS or float(m.group(1)) <= 0:
-        raise HardwareError(f"{key}: expected a positive size such as 80GiB, 80GB or 85e9 (bytes), "
-                            f"found {text!r}")
+    if not m or m.group(2).lower() not in _UNITS or (float(m.group(1)) == 0 and not allow_zero):
+        raise HardwareError(f"{key}: expected {what} such as 80GiB, 80GB or 85e9 (bytes), found {text!r}")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 

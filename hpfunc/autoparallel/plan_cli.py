@@ -195,7 +195,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         top = _int(args.top, "--top")
         hw = hardware(args.hardware)
         limit = parse_bytes(args.memory) if args.memory else hw.hbm_bytes
-        reserve = parse_bytes(args.reserve, key="--reserve") if args.reserve else None
+        reserve = parse_bytes(args.reserve, key="--reserve", allow_zero=True) if args.reserve else None
         cfg = load_config(args.config, args.overrides)
         _, desc = describe_model(cfg)
         work = workload_of(cfg, precision=args.precision, reserve_bytes=reserve)
