@@ -52,6 +52,7 @@ class Hardware:
     attention_efficiency: float = 0.5
     moe_efficiency: float = 0.45
     link_efficiency: float = 0.8
+    async_copy: bool = True  # device-host copies overlap compute (a copy stream); False: they add to the step
 
     def peak_flops(self, dtype: str) -> float:
         """Dense peak FLOP/s for ``dtype`` (``bfloat16``, ``float16``, ``float32``, ``float8``)."""
@@ -85,7 +86,7 @@ HARDWARE: dict[str, Hardware] = {
     "cpu": Hardware(name="cpu", flops={"float32": 50e9, "bfloat16": 10e9, "float64": 25e9},
                     hbm_bytes=8 * 2**30, hbm_bw=10e9, intra_node_bw=2e9, inter_node_bw=1e9, host_bw=10e9,
                     ranks_per_node=2, latency_s=200e-6, matmul_efficiency=0.5, attention_efficiency=0.3,
-                    moe_efficiency=0.3, link_efficiency=0.5),
+                    moe_efficiency=0.3, link_efficiency=0.5, async_copy=False),
 }
 
 
