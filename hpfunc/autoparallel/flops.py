@@ -51,10 +51,11 @@ def train_flops_per_token(desc: ModelDescription, seq_len: int, *, causal: bool 
 def recompute_flops_per_token(layer: LayerDescription, remat: str, seq_len: int, *, causal: bool = True) -> float:
     """Extra forward FLOPs per token a layer's backward spends recomputing under ``remat``: the whole
     forward for ``full``; for ``selective`` the attention (its output is not a kept matmul) and every
-    non-matmul value (no FLOPs, memory traffic only); 0 for ``none``."""
+    value that is not a cached matmul output (grouped expert GEMMs included; elementwise values cost
+    memory traffic only); 0 for ``none``."""
     if remat == "none":
         return 0.0
     mm, attn = layer_forward_flops_per_token(layer, seq_len, causal=causal)
     if remat == "full":
         return mm + attn
-    return attn
+    return attn + sum(v.recompute_flops_per_token for v in layer.saved if not v.matmul)

@@ -94,8 +94,9 @@ def layer_seconds(layer: LayerDescription, layout: Layout, work: Workload, hw: H
     rec = 0.0
     if remat == "full":
         rec = fwd
-    elif remat == "selective":
-        rec = f_attn + f_mem
+    elif remat == "selective":  # attention, the elementwise values and uncached (grouped) GEMMs again
+        uncached = sum(v.recompute_flops_per_token for v in layer.saved if not v.matmul)
+        rec = f_attn + f_mem + tokens * uncached * work.routing_imbalance / t / (peak * hw.moe_efficiency)
     return fwd, 2.0 * (f_mm + f_attn) + 2.0 * f_mem + rec
 
 

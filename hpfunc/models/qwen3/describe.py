@@ -11,8 +11,8 @@ with ``a`` bytes per activation element (``u = 4`` bytes more per element where 
 statistics, its normalised output (``attn_in``), the projections ``q``, ``k``, ``v``, the
 q/k norms' inputs and outputs, the rotated ``q``, ``k`` that attention reads, and the attention output with
 its float32 log-sum-exp; the MLP keeps ``mlp_in``, gate, up, SiLU and their product ``mlp_hidden``;
-an MoE block keeps its router logits and float32 probabilities, ``k`` dispatched copies of each token
-(``moe_dispatch``), the experts' gate, up, SiLU, hidden and outputs. The names are the
+an MoE block keeps its float32 router probabilities and routing indices, ``k`` dispatched copies of
+each token (``moe_dispatch``), the experts' gate, up and hidden values. The names are the
 ``checkpoint_name`` tags a remat policy selects on.
 
     >>> from hpfunc.models.qwen3.model import count_params, preset
@@ -63,15 +63,19 @@ def _mlp_values(cfg: Qwen3Config, i: int, a: int, u: int) -> list[SavedValue]:
                        recompute_flops_per_token=2.0 * I * H),
         ]
     E, k, I = cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
+    # The experts run as grouped GEMMs, which hpfunc's dots policies do not cache (not matmul=True):
+    # selective remat recomputes them. The SiLU is applied inside the product and the routing weights
+    # scale the hidden values before the down projection, so neither the SiLU output nor the experts'
+    # outputs are kept (measured with hpfunc.memory.saved_activations on this layer).
     return norm + [
-        SavedValue("router", a * E, matmul=True, tp_split=False, recompute_flops_per_token=2.0 * H * E),
+        SavedValue("router", a * E, autograd=False, matmul=True, tp_split=False, recompute_flops_per_token=2.0 * H * E),
         SavedValue("router_probs", 4 * E + 4 * k, tp_split=False),
+        SavedValue("routing_indices", 8 * 4 * k + a * k, tp_split=False),
         SavedValue("moe_dispatch", a * k * H, tp_split=False),
-        SavedValue("expert_gate", a * k * I, matmul=True, recompute_flops_per_token=2.0 * k * H * I),
-        SavedValue("expert_up", a * k * I, matmul=True, recompute_flops_per_token=2.0 * k * H * I),
-        SavedValue("expert_act", a * k * I),
+        SavedValue("expert_gate", a * k * I, recompute_flops_per_token=2.0 * k * H * I),
+        SavedValue("expert_up", a * k * I, recompute_flops_per_token=2.0 * k * H * I),
         SavedValue("mlp_hidden", a * k * I),
-        SavedValue("expert_out", a * k * H, matmul=True, tp_split=False, recompute_flops_per_token=2.0 * k * I * H),
+        SavedValue("expert_out", a * k * H, autograd=False, recompute_flops_per_token=2.0 * k * I * H),
     ]
 
 
