@@ -1,7 +1,7 @@
 """SAPP-ND: enumerate the parallel layouts of a model on ``N`` devices, keep those that fit, rank them.
 
 Every combination of pipeline degree (schedules ``1f1b``, ``interleaved_1f1b`` with 2 virtual
-stages, ``zb_h1``, ``zbv``; microbatches), tensor parallelism (within a node; with and without sequence
+stages, ``zb_h1``, ``zbv``; microbatches of 1, 2, 4 or 8 sequences), tensor parallelism (within a node; with and without sequence
 parallelism), expert parallelism (dividing the experts), the remaining ranks as ddp, fsdp / ZeRO-1/2
 or hsdp, gradient accumulation, and remat (none / selective / full) is estimated with
 :func:`~hpfunc.autoparallel.memory_model.memory`; those under the memory limit are ranked by
@@ -131,7 +131,8 @@ def layouts(desc: ModelDescription, world: int, work: Workload, hw: Hardware, *,
 
 def _timed(pp, tp, sp, ep, dp, fsdp, zero, local, L, remats, max_mbs) -> Iterator[Layout]:
     base = dict(pp=pp, tp=tp, sp=sp, ep=ep, dp=dp, fsdp=fsdp, zero=zero)
-    sizes = [m for m in _divisors(local) if local // m <= max_mbs]
+    # microbatches of 1, 2, 4, ... max_mbs sequences
+    sizes = sorted({local // b for b in (1, 2, 4, 8, 16, 32) if b <= max_mbs and local % b == 0})
     if pp == 1:
         for m in sizes:
             for r in remats:

@@ -107,3 +107,14 @@ def test_makespan_replay_equals_simulate(name, p, mult, values):
     fast = makespan(name, p, m, v, lambda kind, s: table.get((kind, s), 0.0))
     slow = simulate(sched, lambda a: table.get((a.kind.value, a.stage), 0.0) if a.is_compute else 0.0).makespan
     assert fast == pytest.approx(slow, rel=1e-12)
+
+
+@pytest.mark.parametrize("name", ["1f1b", "interleaved_1f1b", "zb_h1", "zbv", "gpipe"])
+@pytest.mark.parametrize("p, m", [(2, 4), (4, 8), (4, 12)])
+def test_peak_inflight_equals_simulate(name, p, m):
+    from hpfunc.autoparallel.pipeline_time import peak_inflight
+
+    gen = GENERATORS[name]
+    sched = gen(p, m, 2) if name == "interleaved_1f1b" else gen(p, m)
+    r = simulate(sched)
+    assert peak_inflight(name, p, m, 2) == tuple(r.peak_resident_until_w[k] for k in range(p))
