@@ -109,3 +109,21 @@ def test_plan_command_bad_input(tmp_path, capsys, args, message):
         hpfunc_main(["plan", str(_tiny_config(tmp_path)), *args])
     assert e.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_layouts_become_trainer_configs_and_back():
+    from hpfunc.autoparallel.trainer_config import check_runnable, layout_of, with_layout
+
+    base = {"model": {"preset": "qwen3-moe-small"}, "train": {"batch_size": 16, "seq_len": 64}}
+    for lay in (Layout(fsdp=2, tp=2, sp=True, microbatches=4), Layout(dp=2, fsdp=2, ep=2),
+                Layout(fsdp=2, zero=2, microbatches=2),
+                Layout(pp=2, ep=2, schedule="interleaved_1f1b", virtual_stages=2, microbatches=4,
+                       layers_per_stage=(1, 1, 1, 1), stage_remat=("full", "none", "selective", "full")),
+                Layout(pp=2, fsdp=2, schedule="zbv", microbatches=2, remat="full")):
+        cfg = check_runnable(with_layout(base, lay))  # the trainer's loader and plan check accept it
+        back = layout_of(cfg)
+        assert back.parallel_section() == lay.parallel_section(), lay.name
+        assert back.microbatches == lay.microbatches and back.family == lay.family
+        if lay.pp > 1:  # the pipeline cuts the batch itself; its remat is per stage or one for all
+            assert cfg.train.microbatches == 1
+            assert (back.stage_remat, back.remat) == (lay.stage_remat, lay.remat)
