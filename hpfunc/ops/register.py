@@ -127,13 +127,26 @@ def _strategies(rule: Rule, ranks: Sequence[int]) -> list[tuple[list, list]]:
     return found
 
 
+def ruled_args(op: torch._ops.OpOverload, rule: Rule) -> list[int]:
+    """The positions of the tensor arguments the rule names: all of them, or all but trailing optional
+    ones (``Tensor?``, e.g. an attention mask), which must then be ``None`` when the op is called."""
+    positions, _ = tensor_args(op)
+    args = op._schema.arguments
+    n = len(rule.operands)
+    if n < len(positions) and all(isinstance(args[i].type, torch.OptionalType) for i in positions[n:]):
+        return positions[:n]
+    return positions
+
+
 def _check_shapes(op: torch._ops.OpOverload, rule: Rule, static: Mapping[str, Any]) -> None:
-    positions, n_out = tensor_args(op)
+    positions = ruled_args(op, rule)
+    _, n_out = tensor_args(op)
     schema = op._schema
     where = f"op {schema.name}, rule {rule.text!r}"
     if len(rule.operands) != len(positions):
         raise RuleError(f"{where}: the rule names {len(rule.operands)} operand(s) but the op has {len(positions)} tensor "
-                        f"argument(s) ({', '.join(schema.arguments[i].name for i in positions)})")
+                        f"argument(s) ({', '.join(schema.arguments[i].name for i in positions)}); only trailing "
+                        f"optional ones may be left out")
     if len(rule.results) != n_out:
         raise RuleError(f"{where}: the rule names {len(rule.results)} result(s) but the op returns {n_out}")
     sizes = {f: 2 + i for i, f in enumerate(rule.factors)}
@@ -149,7 +162,7 @@ def _check_shapes(op: torch._ops.OpOverload, rule: Rule, static: Mapping[str, An
     it = iter(shapes)
     for i, a in enumerate(schema.arguments):
         if i in positions:
-            value: Any = torch.zeros(next(it))
+            value: Any = torch.randn(next(it))
         elif a.name in static:
             value = static[a.name]
         elif a.has_default_value():
@@ -193,7 +206,7 @@ def _placement_cost(current: Sequence, target: Sequence) -> int:
 def _impl_handler(reg: Registration) -> Callable:
     from hpfunc.mesh import Mesh  # the mesh binding the impl's collectives read
 
-    positions, _ = tensor_args(reg.op)
+    positions = ruled_args(reg.op, reg.rule)
 
     def handler(cls: Any, func: Any, types: Any, args: tuple, kwargs: dict) -> Any:
         flat = list(args) + [kwargs[a.name] for a in func._schema.arguments[len(args):] if a.name in kwargs]
@@ -270,7 +283,8 @@ def register(op: Any, rule: str, impl: Callable | None = None, *, static: Mappin
     """
     overload = resolve_op(op)
     parsed = parse(rule)
-    positions, n_out = tensor_args(overload)
+    positions = ruled_args(overload, parsed)
+    _, n_out = tensor_args(overload)
     if len(parsed.operands) != len(positions) or len(parsed.results) != n_out:
         _check_shapes(overload, parsed, static or {})  # raises, naming the counts
     if check:
