@@ -220,13 +220,24 @@ by hand.
 Each row is an op as hpfunc's Qwen3-class models call it. Every layout of its inputs on a 1-D mesh of 2
 ranks (each input replicated `R` or split along dimension d, `Sd`; attention's q, k, v alike) ran as
 DTensors, forward and backward, and was compared with one device (output and input gradients, fp32,
-rtol = atol = 1e-5). **Supported**: the layouts that run and match, with the output's placement (`P(sum)`:
-a partial sum DTensor completes on use). **Fails**: the layouts DTensor refuses (no sharding strategy, or
-one it cannot apply); a `grouped_mm` or other op that fails can be given a rule with
-`hpfunc.ops.register` (see [the registry](#registering-a-rule)). A layout that ran but differed would be
-listed as **wrong** (none is). Integer inputs (ids, indices, offsets) get no gradient. The property test
-`tests/ops/test_operators_doc.py` re-runs sampled supported layouts on 1-D and 2-D meshes (2 and 4
-ranks, each mesh axis a supported layout) with other values and shapes.
+rtol = atol = 1e-5), with hpfunc's shipped registry loaded (`hpfunc/ops/registry.yaml`). **Supported**:
+the layouts that run and match, with the output's placement (`R` after a layout the op cannot keep means
+DTensor gathered the inputs first; `P(sum)`: a partial sum DTensor completes on use). **Fails**: the
+layouts DTensor refuses. A layout that ran but differed would be listed as **wrong** (none is). Integer
+inputs (ids, indices, offsets) get no gradient. `tests/ops/test_operators_doc.py` re-runs sampled
+supported layouts on 1-D and 2-D meshes (2 and 4 ranks, each mesh axis one supported layout) with other
+values and shapes.
+
+What was outside torch's coverage, and what hpfunc does about it:
+
+* `sdpa`: on CPU, `F.scaled_dot_product_attention` runs `aten._scaled_dot_product_flash_attention_for_cpu`
+  (and its backward), which torch 2.13's DTensor has no sharding strategy for: every layout failed.
+  hpfunc's shipped registry gives both a rule (batch and heads split; sequences and head dimension
+  whole), so the row above holds with it loaded.
+* `grouped_mm`: fails for every layout in fp32 on CPU: DTensor's sharding propagation runs the op's meta
+  function, which accepts only bf16 in torch 2.13, before any rule is consulted. hpfunc's MoE runs its
+  experts in the local view (plain blocks inside `shard_map`/`parallelize`, never DTensors) and takes
+  the padded `bmm` (row `matmul`) where `grouped_mm` is unsupported.
 
 | op | call | supported layouts (inputs -> output) | fails |
 |---|---|---|---|
