@@ -160,9 +160,10 @@ def _check_shapes(op: torch._ops.OpOverload, rule: Rule, static: Mapping[str, An
     args: list[Any] = []
     kwargs: dict[str, Any] = {}
     it = iter(shapes)
+    gen = torch.Generator().manual_seed(0)  # never the global stream: registering must not shift a user's samples
     for i, a in enumerate(schema.arguments):
         if i in positions:
-            value: Any = torch.randn(next(it))
+            value: Any = torch.randn(next(it), generator=gen)
         elif a.name in static:
             value = static[a.name]
         elif a.has_default_value():
