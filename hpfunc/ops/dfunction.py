@@ -34,9 +34,10 @@ Calling it:
   argument's path otherwise;
 * without a mesh: :class:`DFunctionError` (the blocks of which mesh?).
 
-It composes with :func:`hpfunc.value_and_grad` (``torch.autograd`` and ``torch.func``: the
-``autograd.Function`` has a ``setup_context``), :func:`hpfunc.remat` (the forward, collectives
-included, runs again in the backward on every rank) and :func:`hpfunc.parallelize`.
+It composes with :func:`hpfunc.value_and_grad`, :func:`hpfunc.remat` (the forward, collectives
+included, runs again in the backward on every rank) and :func:`hpfunc.parallelize` (tested in
+``tests/ops/test_dfunction.py``). The ``autograd.Function`` underneath has the ``setup_context`` form
+that ``torch.func`` needs; only ``torch.autograd`` (what ``value_and_grad`` uses) is tested.
 
     >>> import torch, hpfunc
     >>> from hpfunc import P
