@@ -10,8 +10,8 @@ Models and optimizers are pure functions over pytrees of sharded state (DTensors
 
 ``import hpfunc`` loads only the core (meshes, specs, collectives, random numbers, ``grad``,
 communication accounting, micro-batching). The transforms (``hpfunc.shard_map``, ``hpfunc.remat``,
-``hpfunc.parallelize``, ...) and the subpackages (``hpfunc.models``, ``hpfunc.optim``,
-``hpfunc.train``, ...) load on first use.
+``hpfunc.parallelize``, ``hpfunc.dfunction``, ...) and the subpackages (``hpfunc.models``,
+``hpfunc.optim``, ``hpfunc.ops``, ``hpfunc.train``, ...) load on first use.
 """
 
 from __future__ import annotations
@@ -50,6 +50,8 @@ __all__ = [
     "offload",
     "checkpoint_name",
     "checkpoint_policies",
+    "dfunction",
+    "ops",
     "grad",
     "value_and_grad",
     "microbatch",
@@ -72,11 +74,12 @@ _LAZY_ATTRS = {
     "parallelize": "hpfunc.transforms.parallelize",
     "parallel_train_step": "hpfunc.transforms.parallelize",
     "init_sharded": "hpfunc.transforms.parallelize",
+    "dfunction": "hpfunc.ops.dfunction",
 }
 
 _LAZY_SUBMODULES = frozenset({
     "optim", "models", "schedules", "transforms", "train", "testing", "launch", "memory", "layout", "saved_tensors",
-    "checkpoint",
+    "checkpoint", "ops",
 })
 
 
