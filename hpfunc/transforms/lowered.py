@@ -244,8 +244,8 @@ class Lowered:
         mesh = ", ".join(f"{a}={self.mesh.axis_size(a)}" for a in self.mesh.axis_names)
         plan = " + ".join(f"{lay.kind}({lay.axis!r})" for lay in self.plan.layers)
         head = (f"Lowered({mesh}; plan {plan}; batch {self.batch_spec!r}; {len(self.paths)} parameter"
-                f"{'s' if len(self.paths) != 1 else ''}, {self.n_state_leaves} state leaf"
-                f"{'s' if self.n_state_leaves != 1 else ''}")
+                f"{'s' if len(self.paths) != 1 else ''}, {self.n_state_leaves} state "
+                f"{'leaves' if self.n_state_leaves != 1 else 'leaf'}")
         extras = []
         if eng.mixed is not None:
             extras.append(f"param dtype {str(eng.mixed[0]).removeprefix('torch.')}, reduce dtype "
