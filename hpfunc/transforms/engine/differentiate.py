@@ -4,8 +4,8 @@
 which gradients take a collective, mixed precision, reshard after forward, the gradient seed): facts,
 decided once when the step is lowered (:class:`hpfunc.transforms.lowered.Lowered` holds it) and never
 changed. :func:`value_and_grad` runs
-``call(ws, read)`` -- ``ws`` are fresh parameter leaves (this rank's storage blocks, requiring grad, each
-tagged with its index, :func:`~hpfunc.transforms.engine.view.tag`) and ``read(w)`` is the leaf
+``call(ws, read)`` -- ``ws`` are fresh parameter leaves (this rank's storage blocks, requiring grad,
+known by identity, :class:`~hpfunc.transforms.engine.view.Blocks`) and ``read(w)`` is the leaf
 *as used* -- with the tensor-parallel binding of the plan and the step's saved-tensor layer on the
 stack, then differentiates the loss with respect to the wanted leaves.
 
@@ -33,7 +33,7 @@ from hpfunc.transforms.engine.gather import ParamLayer, gather_group, group_key
 from hpfunc.transforms.engine.mixed import cast_for_use
 from hpfunc.transforms.engine.pipelined import StagePipeline, known_gradients
 from hpfunc.transforms.engine.reduce import needs_reduction, reduce_gradients
-from hpfunc.transforms.engine.view import index_of, tag
+from hpfunc.transforms.engine.view import Blocks
 
 __all__ = ["EngineConfig", "value_and_grad", "reduce_wanted"]
 
@@ -89,7 +89,7 @@ def reduce_wanted(program: Any, grads: list[torch.Tensor], wanted: list[int]) ->
 class _Reads:
     """The parameters of one differentiation as used: gathered with their group on first read."""
 
-    def __init__(self, cfg: EngineConfig, ws: list[torch.Tensor], layer: ParamLayer):
+    def __init__(self, cfg: EngineConfig, ws: Blocks, layer: ParamLayer):
         self.cfg, self.ws, self.layer = cfg, ws, layer
         self.ready: dict[int, torch.Tensor] = {}  # gathered with their group, not yet read
         self.kept: dict[int, torch.Tensor] = {}  # without reshard: every gathered leaf until the backward ends
@@ -105,7 +105,7 @@ class _Reads:
         return fulls
 
     def __call__(self, w: torch.Tensor) -> torch.Tensor:
-        i = index_of(w, self)
+        i = self.ws.index_of(w)
         if i is None:
             return w
         cfg = self.cfg
@@ -142,9 +142,8 @@ def value_and_grad(program: Any, blocks: list[torch.Tensor], call: Callable[[lis
     cfg = program.engine
     plan = cfg.plan
     layer = ParamLayer(cfg.mesh, reshard=cfg.reshard, any_gather=cfg.any_gather)
-    reads = _Reads(cfg, [], layer)
-    ws = [tag(x, reads, i, requires_grad=x.is_floating_point()) for i, x in enumerate(blocks)]
-    reads.ws = ws
+    ws = Blocks(blocks, requires_grad=[x.is_floating_point() for x in blocks])
+    reads = _Reads(cfg, ws, layer)
     layer.own_blocks(ws)
     pipe = None if plan.pipeline is None else StagePipeline(program, layer, step if reduce else None)
     with torch.enable_grad(), saved_tensors.layer(layer), layout.tensor_parallel(

@@ -2,9 +2,9 @@
 :class:`hpfunc.layout.StepLayout` for :func:`hpfunc.parallelize`.
 
 The step receives its parameters as this rank's *optimizer blocks* (the storage block, narrowed
-further on ZeRO-1/2 axes), each tagged as a parameter of this step (:func:`~hpfunc.transforms.engine.view.tag`).
-:meth:`RankStep.value_and_grad` recognises them in the arguments of a differentiated function by that
-tag, runs the plan's differentiation (:mod:`~hpfunc.transforms.engine.differentiate`) with the
+further on ZeRO-1/2 axes), handed out as :class:`~hpfunc.transforms.engine.view.Blocks`.
+:meth:`RankStep.value_and_grad` recognises them in the arguments of a differentiated function by
+identity, runs the plan's differentiation (:mod:`~hpfunc.transforms.engine.differentiate`) with the
 function seeing them as used, and returns the gradients reduced and laid out like the blocks; the
 value is the mean over data shards and ``aux`` tensors are averaged (floats) or summed (integers)
 over data shards. :meth:`RankStep.to_storage` puts the parameters the step returns back to storage.
@@ -23,7 +23,7 @@ from hpfunc import tree as _tree
 from hpfunc.layout import LeafLayout, PlanError
 from hpfunc.transforms.engine import differentiate
 from hpfunc.transforms.engine.reduce import gather_updated, narrow_to_opt
-from hpfunc.transforms.engine.view import index_of, lazy, tag
+from hpfunc.transforms.engine.view import Blocks, lazy
 
 __all__ = ["RankStep", "reduce_batch_stats"]
 
@@ -81,8 +81,7 @@ class RankStep:
         self.paths, self.leaves = program.paths, cfg.leaves
         self.by_path = cfg.by_path
         self.storage = storage
-        self.opt_blocks = [tag(narrow_to_opt(x, lay.opt_extra), self, i)
-                           for i, (x, lay) in enumerate(zip(storage, cfg.leaves))]
+        self.opt_blocks = Blocks([narrow_to_opt(x, lay.opt_extra) for x, lay in zip(storage, cfg.leaves)])
         self.block_shapes = cfg.block_shapes
         self.pipeline_axis = cfg.plan.pp_axis  # norms sum over it: each pipeline rank holds some stages
         self._acc: _Accumulation | None = None
@@ -159,7 +158,7 @@ class RankStep:
                 raise ValueError(f"value_and_grad: argnums {a} but the function got {len(args)} positional arguments")
         argnums = tuple(a % len(args) for a in argnums)
         flat = [_tree.flatten(arg) for arg in args]  # each argument flattened once
-        index = [[index_of(x, self) for x in leaves] for leaves, _ in flat]  # which leaves are parameters
+        index = [[self.opt_blocks.index_of(x) for x in leaves] for leaves, _ in flat]  # which leaves are parameters
         with_params, wanted = self._find_params(args, argnums, flat, index)
         cfg = self.cfg
 
