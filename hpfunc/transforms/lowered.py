@@ -40,6 +40,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Callable
 
+import attrs
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -110,6 +111,14 @@ class Lowered:
             for x, s in zip(positions, self.in_specs.leaves))
         self.batch_spec = plan.batch_spec(mesh)
         self.donate = owner.donate_state
+        # the layout seam's two bindings: the step's body (its StepLayout, bound per call; the model's
+        # parameter paths) and the function it differentiates (the data, tensor-, expert-parallel axes)
+        model_paths = None if plan.pipeline is None else tuple(plan.pipeline.stages.paths)
+        self.outer_binding = layout.Binding(model_paths=model_paths)
+        self.inner_binding = layout.Binding(
+            data_axes=self.engine.data_axes, tp_axis=plan.tp_axis, vocab_parallel=bool(plan.tp_vocab_parallel)
+            and plan.tp_axis is not None, sequence_parallel=bool(plan.tp_sequence_parallel) and plan.tp_axis is not None,
+            ep_axis=plan.ep_axis, model_paths=model_paths)
         # Found by the first run of each structure the step builds inside, replayed after:
         self.out_specs: dict = {}  # metrics structure and shapes -> FlatSpecs of (state, metrics)
         self.out_checks: dict = {}  # metrics structure -> FlatSpecs of the checks (a pp layer)
@@ -202,15 +211,14 @@ class Lowered:
         """``fn(state, *args)`` in a ``shard_map`` over the state's blocks; its output's first element is a
         state lowered as ``out`` (default: this one)."""
         out_lowered = self if out is None else out
-        pp, plan = self.owner.params, self.plan
-        model_paths = None if plan.pipeline is None else plan.pipeline.stages.paths
+        pp, outer = self.owner.params, self.outer_binding
 
         def body(state: Any, *rest: Any) -> Any:
             params = get_path(state, pp)
             storage, treedef = _tree.flatten(params)
             ctx = RankStep(self, storage, donate_state=donate)
             user_state = replace_path(state, pp, _tree.unflatten(treedef, ctx.opt_blocks))
-            with layout.bind(ctx), layout.model_parameter_paths(model_paths):
+            with layout.binding(attrs.evolve(outer, step=ctx)):
                 new_state, *extra = fn(user_state, *rest)
             new_leaves, new_def = _tree.flatten(get_path(new_state, pp))
             if new_def != treedef:

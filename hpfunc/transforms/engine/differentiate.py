@@ -24,6 +24,7 @@ import itertools
 import math
 from typing import Any, Callable
 
+import attrs
 import torch
 
 from hpfunc import layout, saved_tensors
@@ -146,9 +147,10 @@ def value_and_grad(program: Any, blocks: list[torch.Tensor], call: Callable[[lis
     reads = _Reads(cfg, ws, layer)
     layer.own_blocks(ws)
     pipe = None if plan.pipeline is None else StagePipeline(program, layer, step if reduce else None)
-    with torch.enable_grad(), saved_tensors.layer(layer), layout.tensor_parallel(
-            plan.tp_axis, vocab_parallel=plan.tp_vocab_parallel, sequence_parallel=plan.tp_sequence_parallel), \
-            layout.expert_parallel(plan.ep_axis), layout.data_parallel(cfg.data_axes), layout.pipeline(pipe):
+    # one binding for the differentiated function: its data, tensor- and expert-parallel axes (decided at
+    # lowering), the pipeline runner of this differentiation; no step layout (the model runs as on one device)
+    inner = program.inner_binding if pipe is None else attrs.evolve(program.inner_binding, pipeline=pipe)
+    with torch.enable_grad(), saved_tensors.layer(layer), layout.binding(inner):
         try:
             out = call(ws, reads)
         except (TypeError, KeyError, IndexError, AttributeError) as err:

@@ -168,8 +168,7 @@ class RankStep:
                 leaves, treedef = flat[a]
                 swapped = _tree.unflatten(treedef, [x if i is None else ws[i] for x, i in zip(leaves, index[a])])
                 new_args[a] = lazy(swapped, read) if cfg.needs_view else swapped
-            with layout.bind(None):
-                return fn(*new_args, **kwargs)
+            return fn(*new_args, **kwargs)  # under the lowered step's inner binding (no step layout)
 
         acc = self._acc
         loss, aux, red = differentiate.value_and_grad(self.program, self.storage, call, has_aux, wanted,
