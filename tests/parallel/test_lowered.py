@@ -92,3 +92,14 @@ def test_fsdp_step_runs_under_fake_tensor_mode_and_fake_process_group():
     env.pop("HPFUNC_CHECK_REP", None)  # the exact check reads values: a fake run has none
     out = subprocess.run([sys.executable, "-c", _FAKE], capture_output=True, text=True, env=env, timeout=240)
     assert out.returncode == 0 and "ok ()" in out.stdout, out.stderr[-3000:]
+
+
+@pytest.mark.multirank
+def test_gradient_all_reduces_start_while_the_backward_runs(pools):
+    """DDP: each layer's gradients are all-reduced as soon as that layer's backward is done, before the
+    backward reaches the first op of the model (the comm counter sees them issued by then), in one
+    bucket per layer plus one for the top-level parameters, with the bytes of one all-reduce of all."""
+    for out in pools(2).run(L.run_reductions_during_backward, "ddp"):
+        assert out["before_first_layer_backward"] == 2, out  # layers.1 and layers.0, not yet the top bucket
+        assert out["all_reduces"] == 3 and out["phases"] == ["backward"], out
+        assert out["bytes"] == 4 * (8 * 4 + 2 * 2 * 16 + 3), out  # every parameter once, fp32

@@ -32,6 +32,7 @@ from hpfunc.layout import LeafLayout, PlanError
 from hpfunc.transforms.engine import sdc
 from hpfunc.transforms.engine.gather import ParamLayer, gather_group, group_key
 from hpfunc.transforms.engine.mixed import cast_for_use
+from hpfunc.transforms.engine.overlap import Overlap, buckets_of
 from hpfunc.transforms.engine.pipelined import StagePipeline, known_gradients
 from hpfunc.transforms.engine.reduce import needs_reduction, reduce_gradients
 from hpfunc.transforms.engine.view import Blocks
@@ -65,6 +66,10 @@ class EngineConfig:
         n_data = math.prod(mesh.axis_size(a) for a in mesh.axis_names if a in plan.data_axes)
         self.seed_scale = self.seed(mesh.size, n_data, plan.gradient_scaling_factor)
         self.data_axes = tuple(a for a in mesh.axis_names if a in plan.data_axes and mesh.axis_size(a) > 1)
+        # the all-reduce buckets started during the backward (overlap.py); not under a pipeline (its
+        # executor runs its own backward) nor an SDC check (it compares the reduction it runs itself)
+        self.overlap_buckets = ([] if plan.pipeline is not None or plan.sdc_check is not None
+                                else buckets_of(leaves, dtypes, plan.reduce_dtype))
 
     @staticmethod
     def seed(mesh_size: int, data_ranks: int, factor: float | None) -> float:
@@ -179,12 +184,25 @@ def value_and_grad(program: Any, blocks: list[torch.Tensor], call: Callable[[lis
     targets = [ws[i] for i in diff]
     # the pipelined loss itself (not a function of it) comes with its gradients already computed
     gs = None if pipe is None or not diff else known_gradients(loss, targets, cfg.seed_scale)
+    overlap = None
     if gs is None:
+        if reduce and cfg.overlap_buckets and diff and loss.requires_grad:
+            # each bucket's all-reduce starts from a gradient hook once its last member is final
+            overlap = Overlap(cfg.mesh, ws, wanted, cfg.overlap_buckets, plan.reduce_dtype)
         gs = (torch.autograd.grad(loss, targets, grad_outputs=torch.full_like(loss, cfg.seed_scale),
                                   allow_unused=True) if diff and loss.requires_grad else [None] * len(diff))
     reads.ready.clear()  # gathered again by a recompute in the backward and not read
     reads.kept.clear()
     by_leaf = dict(zip(diff, gs))
+    if overlap is not None and overlap.covered:
+        with torch.no_grad():
+            done = overlap.finish(by_leaf, blocks)
+        rest = [i for i in wanted if i not in done]
+        grads = [by_leaf.get(i) if by_leaf.get(i) is not None else torch.zeros_like(blocks[i]) for i in rest]
+        red = dict(zip(rest, reduce_wanted(program, grads, rest))) if rest else {}
+        return loss, aux, [done[i] if i in done else red[i] for i in wanted]
+    if overlap is not None:
+        overlap.finish(by_leaf, blocks)  # (no bucket applied: removes its hooks)
     grads = [by_leaf.get(i) if by_leaf.get(i) is not None else torch.zeros_like(blocks[i]) for i in wanted]
     if not reduce:
         return loss, aux, grads
