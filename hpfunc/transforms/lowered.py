@@ -27,8 +27,8 @@ can), and one of other shapes or dtypes is lowered again.
     >>> state = {"params": train_step.shard_params({"w": torch.ones(3, 2)})}
     >>> print(train_step.lower(state, torch.ones(4, 3)))  # doctest: +NORMALIZE_WHITESPACE
     Lowered(fsdp=1; plan fsdp('fsdp'); batch P('fsdp'); 1 parameter, 1 state leaf)
-      param  shape   storage  compute  opt  gather  reduce
-      w      (3, 2)  P()      P()      P()  -       -
+      param  shape   storage  compute  opt  gather  reduce  bucket
+      w      (3, 2)  P()      P()      P()  -       -       -
     >>> lowered = train_step.lower(state)
     >>> state, metrics = lowered(state, torch.ones(4, 3))       # train_step(state, batch) runs the same
     >>> train_step.lower(state) is lowered                      # its output has the planned layout
@@ -66,6 +66,11 @@ RELOWER, CHECK, LAID_OUT = 0, 1, 2
 
 class Lowered:
     """One parallelized step lowered for one state structure (see the module docstring).
+
+    ``print`` shows per parameter: its global shape; storage, compute and optimizer specs; the group it
+    is all-gathered with (``layers.0 (11)``: one packed collective for the layer's 11 parameters); the
+    collective its gradient is reduced by (``psum dp``, ``psum_scatter dp``, ``-``: none); and the bucket
+    whose all-reduce starts during the backward (``0: layers.1``: the first issued).
 
     Attributes decided at lowering: ``res`` (``{path: LeafLayout}``), ``paths`` (the parameters in
     flattening order), ``specs`` (the spec of every state leaf), ``engine`` (the
@@ -262,7 +267,12 @@ class Lowered:
             extras.append(f"reshard after forward {eng.reshard}")
         if self.plan.pipeline is not None:
             extras.append(f"pipeline on {self.plan.pipeline.axis!r}")
-        rows = [("param", "shape", "storage", "compute", "opt", "gather", "reduce")]
+        if eng.overlap_buckets:
+            extras.append(f"{len(eng.overlap_buckets)} all-reduce bucket{'s' if len(eng.overlap_buckets) != 1 else ''} "
+                          f"started in the backward")
+        bucket_of = {i: (path_of_bucket(self.paths, members), k) for k, (_, members) in enumerate(eng.overlap_buckets)
+                     for i in members}
+        rows = [("param", "shape", "storage", "compute", "opt", "gather", "reduce", "bucket")]
         for i, (path, dt) in enumerate(zip(self.paths, self.dtypes)):
             lay = self.res[path]
             members = eng.group_of.get(i)
@@ -273,12 +283,20 @@ class Lowered:
                 gather = (f"{g[1]}" if g[0] == "group" else "alone") + f" ({len(members)})"
             bucket = reduction_bucket(lay, eng.plan.reduce_dtype or dt)
             reduce = "-" if bucket is None else _bucket_str(bucket)
+            b = bucket_of.get(i)
             rows.append((path, str(tuple(lay.shape)), repr(lay.spec.storage), repr(lay.spec.compute),
-                         repr(lay.spec.opt), gather, reduce))
+                         repr(lay.spec.opt), gather, reduce, "-" if b is None else f"{b[1]}: {b[0]}"))
         widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
         lines = [head + ("; " + "; ".join(extras) if extras else "") + ")"]
         lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
         return "\n".join(lines)
+
+
+def path_of_bucket(paths: list[str], members: list[int]) -> str:
+    """A bucket's name: the layer its members share (``layers.3``), else ``top``."""
+    first = paths[members[0]].split(".")
+    layer = next((".".join(first[: i + 1]) for i, p in enumerate(first) if p.isdigit()), None)
+    return layer if layer is not None and all(paths[i].startswith(layer + ".") for i in members) else "top"
 
 
 def _bucket_str(bucket: tuple) -> str:

@@ -6,6 +6,7 @@ address or on attributes set on tensors)."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -24,17 +25,27 @@ def test_print_shows_every_parameter_with_its_gather_group_and_reduction(pools):
         assert out["same"] and out["losses"][1] < out["losses"][0], out
     text = fsdp[0]["text"]
     assert text.splitlines()[0].startswith("Lowered(fsdp=2; plan fsdp('fsdp'); batch P('fsdp'); 6 parameters, 6 state leaves"), text
-    rows = {line.split()[0]: line for line in text.splitlines()[2:]}
+    head, rows = _table(text)
+    assert head == ["param", "shape", "storage", "compute", "opt", "gather", "reduce", "bucket"], text
     assert sorted(rows) == ["bias", "embed", "layers.0.wo", "layers.0.wq", "layers.1.wo", "layers.1.wq"], text
     # a layer's parameters are gathered together, a top-level one alone; FSDP's gradients need no reduction
-    assert "P('fsdp')  P()" in rows["layers.0.wq"] and "layers.0 (2)" in rows["layers.0.wq"], text
-    assert "alone (1)" in rows["embed"] and rows["embed"].rstrip().endswith("-"), text
-    # 3 does not divide by 2: the bias is replicated, its gradient summed over the axis
-    assert "(3,)" in rows["bias"] and rows["bias"].rstrip().endswith("-             psum fsdp [float32]"), text
-    ddp_rows = ddp[0]["text"].splitlines()[2:]
-    assert all(r.rstrip().endswith("psum dp [float32]") for r in ddp_rows), ddp[0]["text"]
-    zero_rows = {line.split()[0]: line for line in zero2[0]["text"].splitlines()[2:]}
-    assert zero_rows["layers.1.wo"].rstrip().endswith("psum_scatter dp [float32]"), zero2[0]["text"]
+    assert rows["layers.0.wq"] == ["(4, 4)", "P('fsdp')", "P()", "P('fsdp')", "layers.0 (2)", "-", "-"], text
+    assert rows["embed"][4:] == ["alone (1)", "-", "-"], text
+    # 3 does not divide by 2: the bias is replicated, its gradient all-reduced during the backward
+    assert rows["bias"] == ["(3,)", "P()", "P()", "P()", "-", "psum fsdp [float32]", "0: top"], text
+    _, ddp_rows = _table(ddp[0]["text"])
+    assert {r[-2] for r in ddp_rows.values()} == {"psum dp [float32]"}, ddp[0]["text"]
+    # the last layer's gradients are final first: its bucket is issued first, the top-level ones last
+    assert [ddp_rows[p][-1] for p in ("layers.1.wq", "layers.0.wo", "embed", "bias")] == \
+        ["0: layers.1", "1: layers.0", "2: top", "2: top"], ddp[0]["text"]
+    _, zero_rows = _table(zero2[0]["text"])
+    assert zero_rows["layers.1.wo"][-2:] == ["psum_scatter dp [float32]", "-"], zero2[0]["text"]
+
+
+def _table(text: str) -> tuple[list[str], dict[str, list[str]]]:
+    """The column names and, per parameter, the other columns of a printed Lowered."""
+    lines = [re.split(r"\s{2,}", line.strip()) for line in text.splitlines()[1:]]
+    return lines[0], {cols[0]: cols[1:] for cols in lines[1:]}
 
 
 def test_lower_once_per_structure_and_again_for_other_shapes():

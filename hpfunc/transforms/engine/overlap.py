@@ -11,9 +11,10 @@ the reduced gradients only then). The bytes are those of the one packed ``psum``
 sent once); what changes is when, and the number of calls (one per bucket). The comm counter records
 each call with the phase it was issued in (``backward``).
 
-A bucket whose member received no gradient (a parameter the loss does not use) is completed with
-zeros after the backward and reduced then, so every rank issues the same collectives in the same
-order (the backward's order is the same on every rank: the same program on every rank).
+Buckets start in their order only (a bucket finished early waits for the ones before it), and one
+whose member received no gradient (a parameter the loss does not use) is completed with zeros after
+the backward and reduced then, with every bucket after it: every rank issues the same collectives in
+the same order.
 
     >>> from hpfunc.layout import LeafLayout, LeafSpec
     >>> lays = [LeafLayout(p, (4,), LeafSpec.of(()), replicated=("dp",)) for p in ("embed", "layers.0.w", "layers.1.w")]
@@ -83,6 +84,7 @@ class Overlap:
         self.got: dict[int, torch.Tensor] = {}
         self.left = [len(members) for _, members in self.buckets]
         self.started: list[tuple[int, torch.Tensor, Any] | None] = [None] * len(self.buckets)
+        self.next = 0  # the next bucket to start
         self.collectors = _comm.active()
         self.handles = []
         for b, (_, members) in enumerate(self.buckets):
@@ -95,8 +97,11 @@ class Overlap:
                 return
             self.got[i] = g.detach()
             self.left[b] -= 1
-            if self.left[b] == 0:
-                self._start(b)
+            # buckets start in their order only, so that every rank issues the same sequence of collectives
+            # even where its backward finished one bucket before another rank did
+            while self.next < len(self.buckets) and self.left[self.next] == 0:
+                self._start(self.next)
+                self.next += 1
         return hook
 
     def _start(self, b: int) -> None:
@@ -118,13 +123,13 @@ class Overlap:
         for h in self.handles:
             h.remove()
         self.handles = []
-        for b, (_, members) in enumerate(self.buckets):
-            if self.started[b] is None:  # a member the loss does not use: zeros, reduced now
-                for i in members:
-                    if i not in self.got:
-                        g = grads.get(i)
-                        self.got[i] = torch.zeros_like(like[i]) if g is None else g.detach()
-                self._start(b)
+        for b in range(self.next, len(self.buckets)):  # (after one whose member the loss does not use: zeros)
+            for i in self.buckets[b][1]:
+                if i not in self.got:
+                    g = grads.get(i)
+                    self.got[i] = torch.zeros_like(like[i]) if g is None else g.detach()
+            self._start(b)
+        self.next = len(self.buckets)
         out: dict[int, torch.Tensor] = {}
         for b, flat, work in self.started:
             try:
