@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from hpfunc import lax, layout, saved_tensors
+from hpfunc import lax, saved_tensors
 from hpfunc import tree as _tree
 from hpfunc.layout import LeafLayout, PlanError
 from hpfunc.transforms.engine import differentiate
