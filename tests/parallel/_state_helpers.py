@@ -104,13 +104,19 @@ def run_comm_equal(name: str, micro: int = 1) -> int:
         out = Counter()
         for r in stats.records:
             if r.payload_bytes > 8:
-                out[(r.op, r.axes, r.phase)] += r.sent_bytes
+                # a whole-batch step starts its gradient all-reduces in the backward, per layer; micro-batches
+                # reduce their sum once after the last one: the bytes are the same, the phase is not
+                out[(r.op, r.axes) if r.op == "all_reduce" else (r.op, r.axes, r.phase)] += r.sent_bytes
         return out
 
     data = set(plan.data_axes)
 
-    def data_records(stats):  # gradient reductions over the data axes: once per step either way
-        return Counter((r.op, r.axes, r.sent_bytes) for r in stats.records if r.payload_bytes > 8 and data & set(r.axes))
+    def data_records(stats):  # gradient reductions over the data axes: once per step either way (their bytes)
+        out = Counter()
+        for r in stats.records:
+            if r.payload_bytes > 8 and data & set(r.axes):
+                out[(r.op, r.axes)] += r.sent_bytes
+        return out
 
     old = parallel_train_step(lambda p, bb: qwen3.parallel_plan.loss(p, bb, cfg)[0], tx, mesh, plan)
     opt_state = old.init_opt_state(params)
