@@ -178,11 +178,12 @@ class Lowered:
     def __call__(self, state: Any, batch: Any) -> tuple[Any, Any]:
         """Run the step on a state of this structure (its layout checked unless it is as planned)."""
         positions, treedef = _tree.flatten(state, none_is_leaf=True)
-        if treedef != self.treedef or self.fits(positions) == RELOWER:
+        fit = self.fits(positions) if treedef == self.treedef else RELOWER
+        if fit == RELOWER:
             raise PlanError(f"Lowered: this step was lowered for a state of structure {self.treedef} with the "
                             f"shapes and dtypes it had; call train_step(state, batch) (which lowers again) or "
                             f"train_step.lower(state, batch) for this one")
-        return self.run(state, positions, batch, laid_out=self.fits(positions) == LAID_OUT)
+        return self.run(state, positions, batch, laid_out=fit == LAID_OUT)
 
     def run(self, state: Any, positions: list, batch: Any, *, laid_out: bool) -> tuple[Any, Any]:
         owner = self.owner
