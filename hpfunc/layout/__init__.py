@@ -1,7 +1,9 @@
 """The layout seam: how code that is not elementwise learns where a value lives inside a parallelized step.
 
 This is hpfunc's extension point. ``hpfunc.parallelize(step, mesh, plan)`` runs ``step`` on every rank
-on this rank's blocks and binds, for the step, a :class:`StepLayout` (a ``contextvars`` context).
+on this rank's blocks and binds, for the step, one immutable :class:`Binding` (a ``contextvars`` value)
+holding its :class:`StepLayout`, and another for the function it differentiates (data, tensor-,
+expert-parallel axes, the pipeline runner).
 Library code written for one device asks it the few questions that blocks change, and gives the
 single-device answer; outside a step every question answers for one device, so the same code runs
 unchanged on one device, in a notebook and on a mesh. The core (``autodiff``, ``microbatch``), the
@@ -10,6 +12,7 @@ models and the optimizers import only this package, never ``hpfunc.transforms``.
 What you can ask:
 
 ===================================  =================================================================
+:func:`bound`                        the one :class:`Binding` in force (everything below reads it)
 :func:`current`                      the bound :class:`StepLayout` (``None`` outside a step)
 :func:`leaf` (path)                  the :class:`LeafLayout` of a parameter: global shape, storage /
                                      compute / optimizer specs, what is gathered before use
@@ -53,6 +56,7 @@ your own does the same (the one-device run is the reference; ``docs/parallel.md`
     (True, None)
 """
 
+from hpfunc.layout.binding import Binding, binding, bound, rebind
 from hpfunc.layout.step import (Accumulation, LeafLayout, LeafSpec, PlanError, StepLayout, bind, blocks_sq_norm,
                                 blocks_sq_sum,
                                 current, data_axes, data_parallel, donated, gather_block, global_sq_norm, leaf,
@@ -71,4 +75,5 @@ __all__ = [
     "reduce_partial", "check_sequence", "expert_parallel", "ep_axis",
     "Stages", "PipelineRunner", "pipeline", "runner", "model_paths", "model_parameter_paths",
     "Style", "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "VocabParallel", "Replicate",
+    "Binding", "binding", "bound", "rebind",
 ]

@@ -17,25 +17,20 @@ single-device one.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from typing import Iterator
 
+from hpfunc.layout.binding import bound, rebind
+
 __all__ = ["expert_parallel", "ep_axis"]
-
-_EP: contextvars.ContextVar[str | None] = contextvars.ContextVar("hpfunc_expert_parallel", default=None)
-
 
 @contextlib.contextmanager
 def expert_parallel(axis: str | None) -> Iterator[None]:
     """Bind the mesh axis the expert stacks are split over (``None``: no expert parallelism).
     ``hpfunc.parallelize`` binds the plan's ``ep_axis`` around the differentiated function."""
-    token = _EP.set(axis)
-    try:
+    with rebind(ep_axis=axis):
         yield
-    finally:
-        _EP.reset(token)
 
 
 def ep_axis() -> str | None:
     """The bound expert-parallel axis, or ``None``."""
-    return _EP.get()
+    return bound().ep_axis

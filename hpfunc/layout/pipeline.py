@@ -23,10 +23,11 @@ is proven equal to.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from typing import Any, Callable, Iterator, Protocol
 
 import attrs
+
+from hpfunc.layout.binding import bound, rebind
 
 __all__ = ["Stages", "PipelineRunner", "pipeline", "runner", "model_paths"]
 
@@ -78,35 +79,23 @@ class PipelineRunner(Protocol):
         loss carries the gradients of the parameters in ``params`` (this rank's stages)."""
 
 
-_PIPE: contextvars.ContextVar[PipelineRunner | None] = contextvars.ContextVar("hpfunc_pipeline", default=None)
-_PATHS: contextvars.ContextVar[tuple[str, ...] | None] = contextvars.ContextVar("hpfunc_model_paths", default=None)
-
-
 @contextlib.contextmanager
 def pipeline(run: PipelineRunner | None) -> Iterator[None]:
     """Bind the pipeline runner for the function being differentiated (``None``: no pipeline)."""
-    token = _PIPE.set(run)
-    paths = _PATHS.set(None if run is None else run.stages.paths)
-    try:
+    with rebind(pipeline=run, model_paths=None if run is None else tuple(run.stages.paths)):
         yield
-    finally:
-        _PATHS.reset(paths)
-        _PIPE.reset(token)
 
 
 @contextlib.contextmanager
 def model_parameter_paths(paths: tuple[str, ...] | None) -> Iterator[None]:
     """Bind the paths of every parameter of the model (a pipelined step: this rank holds some)."""
-    token = _PATHS.set(paths)
-    try:
+    with rebind(model_paths=None if paths is None else tuple(paths)):
         yield
-    finally:
-        _PATHS.reset(token)
 
 
 def runner() -> PipelineRunner | None:
     """The bound pipeline runner, or ``None`` (no ``pp`` layer in the step running now)."""
-    return _PIPE.get()
+    return bound().pipeline
 
 
 def model_paths(tree: Any) -> list[str]:
@@ -117,9 +106,9 @@ def model_paths(tree: Any) -> list[str]:
     >>> model_paths({"a": 1, "b": {"c": 2}})
     ['a', 'b.c']
     """
-    bound = _PATHS.get()
-    if bound is not None:
-        return list(bound)
+    paths = bound().model_paths
+    if paths is not None:
+        return list(paths)
     from hpfunc import tree as _tree
 
     return [p for p, _ in _tree.leaves_with_paths(tree)]

@@ -1,8 +1,8 @@
 """The layout a parallelized step binds, and the questions library code asks it.
 
 A step run by :func:`hpfunc.parallelize` sees every parameter, gradient and optimizer-state leaf as
-this rank's block. The transform binds a :class:`StepLayout` (a ``contextvars`` context) for the
-step; code that is not elementwise asks it how a value is laid out and so gives the single-device
+this rank's block. The transform binds a :class:`StepLayout` for the step (in the one
+:class:`~hpfunc.layout.binding.Binding`); code that is not elementwise asks it how a value is laid out and so gives the single-device
 answer on blocks. Outside a step :func:`current` is ``None`` and every query answers for one device:
 
     >>> import torch
@@ -13,13 +13,13 @@ answer on blocks. Outside a step :func:`current` is ``None`` and every query ans
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import math
 from typing import Any, ContextManager, Iterator, Protocol
 
 import attrs
 import torch
 
+from hpfunc.layout.binding import bound, rebind
 from hpfunc.sharding import P, as_spec
 
 __all__ = ["PlanError", "LeafSpec", "LeafLayout", "StepLayout", "Accumulation", "current", "bind", "leaf",
@@ -130,24 +130,22 @@ class StepLayout(Protocol):
     donate_state: bool
     """The step was handed its state to reuse (``parallelize(..., donate_state=True)``)."""
 
-
-_CURRENT: contextvars.ContextVar[StepLayout | None] = contextvars.ContextVar("hpfunc_step_layout", default=None)
+    pipeline_axis: str | None
+    """The pipeline axis of a step with a ``pp`` layer (each pipeline rank holds some stages: norms
+    sum over it), else ``None``."""
 
 
 def current() -> StepLayout | None:
     """The layout of the parallelized step running now; ``None`` outside one, and inside the function
     being differentiated (where the model computes on gathered blocks, as on one device)."""
-    return _CURRENT.get()
+    return bound().step
 
 
 @contextlib.contextmanager
 def bind(ctx: StepLayout | None) -> Iterator[None]:
     """Make ``ctx`` current for the ``with`` block (``None`` hides an outer one)."""
-    token = _CURRENT.set(ctx)
-    try:
+    with rebind(step=ctx):
         yield
-    finally:
-        _CURRENT.reset(token)
 
 
 def donated() -> bool:
@@ -158,7 +156,8 @@ def donated() -> bool:
     >>> donated()
     False
     """
-    return bool(getattr(current(), "donate_state", False))
+    ctx = current()
+    return ctx is not None and bool(ctx.donate_state)
 
 
 def leaf(path: str, x: torch.Tensor | None = None, *, where: str = "layout.leaf") -> LeafLayout | None:
@@ -171,19 +170,13 @@ def leaf(path: str, x: torch.Tensor | None = None, *, where: str = "layout.leaf"
     return None if ctx is None else ctx.leaf(path, x, where)
 
 
-_DATA: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("hpfunc_data_axes", default=())
-
-
 @contextlib.contextmanager
 def data_parallel(axes: tuple[str, ...]) -> Iterator[None]:
     """Bind the mesh axes the batch is split over for the function being differentiated (where
     :func:`current` is ``None``): batch statistics that must be those of the whole step's batch (the
     MoE load) sum over them. ``hpfunc.parallelize`` binds its data axes around the loss."""
-    token = _DATA.set(tuple(axes))
-    try:
+    with rebind(data_axes=tuple(axes)):
         yield
-    finally:
-        _DATA.reset(token)
 
 
 def data_axes() -> tuple[str, ...]:
@@ -196,8 +189,8 @@ def data_axes() -> tuple[str, ...]:
     ...     data_axes()
     ('dp',)
     """
-    ctx = current()
-    return _DATA.get() if ctx is None else ctx.data_axes()
+    b = bound()
+    return b.data_axes if b.step is None else b.step.data_axes()
 
 
 def varying_axes(path: str) -> tuple[str, ...]:
@@ -268,13 +261,11 @@ def global_sq_norm(tree: Any, where: str = "global_sq_norm", *, leaves: list | N
     from hpfunc import tree as _tree
 
     leaves = _tree.leaves(tree) if leaves is None else leaves
-    known = getattr(ctx, "known_sq_norm", None)
-    if known is not None:
-        hit = known(leaves)  # the step's own gradient blocks, whose norm it has
-        if hit is not None:
-            return hit
+    hit = ctx.known_sq_norm(leaves)  # the step's own gradient blocks, whose norm it has
+    if hit is not None:
+        return hit
     layouts = ctx.leaf_layouts(tree, where)
-    stage = getattr(ctx, "pipeline_axis", None)
+    stage = ctx.pipeline_axis
     return blocks_sq_norm(ctx.mesh, [lay.spec.opt for lay in layouts], leaves, stage_axis=stage,
                           stage_local=[lay.stage_axis is not None for lay in layouts] if stage else None)
 

@@ -20,27 +20,16 @@ bound every building block is the identity, so the same code is the single-devic
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from typing import Iterator
 
-import attrs
 import torch
 
 from hpfunc import lax
+from hpfunc.layout.binding import bound, rebind
 from hpfunc.layout.step import PlanError
 
 __all__ = ["tensor_parallel", "tp_axis", "sequence_parallel", "vocab_parallel", "scatter_sequence",
            "gather_sequence", "reduce_partial", "check_sequence"]
-
-
-@attrs.frozen
-class _Binding:
-    axis: str | None = None
-    vocab: bool = False
-    sequence: bool = False
-
-
-_TP: contextvars.ContextVar[_Binding] = contextvars.ContextVar("hpfunc_tensor_parallel", default=_Binding())
 
 
 @contextlib.contextmanager
@@ -54,26 +43,24 @@ def tensor_parallel(axis: str | None, *, vocab_parallel: bool = False,
     ``tp_sequence_parallel`` around the differentiated function.
     """
     on = axis is not None
-    token = _TP.set(_Binding(axis, bool(vocab_parallel) and on, bool(sequence_parallel) and on))
-    try:
+    with rebind(tp_axis=axis, vocab_parallel=bool(vocab_parallel) and on,
+                sequence_parallel=bool(sequence_parallel) and on):
         yield
-    finally:
-        _TP.reset(token)
 
 
 def tp_axis() -> str | None:
     """The bound tensor-parallel axis, or ``None``."""
-    return _TP.get().axis
+    return bound().tp_axis
 
 
 def sequence_parallel() -> bool:
     """Whether activations between blocks are split along the sequence over :func:`tp_axis`."""
-    return _TP.get().sequence
+    return bound().sequence_parallel
 
 
 def vocab_parallel() -> bool:
     """Whether the embedding and head are split by vocabulary rows over :func:`tp_axis`."""
-    return _TP.get().vocab
+    return bound().vocab_parallel
 
 
 def check_sequence(x: torch.Tensor, path: str, axis: str, n: int) -> None:
@@ -97,25 +84,25 @@ def scatter_sequence(x: torch.Tensor, *, dim: int = 1) -> torch.Tensor:
     """Under sequence parallelism, this rank's block of ``x`` (replicated over the axis) along ``dim``:
     no communication; the gradient is zero outside the block and is summed over the axis by whoever
     owns ``x`` (the step, for a replicated parameter). Otherwise ``x``."""
-    b = _TP.get()
-    return _sequence_block(x, dim, b.axis) if b.sequence else x
+    b = bound()
+    return _sequence_block(x, dim, b.tp_axis) if b.sequence_parallel else x
 
 
 def gather_sequence(x: torch.Tensor, *, dim: int = 1) -> torch.Tensor:
     """Under sequence parallelism, the whole sequence from every rank's block (``all_gather`` along
     ``dim``; its transpose reduce-scatters the gradient). Otherwise ``x``. Use it on the input of a
     column-parallel block."""
-    b = _TP.get()
-    return lax.all_gather(x, b.axis, axis=dim, tiled=True) if b.sequence else x
+    b = bound()
+    return lax.all_gather(x, b.tp_axis, axis=dim, tiled=True) if b.sequence_parallel else x
 
 
 def reduce_partial(y: torch.Tensor, *, dim: int = 1) -> torch.Tensor:
     """The output of a row-parallel block from this rank's partial sum: ``psum`` over the bound axis,
     or under sequence parallelism ``psum_scatter`` along ``dim`` (this rank's sequence block of the
     sum). Without a bound axis, ``y``."""
-    b = _TP.get()
-    if b.axis is None:
+    b = bound()
+    if b.tp_axis is None:
         return y
-    if b.sequence:
-        return lax.psum_scatter(y, b.axis, scatter_dimension=dim, tiled=True)
-    return lax.psum(y, b.axis)
+    if b.sequence_parallel:
+        return lax.psum_scatter(y, b.tp_axis, scatter_dimension=dim, tiled=True)
+    return lax.psum(y, b.tp_axis)

@@ -99,15 +99,17 @@ class SavedReport:
 
 
 
-def saved_activations(fn: Callable, *args: Any, policy: Any = None, state_argnums: Sequence[int] = (),
+def saved_activations(fn: Callable, *args: Any, state_argnums: Sequence[int] = (), label: str = "no remat",
                       **kwargs: Any) -> SavedReport:
     """Run ``fn(*args, **kwargs)`` forward and report the bytes its autograd graph keeps alive.
 
     Args:
-        fn: the function to measure (it may contain ``remat``, ``offload`` and ``checkpoint_name``).
-        policy: if given, measure ``remat(fn, policy=policy)`` instead of ``fn``.
+        fn: the function to measure (it may contain ``remat``, ``offload`` and ``checkpoint_name``; to
+            measure a whole function under a remat policy pass ``remat(fn, policy=...)``, or call
+            :func:`hpfunc.transforms.remat.saved_activations`, which takes ``policy=``).
         state_argnums: positions of arguments that are model state (parameters): their bytes are
             reported as ``state_bytes`` and left out of the activation totals.
+        label: what the report calls the measured function.
 
     Every tensor in ``args`` and ``kwargs`` is copied into a storage of its own (so that what keeps it
     alive afterwards is the graph, not the caller); floating-point copies require grad (as in
@@ -116,12 +118,10 @@ def saved_activations(fn: Callable, *args: Any, policy: Any = None, state_argnum
     them where they are. The same tensor passed twice is copied once (different views of one
     storage are copied apart).
     """
-    # The transforms build on this package: they are imported when a policy asks for one.
-    from hpfunc.transforms.policies import as_policy
-    from hpfunc.transforms.remat import remat
-
-    measured = remat(fn, policy=policy) if policy is not None else fn
-    label = str(as_policy(policy)) if policy is not None else "no remat"
+    if "policy" in kwargs:  # (this package sits below the transforms: it applies no remat policy itself)
+        raise TypeError("hpfunc.memory.saved_activations takes no policy=; measure remat(fn, policy=...) or call "
+                        "hpfunc.transforms.remat.saved_activations(fn, *args, policy=...)")
+    measured = fn
     rec = Recorder()
     copies: dict[int, torch.Tensor] = {}
 

@@ -56,32 +56,14 @@ from hpfunc import layout, saved_tensors
 from hpfunc import tree as _tree
 from hpfunc.layout import LeafLayout, PlanError
 from hpfunc.mesh import Mesh
-from hpfunc.sharding import NamedSharding, P, shard, sharding_of, spec_to_placements
-from hpfunc.transforms.engine.differentiate import EngineConfig
-from hpfunc.transforms.engine.state import get_path, holder, param_suffix, positions_of, replace_path
-from hpfunc.transforms.engine.step_layout import RankStep
+from hpfunc.sharding import NamedSharding, shard
+from hpfunc.transforms.engine.state import get_path, holder
+from hpfunc.transforms.lowered import LAID_OUT, RELOWER, Lowered, check_params
 from hpfunc.transforms.plans import Plan
-from hpfunc.transforms.shard_map import Flat, FlatSpecs, flat_checks, flat_specs, layout_mark, shard_map
+from hpfunc.transforms.shard_map import Flat
 
-__all__ = ["parallelize", "ParallelizedStep", "init_sharded", "parallel_train_step", "ParallelTrainStep",
-           "PlanError"]
-
-
-@attrs.frozen
-class _Planned:
-    """What a state's structure decides, once: the parameters' layouts, the specs of every state leaf,
-    the engine configuration."""
-
-    res: Mapping[str, LeafLayout]
-    specs: Any
-    paths: list[str]
-    cfg: EngineConfig
-    placements: list[tuple]  # the storage placements of the parameters, in flattening order
-    checks: Any = "trusted"  # the replication check of the state's leaves (a tree under a pp layer)
-    # per position of the state as shard_map flattens it (None as a leaf): None where no tensor is, else the
-    # mark this step puts on the DTensor it returns there and the global shape planned for it (shard_map's
-    # out marks); a state whose DTensors all carry their marks is this step's output, laid out as planned
-    marks: tuple = ()
+__all__ = ["parallelize", "ParallelizedStep", "Lowered", "init_sharded", "parallel_train_step",
+           "ParallelTrainStep", "PlanError", "check_params"]
 
 
 @attrs.frozen(eq=False)
@@ -93,7 +75,8 @@ class ParallelizedStep:
     plan: Plan
     params: str = "params"
     donate_state: bool = False
-    _cache: dict = attrs.field(factory=dict, init=False, repr=False)
+    # the state's structure (None as a leaf) -> the step lowered for it (the last shapes and dtypes seen)
+    _lowered: dict = attrs.field(factory=dict, init=False, repr=False)
 
     # -- planning (no communication) ------------------------------------------------------------
     def resolve(self, state_or_params: Any, *, is_params: bool = False) -> dict[str, LeafLayout]:
@@ -104,122 +87,21 @@ class ParallelizedStep:
     def state_specs(self, state: Any) -> Any:
         """The spec of every state leaf: parameters by storage, parameter-shaped leaves by optimizer
         spec, everything else replicated."""
-        return self._planned(state).specs
+        return self.lower(state).specs
 
-    def _planned(self, state: Any) -> _Planned:
-        return self._plan_of(state)[0]
-
-    def _plan_of(self, state: Any) -> tuple[_Planned, bool, Flat]:
-        """The plan of ``state``'s structure, and whether the state is this step's own output, unchanged in
-        layout (every DTensor leaf carries the mark this step put on it: its spec, mesh and shape are
-        those planned, so they need no check), and the state flattened as shard_map takes it."""
-        # every position shard_map pairs with a spec, None included (the leaves of other pipeline stages)
-        positions, full_def = _tree.flatten(state, none_is_leaf=True)
-        hit = self._cache.get(("marked", full_def))
-        if hit is not None and _marked(positions, hit.marks):
-            return hit, True, Flat(positions, full_def)
-        leaves, treedef = _tree.flatten(state)
-        key = (treedef, tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in leaves))
-        hit = self._cache.get(key)
-        if hit is None:
-            hit = self._cache[key] = self._make_planned(state, leaves, treedef, positions)
-        self._cache[("marked", full_def)] = hit
-        return hit, False, Flat(positions, full_def)
-
-    def _make_planned(self, state: Any, leaves: list, treedef: Any, positions: list) -> _Planned:
-        params = get_path(state, self.params)
-        res = self.resolve(params, is_params=True)
-        pairs = _tree.leaves_with_paths(params)
-        paths = [p for p, _ in pairs]
-        # the parameters' positions in the state, by structure (paths inside a NamedTuple are positional)
-        is_param = positions_of(state, self.params, len(paths))
-        specs = _tree.unflatten(treedef, [
-            res[paths[is_param[k]]].spec.storage if k in is_param else _state_leaf_spec(path, x, res)
-            for k, (path, x) in enumerate(_tree.leaves_with_paths(state))])
-        cfg = EngineConfig(self.mesh, self.plan, [res[p] for p in paths], [x.dtype for _, x in pairs])
-        placements = [tuple(spec_to_placements(res[p].spec.storage, self.mesh, len(res[p].shape), where=p))
-                      for p in paths]
-        checks: Any = "trusted"
-        if self.plan.pipeline is not None:
-            # a leaf of one pipeline stage exists on that stage's ranks only: nothing to compare across
-            # the pipeline axis (the replication check runs over whole axes), so it is not checked
-            checks = _tree.unflatten(treedef, [
-                False if _stage_local(path, k, is_param, paths, res) else "trusted"
-                for k, (path, _) in enumerate(_tree.leaves_with_paths(state))])
-        return _Planned(res, specs, paths, cfg, placements, checks,
-                        tuple((object(), x.shape) if isinstance(x, torch.Tensor) else None for x in positions))
-
-    def _metrics_specs(self, metrics: Any, res: Mapping[str, LeafLayout]) -> Any:
-        """The out specs of this rank's metrics (once per metrics structure)."""
-        leaves, treedef = _tree.flatten(metrics)
-        key = ("metrics", treedef, tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in leaves))
-        hit = self._cache.get(key)
-        if hit is None:
-            hit = self._cache[key] = _tree.map_with_path(lambda path, x: _metric_spec(path, x, res, self.mesh),
-                                                          metrics)
+    def lower(self, state: Any, batch: Any = None) -> Lowered:
+        """This step for ``state``'s structure (tree, shapes, dtypes): a :class:`~hpfunc.transforms.lowered.Lowered`
+        that ``print`` shows leaf by leaf (storage, compute and optimizer specs, gather group, gradient
+        reduction) and that runs as ``lowered(state, batch)``. No communication; ``batch`` (optional) is
+        checked against the plan's data axes. ``train_step(state, batch)`` lowers on first sight of a
+        structure and keeps the result, so calling this first only moves that work earlier."""
+        positions, treedef = _tree.flatten(state, none_is_leaf=True)
+        hit = self._lowered.get(treedef)
+        if hit is None or hit.fits(positions) == RELOWER:
+            hit = self._lowered[treedef] = Lowered(self, state, positions, treedef)
+        if batch is not None:
+            self.plan.check_batch(batch, self.mesh)
         return hit
-
-    # -- running ----------------------------------------------------------------------------------
-    def _run(self, fn: Callable, state_in: Any, planned: _Planned, args: tuple, arg_specs: tuple,
-             out_specs: Any, state_checks: Any = "trusted", *, donate: bool = False, vouched: bool = False,
-             out_planned: _Planned | None = None) -> Any:
-        """``fn(state, *args)`` in a ``shard_map`` over the state's blocks; its output's first element is a
-        state planned as ``out_planned`` (default ``planned``), whose DTensors leave marked by it."""
-        out_planned = planned if out_planned is None else out_planned
-        mesh, pp = self.mesh, self.params
-
-        def body(state: Any, *rest: Any) -> Any:
-            params = get_path(state, pp)
-            storage, treedef = _tree.flatten(params)
-            ctx = RankStep(planned.cfg, planned.paths, storage, donate_state=donate)
-            user_state = replace_path(state, pp, _tree.unflatten(treedef, ctx.opt_blocks))
-            model_paths = None if self.plan.pipeline is None else self.plan.pipeline.stages.paths
-            with layout.bind(ctx), layout.model_parameter_paths(model_paths):
-                new_state, *extra = fn(user_state, *rest)
-            new_leaves, new_def = _tree.flatten(get_path(new_state, pp))
-            if new_def != treedef:
-                raise PlanError(f"parallelize: the step changed the structure of the parameters "
-                                f"({new_def} instead of {treedef})")
-            new_state = replace_path(new_state, pp, _tree.unflatten(treedef, ctx.to_storage(new_leaves)))
-            return (new_state, *extra)
-
-        # replicated by construction (the state: reduced gradients, identical updates; the metrics: the
-        # engine's reductions): checked only when HPFUNC_CHECK_REP asks (the test suite: exact), so that the
-        # hot path pays no collective for it
-        if isinstance(state_checks, str):
-            check: Any = "trusted"
-        else:  # a pipeline: neither state nor metrics leaves of one stage (its gradients) are compared over it
-
-            def check(out: Any) -> FlatSpecs:
-                # once per structure of the extra outputs (the metrics): the checks depend on paths only
-                key = ("pipeline checks", id(planned), _tree.structure(tuple(out[1:])))
-                hit = self._cache.get(key)
-                if hit is None:
-                    rest = tuple(_tree.map_with_path(lambda path, x: False if _laid_out_like_a_stage_leaf(
-                        path, planned.res) else "trusted", o) for o in out[1:])
-                    hit = self._cache[key] = flat_checks((state_checks, *rest), out)
-                return hit
-
-        def flat_out(out: Any) -> FlatSpecs:
-            # the output specs flattened once per (state plan, spec trees): shard_map then pairs the outputs'
-            # leaves with them without flattening and broadcasting the spec tree again (the metrics' specs are
-            # one cached object per metrics structure; an output of another structure is a SpecError there)
-            specs = out_specs(out) if callable(out_specs) else out_specs
-            key = ("out specs", id(planned), id(out_planned), tuple(id(x) for x in specs))
-            hit = self._cache.get(key)
-            if hit is None or hit[0] != specs:
-                flat = flat_specs(specs, out, "out_specs", mesh)
-                marks = out_planned.marks + (None,) * (len(flat.leaves) - len(out_planned.marks))
-                hit = self._cache[key] = (specs, flat.marked(marks))
-            return hit[1]
-
-        key = ("in specs", id(planned), vouched)
-        hit = self._cache.get(key)
-        if hit is None:
-            hit = flat_specs(planned.specs, state_in, "in_specs", mesh)
-            hit = self._cache[key] = hit.vouched() if vouched else hit
-        return shard_map(body, mesh=mesh, in_specs=(hit, *arg_specs), out_specs=flat_out,
-                         check_rep=check)(state_in, *args)
 
     def _check_context(self) -> None:
         """Refuse orders of transforms that cannot make sense, naming both."""
@@ -247,16 +129,15 @@ class ParallelizedStep:
                               if isinstance(x, torch.Tensor) else x, params)
         abstract = init_fn(meta)
         get_path(abstract, pp)  # the state must hold the parameters where `params=` says
-        out_planned = self._planned(abstract)
-        out_specs = out_planned.specs
+        out_lowered = self.lower(abstract)  # the state's structure: its first step finds it lowered
         first_state = holder(pp, params)
-        planned = self._planned(first_state)
+        lowered = Lowered(self, first_state)
 
         def first(state: Any) -> tuple:
             return (init_fn(get_path(state, pp)),)
 
-        return self._run(first, first_state, planned, (), (), (out_specs,), out_planned.checks,
-                         out_planned=out_planned)[0]
+        return lowered._run(first, Flat(*_tree.flatten(first_state, none_is_leaf=True)), (), (),
+                            (out_lowered.specs,), out=out_lowered)[0]
 
     def shard_params(self, params: Any) -> Any:
         """Full parameters (identical on every rank) -> DTensors with the plan's storage specs (under a
@@ -286,39 +167,13 @@ class ParallelizedStep:
 
     def __call__(self, state: Any, batch: Any) -> tuple[Any, Any]:
         self._check_context()
-        planned, vouched, flat = self._plan_of(state)
-        if not vouched:  # a state this step returned is laid out as planned: its marks say so
-            check_params(get_path(state, self.params), planned.res, self.mesh, planned.paths, planned.placements)
-        batch_spec = self.plan.batch_spec(self.mesh)
-        self.plan.check_batch(batch, self.mesh)
-
-        def fn(user_state: Any, b: Any) -> tuple:
-            out = self.step(user_state, b)
-            if not (isinstance(out, tuple) and len(out) == 2):
-                raise TypeError(f"parallelize: the step must return (state, metrics); found {type(out).__name__}")
-            return out
-
-        return self._run(fn, flat, planned, (batch,), (batch_spec,),
-                         lambda out: (planned.specs, self._metrics_specs(out[1], planned.res)),
-                         planned.checks, donate=self.donate_state, vouched=vouched)
-
-
-def _marked(leaves: list, marks: tuple) -> bool:
-    """Whether every tensor leaf of a state is a DTensor this step returned at that position, laid out as
-    planned there (it carries the plan's mark for the position, which shard_map put only on a DTensor of
-    the planned shape; spec and mesh are the plan's, and a DTensor's layout does not change in place),
-    needing no gradient, and no other leaf is a tensor. A mark is one object per plan and position, so a
-    state made by another step, or another plan of this one, is checked as usual."""
-    if len(leaves) != len(marks):
-        return False
-    tensor, mark_of = torch.Tensor, layout_mark
-    for x, ms in zip(leaves, marks):
-        if ms is None:
-            if isinstance(x, tensor):
-                return False
-        elif mark_of(x) is not ms[0] or x.requires_grad:
-            return False
-    return True
+        positions, treedef = _tree.flatten(state, none_is_leaf=True)
+        lowered = self._lowered.get(treedef)  # one lookup by structure
+        fit = RELOWER if lowered is None else lowered.fits(positions)
+        if fit == RELOWER:  # first sight of this structure, or other shapes or dtypes in it
+            lowered = self._lowered[treedef] = Lowered(self, state, positions, treedef)
+            fit = lowered.fits(positions)
+        return lowered.run(state, positions, batch, laid_out=fit == LAID_OUT)
 
 
 def _broadcast_stages(local: Any, plan: Plan, mesh: Mesh) -> Any:
@@ -341,64 +196,6 @@ def _broadcast_stages(local: Any, plan: Plan, mesh: Mesh) -> Any:
         dist.broadcast(x, src=dist.get_global_rank(group, owner), group=group)
         found[path] = x
     return _tree.map_with_path(lambda path, x: found[path], local, none_is_leaf=True)
-
-
-def _stage_local(path: str, k: int, is_param: Mapping[int, int], paths: list[str],
-                 res: Mapping[str, LeafLayout]) -> bool:
-    """Whether state leaf ``k`` (at ``path``) belongs to one pipeline stage: a parameter of one stage, or
-    a leaf laid out like one (its optimizer state)."""
-    if k in is_param:
-        return res[paths[is_param[k]]].stage_axis is not None
-    return _laid_out_like_a_stage_leaf(path, res)
-
-
-def _laid_out_like_a_stage_leaf(path: str, res: Mapping[str, LeafLayout]) -> bool:
-    """Whether the leaf at ``path`` (not a parameter: optimizer state, a metric such as a gradient) ends
-    with the path of a parameter of one pipeline stage."""
-    suffix = param_suffix(path, res)
-    return suffix is not None and res[suffix].stage_axis is not None
-
-
-def _state_leaf_spec(path: str, x: Any, res: Mapping[str, LeafLayout]) -> P:
-    """A state leaf that is not a parameter: laid out like the parameter whose path ends its path (and
-    whose shape it has), replicated otherwise."""
-    if not isinstance(x, torch.Tensor) or x.ndim == 0:
-        return P()
-    suffix = param_suffix(path, res)
-    if suffix is None:
-        return P()  # not parameter-like: replicated (an RNG key, a global buffer)
-    if tuple(x.shape) != res[suffix].shape:
-        raise PlanError(f"state leaf {path!r} of shape {tuple(x.shape)} ends with the parameter path "
-                        f"{suffix!r} but not with its shape {res[suffix].shape}; its sharding cannot be "
-                        f"inferred (optimizer state must be shaped like the parameters)")
-    return res[suffix].spec.opt
-
-
-def _metric_spec(path: str, x: Any, res: Mapping[str, LeafLayout], mesh: Mesh) -> P:
-    """A metric is replicated, unless it is laid out like a parameter's optimizer block (a gradient)."""
-    if not isinstance(x, torch.Tensor) or x.ndim == 0:
-        return P()
-    suffix = param_suffix(path, res)
-    if suffix is not None and tuple(x.shape) == res[suffix].block_shape(mesh):
-        return res[suffix].spec.opt
-    return P()
-
-
-def check_params(params: Any, res: Mapping[str, LeafLayout], mesh: Mesh, paths: list[str] | None = None,
-                 placements: list[tuple] | None = None) -> None:
-    """:class:`PlanError` naming the first parameter DTensor not stored as the plan says (``paths``, and
-    ``placements`` the storage placements of each, in flattening order, when known)."""
-    pairs = _tree.leaves_with_paths(params) if paths is None else zip(paths, _tree.leaves(params))
-    for k, (path, x) in enumerate(pairs):
-        r = res[path]
-        if isinstance(x, DTensor):
-            # placements, not sharding_of(): this runs every step and must stay cheap
-            want = (placements[k] if placements is not None
-                    else tuple(spec_to_placements(r.spec.storage, mesh, x.ndim, where=path)))
-            same_mesh = x.device_mesh is mesh.device_mesh or x.device_mesh == mesh.device_mesh
-            if not same_mesh or tuple(x.placements) != want:
-                raise PlanError(f"parameter {path!r} is stored as {sharding_of(x).spec!r} but the plan stores it "
-                                f"as {r.spec.storage!r}; use train_step.shard_params / hpfunc.reshard first")
 
 
 def parallelize(step: Callable, mesh: Mesh, plan: Plan, *, params: str = "params",

@@ -54,7 +54,7 @@ from hpfunc.transforms.policies import (
 )
 
 __all__ = [
-    "Decision", "Policy", "UnknownNameWarning", "remat", "checkpoint_name", "as_policy",
+    "Decision", "Policy", "UnknownNameWarning", "remat", "checkpoint_name", "as_policy", "saved_activations",
     "nothing_saveable", "everything_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable",
     "save_only_these_names", "save_any_names_but_these", "save_and_offload_only_these_names",
     "save_from_both_policies", "checkpoint_policies",
@@ -303,3 +303,20 @@ def _run_checkpointed(f: Callable, pol: Policy, memory_kind: str | None, preserv
         return checkpoint(body, *leaves, use_reentrant=False, preserve_rng_state=preserve_rng_state)
     return checkpoint(body, *leaves, use_reentrant=False, preserve_rng_state=preserve_rng_state,
                       context_fn=_sac_context(pol, memory_kind))
+
+
+def saved_activations(fn: Callable, *args: Any, policy: Any = None, state_argnums: Any = (), **kwargs: Any) -> Any:
+    """:func:`hpfunc.memory.saved_activations` of ``remat(fn, policy=policy)`` (of ``fn`` when ``policy`` is
+    ``None``), the report labelled with the policy: what a remat policy keeps alive.
+
+    >>> import torch
+    >>> r = saved_activations(lambda x: x.sin().sin().sum(), torch.ones(256), policy=nothing_saveable)
+    >>> r.policy, r.device_bytes
+    ('nothing_saveable', 1024)
+    """
+    from hpfunc.memory import saved_activations as measure
+
+    if policy is None:
+        return measure(fn, *args, state_argnums=state_argnums, **kwargs)
+    return measure(remat(fn, policy=policy), *args, state_argnums=state_argnums, label=str(as_policy(policy)),
+                   **kwargs)

@@ -25,8 +25,10 @@ and the axis (``check_rep=``; the default comes from the environment variable ``
 ``check_rep`` may also be a tree prefix of the outputs, one check per subtree, or a function of the
 output returning one (as ``out_specs`` may).
 
-An output that is the very block of an input DTensor of the same spec (returned unchanged, or written
-in place: a donated state) comes back as that input DTensor itself; every other output is a new DTensor.
+An output that is the very block handed in for an input DTensor of the same spec (the same tensor,
+returned unchanged) comes back as that input DTensor itself; every other output is a new DTensor.
+Nothing here depends on a tensor's address or on attributes set on tensors (it runs under
+``FakeTensorMode``, where every fake tensor has address 0).
 
 Gradients flow through it: the gradient of an input replicated along an axis is summed over that
 axis, and the cotangent of an output replicated along an axis is split among its replicas (see
@@ -58,7 +60,7 @@ from hpfunc import tree as _tree
 from hpfunc.mesh import Mesh, current_mesh
 from hpfunc.sharding import P, SpecError, _copy_spec, _wrap_local, as_spec, spec_to_placements
 
-__all__ = ["shard_map", "ReplicationError", "Flat", "FlatSpecs", "layout_mark"]
+__all__ = ["shard_map", "ReplicationError", "Flat", "FlatSpecs"]
 
 
 class ReplicationError(ValueError):
@@ -69,42 +71,26 @@ def _is_spec(x: Any) -> bool:
     return x is None or isinstance(x, P)
 
 
-def _cache_key(*parts: Any) -> Any:
-    """``parts`` as a key of :meth:`Mesh._cached`, or ``None`` when one of them is not hashable."""
-    try:
-        hash(parts)
-    except TypeError:
-        return None
-    return parts
-
-
 class FlatSpecs:
     """Specs (or replication checks) already paired with a structure: ``leaves[i]`` belongs to leaf ``i``
     of a value whose structure, with ``None`` as a leaf, is ``treedef``. A caller that maps values of the
-    same structures call after call (``hpfunc.parallelize``: the state, the metrics) builds it once with
-    :func:`flat_specs` and passes it as ``in_specs`` / ``out_specs`` / ``check_rep`` (or returns it from
-    the callable form), so that the spec tree is not flattened and broadcast again on every call."""
+    same structures call after call (a lowered parallelized step: the state, the metrics) builds it once
+    with :func:`flat_specs` and passes it as ``in_specs`` / ``out_specs`` / ``check_rep`` (or returns it
+    from the callable form), so that the spec tree is not flattened and broadcast again on every call."""
 
-    __slots__ = ("treedef", "leaves", "laid_out", "marks", "_modes")
+    __slots__ = ("treedef", "leaves", "laid_out", "_modes")
 
-    def __init__(self, treedef: Any, leaves: Sequence[Any], *, laid_out: bool = False, marks: Sequence | None = None):
+    def __init__(self, treedef: Any, leaves: Sequence[Any], *, laid_out: bool = False):
         self.treedef, self.leaves = treedef, tuple(leaves)
         self._modes: tuple | None = None  # as checks: (HPFUNC_CHECK_REP, the mode of each leaf) last read
         # as in_specs: the caller vouches that every DTensor leaf of the values is already laid out on the
-        # mesh as its spec says (it made them so: a parallelized step's own output), so that each enters as
-        # its local block without the layout being looked up and compared
+        # mesh as its spec says (it compared them: a lowered step's Lowered.fits), so that each enters as
+        # its local block without the layout being looked up and compared again
         self.laid_out = laid_out
-        # as out_specs: per leaf ``None`` or ``(mark, global shape)``: the DTensor returned there, if of that
-        # shape, carries ``mark`` (read by :func:`layout_mark`), e.g. to recognise it when it comes back
-        self.marks = None if marks is None else tuple(marks)
 
     def vouched(self) -> "FlatSpecs":
         """These specs, with the caller's word that the values' DTensors are laid out by them (see above)."""
-        return FlatSpecs(self.treedef, self.leaves, laid_out=True, marks=self.marks)
-
-    def marked(self, marks: Sequence) -> "FlatSpecs":
-        """These specs, the outputs made by them marked (see above)."""
-        return FlatSpecs(self.treedef, self.leaves, laid_out=self.laid_out, marks=marks)
+        return FlatSpecs(self.treedef, self.leaves, laid_out=True)
 
     def __repr__(self) -> str:
         return f"FlatSpecs({len(self.leaves)} leaves{', laid out' if self.laid_out else ''})"
@@ -141,9 +127,9 @@ def _pair_specs(specs: Any, values: Any, what: str,
     """Flatten ``values`` and pair each leaf with its spec from the prefix tree ``specs``.
 
     Returns the leaves, their specs, the treedef and ``path(i)``, the dotted path of leaf ``i`` (built
-    only when asked: only errors need it). With ``mesh``, the specs broadcast over a structure are
-    computed once per (spec tree, structure): they depend on nothing else, and broadcasting a prefix
-    over a state of a few hundred leaves costs milliseconds per call.
+    only when asked: only errors need it). A prefix tree is broadcast on every call (a few hundred
+    leaves cost milliseconds): a caller mapping one structure call after call passes :class:`FlatSpecs`
+    built once instead (a lowered parallelized step does). ``mesh`` is unused (kept for callers).
     """
     if isinstance(values, Flat):
         leaves, treedef = values.leaves, values.treedef
@@ -174,10 +160,9 @@ def _pair_specs(specs: Any, values: Any, what: str,
                 ) from None
         return tuple(s if isinstance(s, P) else as_spec(s) for s in found)
 
-    # (type, value) pairs: a P and a plain tuple of the same entries compare equal
-    key = None if mesh is None else _cache_key("shard_map.specs", spec_def, tuple((type(x), x) for x in spec_leaves),
-                                               treedef)
-    return leaves, (paired() if key is None else mesh._cached(key, paired)), treedef, path
+    if spec_def.num_leaves == 1 and spec_def.num_nodes == 1 and isinstance(spec_leaves[0], P):
+        return leaves, (spec_leaves[0],) * len(leaves), treedef, path  # one spec for every leaf
+    return leaves, paired(), treedef, path
 
 
 class _SumReplicaGrads(torch.autograd.Function):
@@ -289,13 +274,7 @@ def _leaf_checks(check_rep: Any, out: Any, mesh: Mesh | None = None,
         if check_rep._modes is None or check_rep._modes[0] != env:
             check_rep._modes = (env, _modes(check_rep.leaves))
         return check_rep._modes[1]
-    key = None
-    if mesh is not None:
-        check_leaves, check_def = optree.tree_flatten(check_rep, is_leaf=_is_mode, none_is_leaf=True,
-                                                      namespace=_tree.NAMESPACE)
-        key = _cache_key("shard_map.checks", check_def, tuple((type(m), m) for m in check_leaves), treedef)
-    return _modes(_broadcast_checks(check_rep, out) if key is None
-                  else mesh._cached(key, lambda: _broadcast_checks(check_rep, out)))
+    return _modes(_broadcast_checks(check_rep, out))
 
 
 def _replicated_axes(spec: P, mesh: Mesh) -> tuple[str, ...]:
@@ -588,10 +567,10 @@ def _enter_leaves(leaves: list, leaf_specs: Sequence[P], mesh: Mesh, argname: st
                   entered: dict, laid_out: bool = False) -> list:
     """:func:`_enter` of every leaf. A DTensor already laid out as its spec says on this mesh, whose
     layout was checked before for its spec and shape (a parallelized step's state from the second step
-    on), is its local tensor at once: the check and the placements are read from the mesh's cache (with
-    ``laid_out``, the caller's word for it: not even that). Each such DTensor is noted in ``entered`` by
-    the address of its block, with its spec, so that an output that is that very block leaves as it
-    (:func:`_exit_leaves`)."""
+    on), is its local tensor at once: the check and the placements are read from the mesh's facts (with
+    ``laid_out``, the caller's word for it: not even that). Each such DTensor is noted in ``entered``
+    with its spec under the block handed to the function, so that an output that *is* that block (the
+    same tensor object) leaves as that DTensor again (:func:`_exit_leaves`)."""
     memo, dm = mesh._memo, mesh.device_mesh
     out = []
     for j, (x, s) in enumerate(zip(leaves, leaf_specs)):
@@ -605,33 +584,21 @@ def _enter_leaves(leaves: list, leaf_specs: Sequence[P], mesh: Mesh, argname: st
                 if lay is None or xs.mesh is not dm or xs.placements != lay[0]:
                     out.append(_enter(functools.partial(path, j), x, s, mesh, argname))
                     continue
-            local = x._local_tensor
-            if local.numel():
-                entered[local.data_ptr()] = (x, s, local)
-            out.append(local.detach())
+            block = x._local_tensor.detach()  # a fresh alias, as to_local gives
+            # an identity map of this call (it holds the blocks, so no id is reused meanwhile); not a cache
+            entered[id(block)] = (x, s, block)
+            out.append(block)
             continue
         out.append(_enter(functools.partial(path, j), x, s, mesh, argname))
     return out
 
 
-_MARK = "_hpfunc_shard_map_mark"
-
-
-def layout_mark(x: Any) -> Any:
-    """The mark a ``shard_map`` whose ``out_specs`` carried marks (:meth:`FlatSpecs.marked`) put on the
-    DTensor ``x`` it returned, or ``None``. DTensors do not change layout in place, so a mark vouches for
-    the spec, mesh and shape the marking caller chose."""
-    return getattr(x, _MARK, None)
-
-
 def _exit_leaves(leaves: list, leaf_specs: Sequence[P], mesh: Mesh, checks: Any, to_check: list,
-                 path: Callable[[int], str], entered: dict | None = None, marks: Sequence | None = None) -> list:
-    """:func:`_exit` of every leaf. A plain tensor that needs no gradient is, when it is the very block of
-    an input DTensor of the same spec (``entered``: the same memory, shape, strides and dtype; a state
-    leaf the step returned unchanged, or updated in place under donation), that DTensor again; else, of
-    a spec, shape and dtype seen before and with no replication check due, it is wrapped at once with a
-    copy of the DTensor spec cached then. ``marks`` (per leaf ``None`` or ``(mark, global shape)``,
-    see :class:`FlatSpecs`): the DTensor returned there, if of that shape, carries the mark."""
+                 path: Callable[[int], str], entered: dict | None = None) -> list:
+    """:func:`_exit` of every leaf. A plain tensor that needs no gradient is, when it is the very block
+    handed in for an input DTensor of the same spec (``entered``: a state leaf the step returned
+    unchanged), that DTensor again; else, of a spec, shape and dtype seen before and with no
+    replication check due, it is wrapped at once with a copy of the DTensor spec cached then."""
     memo, device_type = mesh._memo, mesh.device_type
     out = []
     for j, (y, s) in enumerate(zip(leaves, leaf_specs)):
@@ -641,16 +608,13 @@ def _exit_leaves(leaves: list, leaf_specs: Sequence[P], mesh: Mesh, checks: Any,
         check = checks[j] if isinstance(checks, list) else checks
         o = None
         if type(y) is torch.Tensor and not y.requires_grad:
-            hit = entered.get(y.data_ptr()) if entered else None
-            if hit is not None:
-                x, xs, local = hit
-                if ((xs is s or xs == s) and y.dtype is local.dtype and y.shape == local.shape
-                        and y.stride() == local.stride()):
-                    if check is not None:  # the promise of replication is checked all the same
-                        _, replicated, _ = _out_layout(y, s, mesh, lambda: path(j))
-                        if replicated:
-                            to_check.append((check, functools.partial(path, j), y, replicated))
-                    o = x
+            hit = entered.get(id(y)) if entered else None
+            if hit is not None and hit[2] is y and (hit[1] is s or hit[1] == s):
+                if check is not None:  # the promise of replication is checked all the same
+                    _, replicated, _ = _out_layout(y, s, mesh, lambda: path(j))
+                    if replicated:
+                        to_check.append((check, functools.partial(path, j), y, replicated))
+                o = hit[0]
             if o is None:
                 key = ("shard_map.out wrap", s, y.shape, y.dtype)
                 hit = memo.get(key)
@@ -663,10 +627,6 @@ def _exit_leaves(leaves: list, leaf_specs: Sequence[P], mesh: Mesh, checks: Any,
                         memo[key] = (_copy_spec(o._spec), replicated)
         else:
             o = _exit(functools.partial(path, j), y, s, mesh, check, to_check)
-        if marks is not None:
-            ms = marks[j]
-            if ms is not None and type(o) is DTensor and getattr(o, _MARK, None) is not ms[0] and o.shape == ms[1]:
-                setattr(o, _MARK, ms[0])
         out.append(o)
     return out
 
@@ -731,7 +691,7 @@ def shard_map(
                 f"per positional argument ({len(args)}), found {in_specs!r}"
             )
         local_args = []
-        entered: dict = {}  # the address of an input DTensor's block -> (that DTensor, its spec, the block)
+        entered: dict = {}  # id of a block handed in -> (its input DTensor, its spec, the block), this call only
         for i, (spec_i, arg) in enumerate(zip(specs, args)):
             leaves, leaf_specs, treedef, path = _pair_specs(spec_i, arg, "in_specs", m)
             laid_out = isinstance(spec_i, FlatSpecs) and spec_i.laid_out
@@ -743,8 +703,7 @@ def shard_map(
         leaves, leaf_specs, treedef, path = _pair_specs(specs_out, out, "out_specs", m)
         checks = _leaf_checks(check_rep(out) if callable(check_rep) else check_rep, out, m, treedef)
         to_check: list = []
-        new = _exit_leaves(leaves, leaf_specs, m, checks, to_check, path, entered,
-                           specs_out.marks if isinstance(specs_out, FlatSpecs) else None)
+        new = _exit_leaves(leaves, leaf_specs, m, checks, to_check, path, entered)
         del entered
         if to_check:
             for mode, run in (("exact", _check_exact), ("checksum", _check_checksums)):

@@ -1,6 +1,6 @@
 """The import graph of hpfunc, read from the source (ast, nothing imported): no import cycle between
-hpfunc's modules, and the core, the models and the optimizers never import the transforms or the
-trainer (they are the layers those are built on).
+hpfunc's modules, and the core, the memory reports, the models and the optimizers never import the
+transforms or the trainer (they are the layers those are built on).
 
 Edges: every ``import`` statement, including those inside functions, except under
 ``if TYPE_CHECKING:`` (never executed). ``import a.b`` is an edge to ``a.b`` (not to the parent
@@ -22,7 +22,7 @@ from _source_modules import PACKAGE, SourceModule, source_modules
 # The layers below the transforms and the trainer.
 CORE = ("hpfunc.tree", "hpfunc.mesh", "hpfunc.sharding", "hpfunc.lax", "hpfunc.random", "hpfunc.autodiff",
         "hpfunc.comm", "hpfunc.microbatch", "hpfunc.saved_tensors", "hpfunc.durable")
-CORE_PACKAGES = ("hpfunc.layout", "hpfunc.models", "hpfunc.optim")  # and all their submodules
+CORE_PACKAGES = ("hpfunc.layout", "hpfunc.memory", "hpfunc.models", "hpfunc.optim")  # and all their submodules
 UPPER_PACKAGES = ("hpfunc.transforms", "hpfunc.train")
 
 

@@ -235,14 +235,14 @@ def run_norm_of_gradients_scaled_in_place() -> tuple[float, float]:
 
 def run_pipelined_state_checks() -> int:
     """How many of three pipelined steps (the state holds None for the other rank's stages) checked the
-    state's layout: none, the state being the step's own output (its marks line up with the None
-    positions too)."""
+    state's layout: none, the state being laid out as lowered (the lowered step's expected layouts line
+    up with the None positions too)."""
     import hpfunc
     from hpfunc import optim
     from hpfunc.models import qwen3
     from hpfunc.models.qwen3 import parallel_plan
     from hpfunc.train.step import init_train_state, make_train_step
-    from hpfunc.transforms import parallelize as par
+    from hpfunc.transforms import lowered as par
 
     cfg = model_cfg("dense", 4, False)
     tx = optim.adamw(LR)

@@ -104,13 +104,19 @@ def run_comm_equal(name: str, micro: int = 1) -> int:
         out = Counter()
         for r in stats.records:
             if r.payload_bytes > 8:
-                out[(r.op, r.axes, r.phase)] += r.sent_bytes
+                # a whole-batch step starts its gradient all-reduces in the backward, per layer; micro-batches
+                # reduce their sum once after the last one: the bytes are the same, the phase is not
+                out[(r.op, r.axes) if r.op == "all_reduce" else (r.op, r.axes, r.phase)] += r.sent_bytes
         return out
 
     data = set(plan.data_axes)
 
-    def data_records(stats):  # gradient reductions over the data axes: once per step either way
-        return Counter((r.op, r.axes, r.sent_bytes) for r in stats.records if r.payload_bytes > 8 and data & set(r.axes))
+    def data_records(stats):  # gradient reductions over the data axes: once per step either way (their bytes)
+        out = Counter()
+        for r in stats.records:
+            if r.payload_bytes > 8 and data & set(r.axes):
+                out[(r.op, r.axes)] += r.sent_bytes
+        return out
 
     old = parallel_train_step(lambda p, bb: qwen3.parallel_plan.loss(p, bb, cfg)[0], tx, mesh, plan)
     opt_state = old.init_opt_state(params)
@@ -210,13 +216,14 @@ def run_donated(name, model: str = "qwen3-dense-tiny", steps: int = 3) -> dict:
 
 
 def run_marked_state() -> dict:
-    """A state a parallelized step returned comes back into it on the short path (its DTensors carry
-    the step's marks: no layout check); a leaf replaced from outside sends the state the checked way,
-    with the same result, and a leaf laid out otherwise than planned is still a PlanError. Returns
-    how many states took the checked way, and the losses."""
+    """A state laid out as the lowered step planned (its own output, or DTensors made elsewhere with the
+    planned layout: compared leaf by leaf) comes back into it on the short path (no layout check); a
+    leaf laid out otherwise sends the state the checked way (redistributed, with the same result), and
+    a parameter laid out otherwise than planned is still a PlanError. Returns how many states took the
+    checked way, and the losses."""
     import hpfunc
     from hpfunc import optim
-    from hpfunc.transforms import parallelize as par
+    from hpfunc.transforms import lowered as par
     from hpfunc.transforms import plans
     from hpfunc.transforms.plans import PlanError
 
@@ -242,12 +249,17 @@ def run_marked_state() -> dict:
             state, m = ts(state, batch)
             losses.append(float(m["loss"].full_tensor()))
         marked = len(checked)
-        # the same values and layout, but made outside the step: checked, and computed alike
+        # the same values and layout, made outside the step: compared with the plan, not checked again
         fresh = dict(state, params={"w": hpfunc.shard(state["params"]["w"].full_tensor(), mesh, hpfunc.P("fsdp"))})
         _, m_fresh = ts(fresh, batch)
-        _, m_same = ts(state, batch)
         after_fresh = len(checked) - marked
-        other = hpfunc.parallelize(step, mesh, plans.ddp("fsdp"))  # another plan: its marks are not these
+        # an optimizer leaf laid out otherwise (replicated): checked and redistributed, computed alike
+        other_layout = hpfunc.tree.tree_map(
+            lambda x: hpfunc.reshard(x, hpfunc.P()) if isinstance(x, torch.Tensor) and x.ndim == 2 else x, state["opt"])
+        _, m_other = ts(dict(state, opt=other_layout), batch)
+        after_other = len(checked) - marked - after_fresh
+        _, m_same = ts(state, batch)
+        other = hpfunc.parallelize(step, mesh, plans.ddp("fsdp"))  # another plan: w is stored otherwise
         try:
             other(state, batch)
             wrong = "no error"
@@ -255,5 +267,6 @@ def run_marked_state() -> dict:
             wrong = str(err)
     finally:
         par.check_params = original
-    return {"marked": marked, "after_fresh": after_fresh, "losses": losses, "fresh": float(m_fresh["loss"].full_tensor()),
+    return {"marked": marked, "after_fresh": after_fresh, "after_other": after_other, "losses": losses,
+            "fresh": float(m_fresh["loss"].full_tensor()), "other": float(m_other["loss"].full_tensor()),
             "same": float(m_same["loss"].full_tensor()), "wrong": wrong}

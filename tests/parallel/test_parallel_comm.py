@@ -26,8 +26,11 @@ def test_ddp_all_reduces_2psi(pools, name):
     out = pools(H.PLANS[name][0]).run(H.run_comm, name)[0]
     n = H.PLANS[name][0]
     psi_bytes = 4 * out["psi"]
-    assert _sent(out, "all_reduce", ("dp",), "forward") == Fraction(2 * (n - 1), n) * psi_bytes
-    assert set(k for k in out if isinstance(k, tuple)) == {("all_reduce", ("dp",), "forward")}
+    # the gradient all-reduces run in buckets started during the backward (engine/overlap.py): the bytes
+    # of one all-reduce of every gradient, one call per layer and one for the top-level parameters
+    assert _sent(out, "all_reduce", ("dp",), "backward") == Fraction(2 * (n - 1), n) * psi_bytes
+    assert set(k for k in out if isinstance(k, tuple)) == {("all_reduce", ("dp",), "backward")}
+    assert out[("all_reduce", ("dp",), "backward")][0] == out["layers"] + 1
     # the loss pmean; the grad norm needs no psum (every gradient block is whole on every rank)
     assert out["scalars"] == 1
 
@@ -73,10 +76,10 @@ def test_tp_two_all_reduces_per_layer_each_way(pools):
     L = out["layers"]
     assert out["act_psum"] == {"forward": 2 * L, "backward": 2 * L}
     act_sent = 2 * L * Fraction(2 * 1, 2) * out["act_bytes"]
-    assert _sent(out, "all_reduce", ("tp",), "backward") == act_sent
-    # forward: the activations plus the one gradient all-reduce of the parameters replicated over tp
-    # (embedding, lm_head, norms, router)
-    assert _sent(out, "all_reduce", ("tp",), "forward") == act_sent + Fraction(2, 2) * 4 * out["tp_replicated_numel"]
+    # backward: the activations plus the gradient all-reduces of the parameters replicated over tp
+    # (embedding, lm_head, norms, router), started in buckets during the backward
+    assert _sent(out, "all_reduce", ("tp",), "backward") == act_sent + Fraction(2, 2) * 4 * out["tp_replicated_numel"]
+    assert _sent(out, "all_reduce", ("tp",), "forward") == act_sent
 
 
 def test_fsdp_x_tp_counts(pools):
@@ -109,9 +112,9 @@ def test_tp_vocab_parallel_one_more_all_reduce_each_way(pools):
     act_sent = (2 * L + 1) * out["act_bytes"]  # n = 2: an all-reduce sends M
     tokens_bytes = 4 * 4 * 6  # one fp32 per token (batch 4 x 6)
     # cross-entropy: max, sum of exponentials and target logit forward; the last two backward
-    assert _sent(out, "all_reduce", ("tp",), "backward") == act_sent + 2 * tokens_bytes
-    grads_sent = 4 * out["tp_replicated_numel"]  # norms only
-    assert _sent(out, "all_reduce", ("tp",), "forward") == act_sent + grads_sent + 3 * tokens_bytes
+    grads_sent = 4 * out["tp_replicated_numel"]  # norms only, reduced in buckets during the backward
+    assert _sent(out, "all_reduce", ("tp",), "backward") == act_sent + 2 * tokens_bytes + grads_sent
+    assert _sent(out, "all_reduce", ("tp",), "forward") == act_sent + 3 * tokens_bytes
 
 
 @pytest.mark.parametrize("name", ["fsdp", "fsdp_keep"])

@@ -73,10 +73,11 @@ def test_microbatches_reduce_once(pools, name):
     pools(H.PLANS[name][0]).run(S.run_comm_equal, name, 2)
 
 
-def test_a_state_the_step_returned_skips_the_layout_check(pools):
-    """Marks on the DTensors a step returns (and on those init_state makes) let them back in unchecked;
-    a leaf made elsewhere is checked (same result), and another plan checks and refuses the layout."""
+def test_a_state_laid_out_as_lowered_skips_the_layout_check(pools):
+    """A state laid out as the lowered step planned (its own output, or DTensors made elsewhere alike)
+    goes in unchecked; a leaf laid out otherwise is checked and redistributed (same result), and
+    another plan checks and refuses the layout."""
     for out in pools(2).run(S.run_marked_state):
-        assert out["marked"] == 0 and out["after_fresh"] == 1, out
-        assert out["fresh"] == out["same"] and out["losses"][1] < out["losses"][0], out
+        assert out["marked"] == 0 and out["after_fresh"] == 0 and out["after_other"] == 1, out
+        assert out["fresh"] == out["same"] == out["other"] and out["losses"][1] < out["losses"][0], out
         assert "'w' is stored as" in out["wrong"] and "P('fsdp')" in out["wrong"], out["wrong"]

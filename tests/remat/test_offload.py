@@ -10,6 +10,7 @@ import torch
 import hpfunc
 from _remat_block import BlockConfig, assert_equal_trees, block, init_block, stack_loss
 from hpfunc.memory import saved_activations
+from hpfunc.transforms.remat import saved_activations as saved_under_policy
 from hpfunc.transforms import remat as R
 from hpfunc.transforms import offload as O
 
@@ -50,8 +51,8 @@ def test_remat_with_offloaded_names_matches_and_moves_bytes():
     pol = R.save_and_offload_only_these_names(names_which_can_be_saved=["q"],
                                               names_which_can_be_offloaded=["k", "v", "mlp_hidden"])
     saved_only = R.save_only_these_names("q", "k", "v", "mlp_hidden")
-    a = saved_activations(block, ps[0], x, CFG, policy=saved_only, state_argnums=(0,))
-    b = saved_activations(block, ps[0], x, CFG, policy=pol, state_argnums=(0,))
+    a = saved_under_policy(block, ps[0], x, CFG, policy=saved_only, state_argnums=(0,))
+    b = saved_under_policy(block, ps[0], x, CFG, policy=pol, state_argnums=(0,))
     named = a.by_name()
     moved = named["k"] + named["v"] + named["mlp_hidden"]
     assert b.host_bytes == moved

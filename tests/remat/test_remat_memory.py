@@ -15,6 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from _remat_block import BlockConfig, block, init_block
 from hpfunc.memory import saved_activations
+from hpfunc.transforms.remat import saved_activations as saved_under_policy
 from hpfunc.transforms import remat as R
 
 S, B, H = 4096, 1, 2048
@@ -33,7 +34,7 @@ def reports():
                          ("names", R.save_only_these_names("q", "k", "v", "mlp_hidden")),
                          ("swap", R.save_and_offload_only_these_names(
                              names_which_can_be_saved=["q", "k", "v"], names_which_can_be_offloaded=["mlp_hidden"]))]:
-            out[key] = saved_activations(block, params, x, CFG, policy=pol, state_argnums=(0,))
+            out[key] = saved_under_policy(block, params, x, CFG, policy=pol, state_argnums=(0,))
     return out
 
 
@@ -101,7 +102,7 @@ def test_meta_tensors_take_the_math_attention_path():
     params = {k: v.to(torch.bfloat16) for k, v in init_block(CFG, device="meta").items()}
     x = torch.empty(B, S, H, dtype=torch.bfloat16, device="meta")
     none = saved_activations(block, params, x, CFG, state_argnums=(0,))
-    full = saved_activations(block, params, x, CFG, policy=R.nothing_saveable, state_argnums=(0,))
+    full = saved_under_policy(block, params, x, CFG, policy=R.nothing_saveable, state_argnums=(0,))
     assert max(e.nbytes for e in none.entries) == 4 * a * S * S * B
     assert none.device_bytes > (4 * a * S / H) * SBH
     assert full.device_bytes == 2 * SBH

@@ -1,9 +1,11 @@
 """One differentiation under a plan: gather the parameters on use, run the backward, reduce the gradients.
 
-:class:`EngineConfig` is what a step's plan decides once per step (which parameters are gathered
-together, mixed precision, reshard after forward, the gradient seed). :func:`value_and_grad` runs
-``call(ws, read)`` -- ``ws`` are fresh parameter leaves (this rank's storage blocks, requiring grad, each
-tagged with its index, :func:`~hpfunc.transforms.engine.view.tag`) and ``read(w)`` is the leaf
+:class:`EngineConfig` is what a step's plan decides for its parameters (which are gathered together,
+which gradients take a collective, mixed precision, reshard after forward, the gradient seed): facts,
+decided once when the step is lowered (:class:`hpfunc.transforms.lowered.Lowered` holds it) and never
+changed. :func:`value_and_grad` runs
+``call(ws, read)`` -- ``ws`` are fresh parameter leaves (this rank's storage blocks, requiring grad,
+known by identity, :class:`~hpfunc.transforms.engine.view.Blocks`) and ``read(w)`` is the leaf
 *as used* -- with the tensor-parallel binding of the plan and the step's saved-tensor layer on the
 stack, then differentiates the loss with respect to the wanted leaves.
 
@@ -22,6 +24,7 @@ import itertools
 import math
 from typing import Any, Callable
 
+import attrs
 import torch
 
 from hpfunc import layout, saved_tensors
@@ -29,21 +32,20 @@ from hpfunc.layout import LeafLayout, PlanError
 from hpfunc.transforms.engine import sdc
 from hpfunc.transforms.engine.gather import ParamLayer, gather_group, group_key
 from hpfunc.transforms.engine.mixed import cast_for_use
+from hpfunc.transforms.engine.overlap import Overlap, buckets_of
 from hpfunc.transforms.engine.pipelined import StagePipeline, known_gradients
 from hpfunc.transforms.engine.reduce import needs_reduction, reduce_gradients
-from hpfunc.transforms.engine.view import index_of, tag
+from hpfunc.transforms.engine.view import Blocks
 
-__all__ = ["EngineConfig", "value_and_grad"]
+__all__ = ["EngineConfig", "value_and_grad", "reduce_wanted"]
 
 
 class EngineConfig:
-    """What the plan decides for one step's parameters (no communication)."""
+    """What the plan decides for one step's parameters (no communication; read-only after construction)."""
 
     def __init__(self, mesh: Any, plan: Any, leaves: list[LeafLayout], dtypes: list[torch.dtype]):
         self.mesh, self.plan, self.leaves = mesh, plan, leaves
         self.by_path = {lay.path: lay for lay in leaves}
-        # tree structure -> its leaves' paths, layouts and block shapes (trees shaped like the parameters)
-        self.layouts_of: dict = {}
         self.block_shapes = {lay.path: lay.block_shape(mesh) for lay in leaves}
         groups: dict[tuple, list[int]] = {}
         for i, (lay, dt) in enumerate(zip(leaves, dtypes)):
@@ -64,43 +66,36 @@ class EngineConfig:
         n_data = math.prod(mesh.axis_size(a) for a in mesh.axis_names if a in plan.data_axes)
         self.seed_scale = self.seed(mesh.size, n_data, plan.gradient_scaling_factor)
         self.data_axes = tuple(a for a in mesh.axis_names if a in plan.data_axes and mesh.axis_size(a) > 1)
-        self.sdc_checks = 0  # reductions checked so far (the "step" an SDC report names)
-        self._executor = None  # the pipeline's schedule executor (a pp layer), built on first use
-        self.stage_uses: dict = {}  # parameter tree structure -> per local pipeline stage, the leaves it uses
-        self.aux_templates: dict = {}  # batch structure and shapes -> the pipeline's aux template (zeros)
-        self.alike_args: dict = {}  # argument structures -> the arguments shaped like parameter-holding ones
-
-    def pipeline_executor(self) -> Any:
-        """The plan's pipeline executor on this mesh (built once: it validates the schedule)."""
-        if self._executor is None:
-            from hpfunc.transforms.engine.pipelined import build_executor
-
-            self._executor = build_executor(self)
-        return self._executor
+        # the all-reduce buckets started during the backward (overlap.py); not under a pipeline (its
+        # executor runs its own backward) nor an SDC check (it compares the reduction it runs itself)
+        self.overlap_buckets = ([] if plan.pipeline is not None or plan.sdc_check is not None
+                                else buckets_of(leaves, dtypes, plan.reduce_dtype))
 
     @staticmethod
     def seed(mesh_size: int, data_ranks: int, factor: float | None) -> float:
         """The loss's gradient seed on each rank (see the module docstring)."""
         return 1.0 / mesh_size if factor is None else factor * data_ranks / mesh_size
 
-    def reduce(self, grads: list[torch.Tensor], wanted: list[int]) -> list[torch.Tensor]:
-        """Per-rank gradients of the leaves ``wanted`` (storage layout) -> reduced, optimizer layout."""
-        plan = self.plan
-        if plan.sdc_check is None and plan.reduce_dtype is None and not any(self.reduced[i] for i in wanted):
-            return grads  # nothing to reduce (a pipeline, pure FSDP): the gradients are the optimizer blocks
-        leaves = [self.leaves[i] for i in wanted]
-        with torch.no_grad():
-            out = reduce_gradients(grads, leaves, self.plan.reduce_dtype)
-            if self.plan.sdc_check is not None:
-                step, self.sdc_checks = self.sdc_checks, self.sdc_checks + 1
-                sdc.check(leaves, out, self.mesh, step=step, policy=self.plan.sdc_check)
-        return out
+
+def reduce_wanted(program: Any, grads: list[torch.Tensor], wanted: list[int]) -> list[torch.Tensor]:
+    """Per-rank gradients of the leaves ``wanted`` (storage layout) -> reduced, optimizer layout.
+    ``program``: the lowered step (its ``engine`` facts; an SDC check counts its reductions there)."""
+    cfg = program.engine
+    plan = cfg.plan
+    if plan.sdc_check is None and plan.reduce_dtype is None and not any(cfg.reduced[i] for i in wanted):
+        return grads  # nothing to reduce (a pipeline, pure FSDP): the gradients are the optimizer blocks
+    leaves = [cfg.leaves[i] for i in wanted]
+    with torch.no_grad():
+        out = reduce_gradients(grads, leaves, plan.reduce_dtype)
+        if plan.sdc_check is not None:
+            sdc.check(leaves, out, cfg.mesh, step=program.next_sdc_step(), policy=plan.sdc_check)
+    return out
 
 
 class _Reads:
     """The parameters of one differentiation as used: gathered with their group on first read."""
 
-    def __init__(self, cfg: EngineConfig, ws: list[torch.Tensor], layer: ParamLayer):
+    def __init__(self, cfg: EngineConfig, ws: Blocks, layer: ParamLayer):
         self.cfg, self.ws, self.layer = cfg, ws, layer
         self.ready: dict[int, torch.Tensor] = {}  # gathered with their group, not yet read
         self.kept: dict[int, torch.Tensor] = {}  # without reshard: every gathered leaf until the backward ends
@@ -116,7 +111,7 @@ class _Reads:
         return fulls
 
     def __call__(self, w: torch.Tensor) -> torch.Tensor:
-        i = index_of(w, self)
+        i = self.ws.index_of(w)
         if i is None:
             return w
         cfg = self.cfg
@@ -141,23 +136,26 @@ class _Reads:
         return fulls[members.index(i)]
 
 
-def value_and_grad(cfg: EngineConfig, blocks: list[torch.Tensor], call: Callable[[list[torch.Tensor], Callable], Any],
+def value_and_grad(program: Any, blocks: list[torch.Tensor], call: Callable[[list[torch.Tensor], Callable], Any],
                    has_aux: bool, wanted: list[int] | None = None, *, where: str, reduce: bool = True,
                    step: Any = None):
     """``(loss, aux, grads)``: the per-rank loss of ``call(ws, read)`` and the gradients of the leaves
     ``wanted`` (all by default): reduced and laid out like the optimizer blocks, or with
-    ``reduce=False`` per rank (the caller reduces an accumulated sum once, :meth:`EngineConfig.reduce`).
-    ``step``: the step's layout, told by a pipeline the global norm of the gradients it hands out."""
+    ``reduce=False`` per rank (the caller reduces an accumulated sum once, :func:`reduce_wanted`).
+    ``program``: the lowered step (:class:`~hpfunc.transforms.lowered.Lowered`: its ``engine`` facts,
+    its pipeline executor). ``step``: the step's layout, told by a pipeline the global norm of the
+    gradients it hands out."""
+    cfg = program.engine
     plan = cfg.plan
     layer = ParamLayer(cfg.mesh, reshard=cfg.reshard, any_gather=cfg.any_gather)
-    reads = _Reads(cfg, [], layer)
-    ws = [tag(x, reads, i, requires_grad=x.is_floating_point()) for i, x in enumerate(blocks)]
-    reads.ws = ws
+    ws = Blocks(blocks, requires_grad=[x.is_floating_point() for x in blocks])
+    reads = _Reads(cfg, ws, layer)
     layer.own_blocks(ws)
-    pipe = None if plan.pipeline is None else StagePipeline(cfg, layer, step if reduce else None)
-    with torch.enable_grad(), saved_tensors.layer(layer), layout.tensor_parallel(
-            plan.tp_axis, vocab_parallel=plan.tp_vocab_parallel, sequence_parallel=plan.tp_sequence_parallel), \
-            layout.expert_parallel(plan.ep_axis), layout.data_parallel(cfg.data_axes), layout.pipeline(pipe):
+    pipe = None if plan.pipeline is None else StagePipeline(program, layer, step if reduce else None)
+    # one binding for the differentiated function: its data, tensor- and expert-parallel axes (decided at
+    # lowering), the pipeline runner of this differentiation; no step layout (the model runs as on one device)
+    inner = program.inner_binding if pipe is None else attrs.evolve(program.inner_binding, pipeline=pipe)
+    with torch.enable_grad(), saved_tensors.layer(layer), layout.binding(inner):
         try:
             out = call(ws, reads)
         except (TypeError, KeyError, IndexError, AttributeError) as err:
@@ -186,13 +184,26 @@ def value_and_grad(cfg: EngineConfig, blocks: list[torch.Tensor], call: Callable
     targets = [ws[i] for i in diff]
     # the pipelined loss itself (not a function of it) comes with its gradients already computed
     gs = None if pipe is None or not diff else known_gradients(loss, targets, cfg.seed_scale)
+    overlap = None
     if gs is None:
+        if reduce and cfg.overlap_buckets and diff and loss.requires_grad:
+            # each bucket's all-reduce starts from a gradient hook once its last member is final
+            overlap = Overlap(cfg.mesh, ws, wanted, cfg.overlap_buckets, plan.reduce_dtype)
         gs = (torch.autograd.grad(loss, targets, grad_outputs=torch.full_like(loss, cfg.seed_scale),
                                   allow_unused=True) if diff and loss.requires_grad else [None] * len(diff))
     reads.ready.clear()  # gathered again by a recompute in the backward and not read
     reads.kept.clear()
     by_leaf = dict(zip(diff, gs))
+    if overlap is not None and overlap.covered:
+        with torch.no_grad():
+            done = overlap.finish(by_leaf, blocks)
+        rest = [i for i in wanted if i not in done]
+        grads = [by_leaf.get(i) if by_leaf.get(i) is not None else torch.zeros_like(blocks[i]) for i in rest]
+        red = dict(zip(rest, reduce_wanted(program, grads, rest))) if rest else {}
+        return loss, aux, [done[i] if i in done else red[i] for i in wanted]
+    if overlap is not None:
+        overlap.finish(by_leaf, blocks)  # (no bucket applied: removes its hooks)
     grads = [by_leaf.get(i) if by_leaf.get(i) is not None else torch.zeros_like(blocks[i]) for i in wanted]
     if not reduce:
         return loss, aux, grads
-    return loss, aux, cfg.reduce(grads, wanted)
+    return loss, aux, reduce_wanted(program, grads, wanted)

@@ -117,7 +117,8 @@ def build_executor(cfg: Any) -> Any:
 class StagePipeline:
     """The pipeline runner of one differentiation (see the module docstring)."""
 
-    def __init__(self, cfg: Any, params_layer: Any, step: Any = None):
+    def __init__(self, program: Any, params_layer: Any, step: Any = None):
+        cfg = program.engine
         self.params_layer = params_layer  # the step's saved-tensor layer (gather.ParamLayer)
         # told the global sum of squares of the gradients handed out, reduced with the loss (one collective
         # for both), when those gradients are the step's own (see EngineConfig.pipeline_grads_final)
@@ -125,11 +126,11 @@ class StagePipeline:
         self.layer = cfg.plan.pipeline
         self.axis, self.stages = self.layer.axis, self.layer.stages
         self.seed = cfg.seed_scale
-        self.memo = cfg.stage_uses
-        self.executor = cfg.pipeline_executor()
+        self.memo = program.stage_uses
+        self.executor = program.pipeline_executor()
         self.local_stages = self.executor.local_stages
         self.needs_view = cfg.needs_view
-        self.aux_templates = cfg.aux_templates
+        self.aux_templates = program.aux_templates
         self.used = False
 
     def run(self, params: Any, batch: Any, *, owner: Any = None) -> tuple[torch.Tensor, dict]:

@@ -24,7 +24,7 @@ from hpfunc.layout import LeafLayout
 from hpfunc.transforms.engine.mixed import axis_arg
 from hpfunc.transforms.engine.packing import packed_all_gather, packed_psum, packed_psum_scatter
 
-__all__ = ["reduce_gradients", "gather_updated", "narrow_to_opt", "needs_reduction"]
+__all__ = ["reduce_gradients", "gather_updated", "narrow_to_opt", "needs_reduction", "reduction_bucket"]
 
 
 def narrow_to_opt(x: torch.Tensor, extra: tuple) -> torch.Tensor:
@@ -52,25 +52,40 @@ def needs_reduction(lay: LeafLayout) -> bool:
     return bool(lay.opt_extra or lay.replicated)
 
 
+def reduction_bucket(lay: LeafLayout, dtype: torch.dtype) -> tuple | None:
+    """The bucket a gradient of this leaf (of ``dtype``) is reduced in: ``("ar", (), axes, dtype)`` (a
+    packed ``psum`` over the replicated axes), ``("rs", zero_axes, rest, dtype)`` (a packed
+    ``psum_scatter`` on ZeRO's axes, then a ``psum`` over the other replicated axes), ``("rs2", dims,
+    rest, dtype)`` (two ZeRO dimensions: its own collectives), or ``None`` (no collective).
+
+    >>> from hpfunc.layout import LeafLayout, LeafSpec
+    >>> reduction_bucket(LeafLayout("w", (4,), LeafSpec.of(()), replicated=("dp",)), torch.float32)
+    ('ar', (), ('dp',), torch.float32)
+    """
+    if not needs_reduction(lay):
+        return None
+    done = {a for _, axes in lay.opt_extra for a in axes}
+    rest = tuple(a for a in lay.replicated if a not in done)
+    if len(lay.opt_extra) > 1:
+        return ("rs2", lay.opt_extra, rest, dtype)
+    if lay.opt_extra:
+        return ("rs", lay.opt_extra[0][1], rest, dtype)
+    return ("ar", (), rest, dtype) if rest else None
+
+
 def _reduce(grads: list[torch.Tensor], leaves: list[LeafLayout]) -> list[torch.Tensor]:
     out: list[torch.Tensor | None] = [None] * len(grads)
     buckets: dict[tuple, list[int]] = {}
     for i, (lay, g) in enumerate(zip(leaves, grads)):
-        if not needs_reduction(lay):
+        bucket = reduction_bucket(lay, g.dtype)
+        if bucket is None:
             out[i] = g
-            continue
-        done = {a for _, axes in lay.opt_extra for a in axes}
-        rest = tuple(a for a in lay.replicated if a not in done)
-        if len(lay.opt_extra) > 1:  # rare (two ZeRO dims): one collective per dimension
+        elif bucket[0] == "rs2":  # rare (two ZeRO dims): one collective per dimension
             for d, axes in lay.opt_extra:
                 g = lax.psum_scatter(g, axis_arg(axes), scatter_dimension=d, tiled=True)
-            out[i] = lax.psum(g, rest) if rest else g
-        elif lay.opt_extra:
-            buckets.setdefault(("rs", lay.opt_extra[0][1], rest, g.dtype), []).append(i)
-        elif rest:
-            buckets.setdefault(("ar", (), rest, g.dtype), []).append(i)
+            out[i] = lax.psum(g, bucket[2]) if bucket[2] else g
         else:
-            out[i] = g
+            buckets.setdefault(bucket, []).append(i)
     for (kind, axes, rest, _), idx in buckets.items():
         members = [grads[i] for i in idx]
         if kind == "ar":

@@ -2,9 +2,9 @@
 :class:`hpfunc.layout.StepLayout` for :func:`hpfunc.parallelize`.
 
 The step receives its parameters as this rank's *optimizer blocks* (the storage block, narrowed
-further on ZeRO-1/2 axes), each tagged as a parameter of this step (:func:`~hpfunc.transforms.engine.view.tag`).
-:meth:`RankStep.value_and_grad` recognises them in the arguments of a differentiated function by that
-tag, runs the plan's differentiation (:mod:`~hpfunc.transforms.engine.differentiate`) with the
+further on ZeRO-1/2 axes), handed out as :class:`~hpfunc.transforms.engine.view.Blocks`.
+:meth:`RankStep.value_and_grad` recognises them in the arguments of a differentiated function by
+identity, runs the plan's differentiation (:mod:`~hpfunc.transforms.engine.differentiate`) with the
 function seeing them as used, and returns the gradients reduced and laid out like the blocks; the
 value is the mean over data shards and ``aux`` tensors are averaged (floats) or summed (integers)
 over data shards. :meth:`RankStep.to_storage` puts the parameters the step returns back to storage.
@@ -18,13 +18,12 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from hpfunc import lax, layout, saved_tensors
+from hpfunc import lax, saved_tensors
 from hpfunc import tree as _tree
 from hpfunc.layout import LeafLayout, PlanError
 from hpfunc.transforms.engine import differentiate
-from hpfunc.transforms.engine.differentiate import EngineConfig
 from hpfunc.transforms.engine.reduce import gather_updated, narrow_to_opt
-from hpfunc.transforms.engine.view import index_of, lazy, tag
+from hpfunc.transforms.engine.view import Blocks, lazy
 
 __all__ = ["RankStep", "reduce_batch_stats"]
 
@@ -64,7 +63,7 @@ class _Accumulation:
             raise PlanError(f"hpfunc.microbatch: the accumulated gradient has {len(leaves)} leaves, each "
                             f"micro-batch's had {len(self.order)}")
         at = [k for k, i in enumerate(self.order) if i is not None]
-        red = self.step.cfg.reduce([leaves[k] for k in at], [self.order[k] for k in at])
+        red = differentiate.reduce_wanted(self.step.program, [leaves[k] for k in at], [self.order[k] for k in at])
         for k, r in zip(at, red):
             leaves[k] = r
         return _tree.unflatten(treedef, leaves)
@@ -73,15 +72,16 @@ class _Accumulation:
 class RankStep:
     """One rank's view of a parallelized step (see the module docstring)."""
 
-    def __init__(self, cfg: EngineConfig, paths: list[str], storage: list[torch.Tensor], *,
-                 donate_state: bool = False):
-        self.cfg, self.mesh = cfg, cfg.mesh
+    def __init__(self, program: Any, storage: list[torch.Tensor], *, donate_state: bool = False):
+        # program: the lowered step (hpfunc.transforms.lowered.Lowered): its engine facts and parameter
+        # paths, and the structures its first runs found
+        cfg = program.engine
+        self.program, self.cfg, self.mesh = program, cfg, cfg.mesh
         self.donate_state = donate_state
-        self.paths, self.leaves = paths, cfg.leaves
+        self.paths, self.leaves = program.paths, cfg.leaves
         self.by_path = cfg.by_path
         self.storage = storage
-        self.opt_blocks = [tag(narrow_to_opt(x, lay.opt_extra), self, i)
-                           for i, (x, lay) in enumerate(zip(storage, cfg.leaves))]
+        self.opt_blocks = Blocks([narrow_to_opt(x, lay.opt_extra) for x, lay in zip(storage, cfg.leaves)])
         self.block_shapes = cfg.block_shapes
         self.pipeline_axis = cfg.plan.pp_axis  # norms sum over it: each pipeline rank holds some stages
         self._acc: _Accumulation | None = None
@@ -102,11 +102,11 @@ class RankStep:
 
     def leaf_layouts(self, tree: Any, where: str) -> list[LeafLayout]:
         leaves, treedef = _tree.flatten(tree)
-        hit = self.cfg.layouts_of.get(treedef)
+        hit = self.program.layouts_of.get(treedef)
         if hit is None:  # once per tree structure: its paths, their layouts and block shapes
             paths = [p for p, _ in _tree.leaves_with_paths(tree)]
             layouts = [self.leaf(path, None, where) for path in paths]
-            hit = self.cfg.layouts_of[treedef] = (paths, layouts,
+            hit = self.program.layouts_of[treedef] = (paths, layouts,
                                                 [torch.Size(self.block_shapes[path]) for path in paths])
         paths, layouts, shapes = hit
         for path, x, shape in zip(paths, leaves, shapes):
@@ -158,7 +158,7 @@ class RankStep:
                 raise ValueError(f"value_and_grad: argnums {a} but the function got {len(args)} positional arguments")
         argnums = tuple(a % len(args) for a in argnums)
         flat = [_tree.flatten(arg) for arg in args]  # each argument flattened once
-        index = [[index_of(x, self) for x in leaves] for leaves, _ in flat]  # which leaves are parameters
+        index = [[self.opt_blocks.index_of(x) for x in leaves] for leaves, _ in flat]  # which leaves are parameters
         with_params, wanted = self._find_params(args, argnums, flat, index)
         cfg = self.cfg
 
@@ -168,11 +168,10 @@ class RankStep:
                 leaves, treedef = flat[a]
                 swapped = _tree.unflatten(treedef, [x if i is None else ws[i] for x, i in zip(leaves, index[a])])
                 new_args[a] = lazy(swapped, read) if cfg.needs_view else swapped
-            with layout.bind(None):
-                return fn(*new_args, **kwargs)
+            return fn(*new_args, **kwargs)  # under the lowered step's inner binding (no step layout)
 
         acc = self._acc
-        loss, aux, red = differentiate.value_and_grad(cfg, self.storage, call, has_aux, wanted,
+        loss, aux, red = differentiate.value_and_grad(self.program, self.storage, call, has_aux, wanted,
                                                       where="value_and_grad", reduce=acc is None, step=self)
         grad_of = dict(zip(wanted, red))
         with torch.no_grad():
@@ -212,10 +211,10 @@ class RankStep:
         # leaves) is viewed too, so that structural tree operations between them still line up (decided by
         # the arguments' structures: once per structures)
         key = (tuple(treedef for _, treedef in flat), tuple(with_params))
-        alike = self.cfg.alike_args.get(key)
+        alike = self.program.alike_args.get(key)
         if alike is None:
             shapes = {_tree.structure(args[a], none_is_leaf=True) for a in with_params}
-            alike = self.cfg.alike_args[key] = [
+            alike = self.program.alike_args[key] = [
                 a for a, arg in enumerate(args) if a not in with_params and isinstance(arg, (Mapping, list))
                 and _tree.structure(arg, none_is_leaf=True) in shapes]
         return with_params + alike, sorted(set(wanted))

@@ -1,13 +1,13 @@
 """The parameter view of a parallelized step: parameter blocks that know which parameter they are, and
 the lazy tree a differentiated function reads them through.
 
-Inside a step every parameter is this rank's block: a plain tensor (:func:`tag`: an alias of the
-block, no copy) that carries, as two attributes, the step it belongs to and its index in the step's
-parameter list. Whatever an op makes from it is a new tensor without them, so a tensor is a
-parameter of the step exactly when it *is* one of the blocks the step handed out. That is how the step
-recognises the parameters a function differentiates, whatever tree operations (``split_params``,
-``merge_params``) built the argument. (A plain tensor, not a subclass: a subclass would cost every op
-it enters about a microsecond of dispatch, and keep the optimizers off their fused ``foreach`` path.)
+Inside a step every parameter is this rank's block: a plain tensor (an alias of the block, no copy)
+that the step handed out in a :class:`Blocks` list. Whatever an op makes from it is a new tensor, so a
+tensor is a parameter of the step exactly when it *is* one of those blocks (identity, asked of the
+list: nothing is attached to the tensor). That is how the step recognises the parameters a function
+differentiates, whatever tree operations (``split_params``, ``merge_params``) built the argument. (A
+plain tensor, not a subclass: a subclass would cost every op it enters about a microsecond of
+dispatch, and keep the optimizers off their fused ``foreach`` path.)
 
 The function being differentiated receives the parameters as a :func:`lazy` view: indexing it returns
 the leaf *as used* (``read(block)``: gathered over FSDP axes, cast under mixed precision), at the
@@ -16,10 +16,10 @@ hpfunc's namespace (:data:`hpfunc.tree.NAMESPACE`) whose children are the blocks
 operations through :mod:`hpfunc.tree` keep it lazy.
 
     >>> import torch
-    >>> owner = object()
-    >>> w = tag(torch.ones(2, 2), owner, 3)
-    >>> index_of(w, owner), index_of(w + 1, owner), index_of(w, object())
-    (3, None, None)
+    >>> blocks = Blocks([torch.zeros(1), torch.ones(2, 2)])
+    >>> w = blocks[1]
+    >>> blocks.index_of(w), blocks.index_of(w + 1), Blocks([torch.ones(2, 2)]).index_of(w)
+    (1, None, None)
     >>> v = lazy({"layer": {"w": w}}, lambda b: b * 10)
     >>> float(v["layer"]["w"][0, 0]), "w" in v["layer"]
     (10.0, True)
@@ -34,22 +34,37 @@ import torch
 
 from hpfunc import tree as _tree
 
-__all__ = ["tag", "index_of", "lazy", "materialize"]
+__all__ = ["Blocks", "lazy", "materialize"]
 
 
-def tag(x: torch.Tensor, owner: Any, index: int, *, requires_grad: bool = False) -> torch.Tensor:
-    """``x`` (an alias: the same storage, a tensor of its own) as the block of parameter ``index`` of ``owner``."""
-    t = x.detach()
-    if requires_grad:
-        t.requires_grad_(True)
-    t._hpfunc_param = (owner, index)
-    return t
+class Blocks(Sequence):
+    """Aliases of parameter blocks (``x.detach()``: the same storage, tensors of their own, requiring
+    grad where ``requires_grad``) that know their index by identity: ``blocks.index_of(x)``."""
 
+    __slots__ = ("_tensors", "_at")
 
-def index_of(x: Any, owner: Any) -> int | None:
-    """The parameter index of ``x`` if it is a block of ``owner``'s parameters, else ``None``."""
-    tagged = getattr(x, "_hpfunc_param", None)
-    return tagged[1] if tagged is not None and tagged[0] is owner else None
+    def __init__(self, tensors: Sequence[torch.Tensor], *, requires_grad: Sequence[bool] | bool = False):
+        flags = [requires_grad] * len(tensors) if isinstance(requires_grad, bool) else list(requires_grad)
+        self._tensors = [x.detach().requires_grad_(True) if g else x.detach() for x, g in zip(tensors, flags)]
+        # an identity map of this list's own tensors (it keeps them alive, so no id is reused meanwhile)
+        self._at = {id(t): i for i, t in enumerate(self._tensors)}
+
+    def index_of(self, x: Any) -> int | None:
+        """The index of ``x`` if it is one of these very tensors, else ``None``."""
+        i = self._at.get(id(x))
+        return i if i is not None and self._tensors[i] is x else None
+
+    def __getitem__(self, i: Any) -> Any:
+        return self._tensors[i]
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    def __iter__(self):
+        return iter(self._tensors)
+
+    def __repr__(self) -> str:
+        return f"Blocks({len(self._tensors)})"
 
 
 class _LazyDict(Mapping):

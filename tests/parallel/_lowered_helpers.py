@@ -1,0 +1,93 @@
+"""Rank functions of test_lowered.py: ``train_step.lower(state, batch)`` printed on a real mesh."""
+
+from __future__ import annotations
+
+import torch
+
+
+def _params() -> dict:
+    g = torch.Generator().manual_seed(0)
+    return {"embed": torch.randn(8, 4, generator=g),
+            "layers": [{"wq": torch.randn(4, 4, generator=g) / 2, "wo": torch.randn(4, 4, generator=g) / 2}
+                       for _ in range(2)],
+            "bias": torch.randn(3, generator=g)}
+
+
+def _step(state, batch):
+    import hpfunc
+
+    def loss(p):
+        h = p["embed"][batch]
+        for layer in p["layers"]:
+            h = h @ layer["wq"] @ layer["wo"]
+        return (h[..., :3] + p["bias"]).pow(2).mean()
+
+    value, g = hpfunc.value_and_grad(loss)(state["params"])
+    new = hpfunc.tree.tree_map(lambda w, d: w - 0.01 * d, state["params"], g)
+    return {"params": new}, {"loss": value}
+
+
+def run_printed(plan_name: str) -> dict:
+    """``str(train_step.lower(state, batch))`` under ``plan_name`` on 2 ranks, whether the step found it
+    (the same object) after running, and the loss of two steps run by the Lowered and the step."""
+    import hpfunc
+    from hpfunc.transforms import plans
+
+    axis = {"fsdp": "fsdp", "ddp": "dp", "zero2": "dp"}[plan_name]
+    plan = getattr(plans, plan_name)(axis)
+    ts = hpfunc.parallelize(_step, hpfunc.Mesh({axis: 2}), plan)
+    state = {"params": ts.shard_params(_params())}
+    batch = torch.arange(8).reshape(4, 2) % 8
+    lowered = ts.lower(state, batch)
+    text = str(lowered)
+    state, m1 = lowered(state, batch)
+    state, m2 = ts(state, batch)
+    return {"text": text, "same": ts.lower(state) is lowered,
+            "losses": [float(m1["loss"].full_tensor()), float(m2["loss"].full_tensor())]}
+
+
+def run_reductions_during_backward(plan_name: str) -> dict:
+    """One step of the small model under ``plan_name`` on 2 ranks, with an identity autograd function on
+    the embedding's output: its backward runs after every layer's (it is the model's first op), and
+    counts the gradient all-reduces the comm counter has seen issued by then. Returns that count, the
+    number of gradient all-reduces in all and their phases."""
+    import hpfunc
+    from hpfunc.transforms import plans
+
+    axis = "dp"
+    seen: list[int] = []
+    stats_box: list = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(x):
+            return x.view_as(x)
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            pass
+
+        @staticmethod
+        def backward(ctx, g):
+            seen.append(sum(1 for r in stats_box[0].records if r.op == "all_reduce" and r.payload_bytes > 8))
+            return g
+
+    def step(state, batch):
+        def loss(p):
+            h = Probe.apply(p["embed"][batch])
+            for layer in p["layers"]:
+                h = h @ layer["wq"] @ layer["wo"]
+            return (h[..., :3] + p["bias"]).pow(2).mean()
+
+        value, g = hpfunc.value_and_grad(loss)(state["params"])
+        return {"params": hpfunc.tree.tree_map(lambda w, d: w - 0.01 * d, state["params"], g)}, {"loss": value}
+
+    ts = hpfunc.parallelize(step, hpfunc.Mesh({axis: 2}), getattr(plans, plan_name)(axis))
+    state = {"params": ts.shard_params(_params())}
+    batch = torch.arange(8).reshape(4, 2) % 8
+    with hpfunc.comm_stats() as stats:
+        stats_box.append(stats)
+        ts(state, batch)
+    grads = [r for r in stats.records if r.op == "all_reduce" and r.payload_bytes > 8]
+    return {"before_first_layer_backward": seen[0], "all_reduces": len(grads),
+            "phases": sorted({r.phase for r in grads}), "bytes": sum(r.payload_bytes for r in grads)}

@@ -1,0 +1,116 @@
+"""``train_step.lower(state, batch)``: one explicit, printable, runnable program per state structure;
+``train_step(state, batch)`` finds it by the structure, lowers again for other shapes or dtypes, and
+the step runs under ``FakeTensorMode`` over torch's fake process group (nothing depends on a tensor's
+address or on attributes set on tensors)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import _lowered_helpers as L
+
+
+@pytest.mark.multirank
+def test_print_shows_every_parameter_with_its_gather_group_and_reduction(pools):
+    fsdp, ddp, zero2 = (pools(2).run(L.run_printed, name) for name in ("fsdp", "ddp", "zero2"))
+    for out in fsdp + ddp + zero2:
+        assert out["same"] and out["losses"][1] < out["losses"][0], out
+    text = fsdp[0]["text"]
+    assert text.splitlines()[0].startswith("Lowered(fsdp=2; plan fsdp('fsdp'); batch P('fsdp'); 6 parameters, 6 state leaves"), text
+    head, rows = _table(text)
+    assert head == ["param", "shape", "storage", "compute", "opt", "gather", "reduce", "bucket"], text
+    assert sorted(rows) == ["bias", "embed", "layers.0.wo", "layers.0.wq", "layers.1.wo", "layers.1.wq"], text
+    # a layer's parameters are gathered together, a top-level one alone; FSDP's gradients need no reduction
+    assert rows["layers.0.wq"] == ["(4, 4)", "P('fsdp')", "P()", "P('fsdp')", "layers.0 (2)", "-", "-"], text
+    assert rows["embed"][4:] == ["alone (1)", "-", "-"], text
+    # 3 does not divide by 2: the bias is replicated, its gradient all-reduced during the backward
+    assert rows["bias"] == ["(3,)", "P()", "P()", "P()", "-", "psum fsdp [float32]", "0: top"], text
+    _, ddp_rows = _table(ddp[0]["text"])
+    assert {r[-2] for r in ddp_rows.values()} == {"psum dp [float32]"}, ddp[0]["text"]
+    # the last layer's gradients are final first: its bucket is issued first, the top-level ones last
+    assert [ddp_rows[p][-1] for p in ("layers.1.wq", "layers.0.wo", "embed", "bias")] == \
+        ["0: layers.1", "1: layers.0", "2: top", "2: top"], ddp[0]["text"]
+    _, zero_rows = _table(zero2[0]["text"])
+    assert zero_rows["layers.1.wo"][-2:] == ["psum_scatter dp [float32]", "-"], zero2[0]["text"]
+
+
+def _table(text: str) -> tuple[list[str], dict[str, list[str]]]:
+    """The column names and, per parameter, the other columns of a printed Lowered."""
+    lines = [re.split(r"\s{2,}", line.strip()) for line in text.splitlines()[1:]]
+    return lines[0], {cols[0]: cols[1:] for cols in lines[1:]}
+
+
+def test_lower_once_per_structure_and_again_for_other_shapes():
+    import hpfunc
+    from hpfunc.transforms import plans
+
+    ts = hpfunc.parallelize(L._step, hpfunc.Mesh({"fsdp": 1}), plans.fsdp("fsdp"))
+    state = {"params": ts.shard_params(L._params())}
+    batch = torch.zeros(2, 2, dtype=torch.long)
+    lowered = ts.lower(state, batch)
+    state, _ = ts(state, batch)
+    assert ts.lower(state) is lowered  # the step's own output: the same structure, shapes and layout
+    other = L._params()
+    other["bias"] = torch.zeros(5)
+    other_state = {"params": ts.shard_params(other)}
+    relowered = ts.lower(other_state)
+    assert relowered is not lowered and "(5,)" in str(relowered)
+    with pytest.raises(hpfunc.layout.PlanError, match="lowered for a state of structure"):
+        lowered(other_state, batch)
+
+
+_FAKE = textwrap.dedent("""
+    import warnings
+    warnings.simplefilter("error")  # e.g. "Accessing the data pointer of FakeTensor is deprecated"
+    import torch, torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    import hpfunc
+    from hpfunc.transforms import plans
+
+    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    mesh = hpfunc.Mesh({"fsdp": 2})
+
+    def step(state, batch):
+        loss, g = hpfunc.value_and_grad(lambda p: ((batch @ p["w"]) ** 2).mean())(state["params"])
+        return {"params": {"w": state["params"]["w"] - 0.1 * g["w"]}, "m": state["m"]}, {"loss": loss}
+
+    ts = hpfunc.parallelize(step, mesh, plans.fsdp("fsdp"))
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        w = ts.shard_params({"w": torch.ones(4, 3)})
+        state = ts.init_state(lambda p: {"params": p, "m": {"w": torch.zeros_like(p["w"])}}, w)
+        for _ in range(2):
+            new, metrics = ts(state, torch.ones(8, 4))
+            assert new["params"]["w"] is not state["params"]["w"] and new["m"]["w"].shape == (4, 3)
+            assert isinstance(new["params"]["w"]._local_tensor, FakeTensor), type(new["params"]["w"]._local_tensor)
+            assert new["params"]["w"].shape == (4, 3) and new["params"]["w"].placements == state["m"]["w"].placements
+            state = new
+    print("ok", tuple(metrics["loss"].shape))
+""")
+
+
+def test_fsdp_step_runs_under_fake_tensor_mode_and_fake_process_group():
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    env.pop("HPFUNC_CHECK_REP", None)  # the exact check reads values: a fake run has none
+    out = subprocess.run([sys.executable, "-c", _FAKE], capture_output=True, text=True, env=env, timeout=240)
+    assert out.returncode == 0 and "ok ()" in out.stdout, out.stderr[-3000:]
+
+
+@pytest.mark.multirank
+def test_gradient_all_reduces_start_while_the_backward_runs(pools):
+    """DDP: each layer's gradients are all-reduced as soon as that layer's backward is done, before the
+    backward reaches the first op of the model (the comm counter sees them issued by then), in one
+    bucket per layer plus one for the top-level parameters, with the bytes of one all-reduce of all."""
+    for out in pools(2).run(L.run_reductions_during_backward, "ddp"):
+        assert out["before_first_layer_backward"] == 2, out  # layers.1 and layers.0, not yet the top bucket
+        assert out["all_reduces"] == 3 and out["phases"] == ["backward"], out
+        assert out["bytes"] == 4 * (8 * 4 + 2 * 2 * 16 + 3), out  # every parameter once, fp32
