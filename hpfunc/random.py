@@ -87,7 +87,7 @@ def _words(k: torch.Tensor, device: torch.device | None = None) -> tuple[torch.T
         raise TypeError(f"expected a key (an int64 tensor of shape (2,) from hpfunc.random.key), found dtype {k.dtype}")
     if device is not None and k.device != torch.device(device):
         k = k.to(device, non_blocking=True)
-    return k[0], k[1]
+    return k.unbind(0)  # not k[0]: Python indexing needs a device guard, which fake CUDA on a CPU build lacks
 
 
 def _make_key(a: int, b: int, device: torch.device | str | None = None) -> torch.Tensor:
@@ -144,7 +144,7 @@ def fold_in(k: torch.Tensor, data: int | torch.Tensor) -> torch.Tensor:
         x0 = torch.tensor([d & _M32], dtype=torch.int64, device=k0.device)
         x1 = torch.tensor([((d >> 32) | (1 << 31)) & _M32], dtype=torch.int64, device=k0.device)
     w0, w1 = _threefry2x32(k0, k1, x0, x1)
-    return torch.stack([w0[0], w1[0]])
+    return torch.cat([w0, w1])
 
 
 # ---------------------------------------------------------------------------------------------
