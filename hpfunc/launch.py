@@ -71,7 +71,8 @@ USAGE = """usage: hpfunc launch --nproc N [--timeout S] script.py [script args]
 Run a script on N ranks through torch's own launcher (torch.distributed.run), one machine
 (--standalone unless you pass rendezvous options).
 
-  --nproc N, -n N   number of processes (ranks), a number >= 1
+  --nproc N, -n N   number of processes (ranks) per machine, a number >= 1, or gpu (one per GPU,
+                    each rank on cuda:LOCAL_RANK with NCCL), cpu, auto (torchrun's words)
   --timeout S       seconds a collective may wait for its peers before the job fails with an error
                     naming the rank and the collective (default 300); a rank whose heartbeat stops
                     for longer is named and killed
@@ -96,7 +97,14 @@ class LaunchArgs(NamedTuple):
 
 
 def _nproc(value: str, flag: str) -> int | None:
-    if value in _NPROC_WORDS and flag.startswith("--nproc-per-node"):
+    if value == "gpu":  # one rank per GPU of this machine (torchrun's word), checked here
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError(f"{flag} gpu: this machine has no CUDA device (torch.cuda.is_available() is False); "
+                             f"give a number of processes (e.g. {flag} 2)")
+        return torch.cuda.device_count()
+    if value in _NPROC_WORDS:
         return None
     try:
         n = int(value)
@@ -137,7 +145,7 @@ def parse_args(argv: Sequence[str]) -> LaunchArgs:
         elif flag in ("--nproc", "-n", "--nproc-per-node", "--nproc_per_node"):
             v = value(flag)
             nproc = _nproc(v, "--nproc-per-node" if flag.startswith("--nproc_") else flag)
-            out += ["--nproc-per-node", v]
+            out += ["--nproc-per-node", str(nproc) if v == "gpu" else v]
         elif flag == "--timeout":
             v = value(flag)
             try:
