@@ -63,6 +63,9 @@ def spmd(fn: Callable, nprocs: int, *args: Any, return_all: bool = False, pool=N
 
 _RDZV_FLAGS = ("--rdzv-endpoint", "--rdzv_endpoint", "--rdzv-backend", "--rdzv_backend", "--master-addr",
                "--master_addr", "--master-port", "--master_port", "--nnodes", "--standalone")
+# torchrun's options that take no value; every other option takes one (``--nnodes 2`` or ``--nnodes=2``)
+_TORCHRUN_SWITCHES = ("--standalone", "-m", "--module", "--no-python", "--no_python", "--run-path", "--run_path",
+                      "--virtual-local-rank", "--virtual_local_rank")
 _NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")  # torchrun's own --nproc-per-node values besides a number
 
 USAGE = """usage: hpfunc launch --nproc N [--timeout S] script.py [script args]
@@ -154,6 +157,9 @@ def parse_args(argv: Sequence[str]) -> LaunchArgs:
                 raise UsageError(str(e)) from None
         elif a.startswith("-"):
             out.append(a)
+            if "=" not in a and flag not in _TORCHRUN_SWITCHES and i + 1 < len(argv):
+                i += 1  # a torchrun option's value (--nnodes 2, --rdzv-endpoint host:port), not the script
+                out.append(argv[i])
         else:
             script_seen = True
             if not any(x.split("=")[0] in _RDZV_FLAGS for x in out):
