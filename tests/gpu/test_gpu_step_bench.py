@@ -48,3 +48,22 @@ def test_tiny_smoke_run_writes_both_routings(tmp_path):
     for r in result["runs"]:
         assert r["tokens_per_s"] > 0 and all(math.isfinite(x) for x in r["losses"]) and len(r["losses"]) == 2
     assert json.loads(out.read_text())["published"][0]["tflops"] == 299
+
+
+def test_forced_balance_sends_token_t_pair_j_to_expert_t_k_plus_j_mod_e():
+    from hpfunc.models import moe
+
+    g = torch.Generator().manual_seed(0)
+    T, k, E, H, I = 7, 3, 4, 8, 4
+    x, w = torch.randn(T, H, generator=g), torch.rand(T, k, generator=g)
+    ws = [torch.randn(E, I, H, generator=g), torch.randn(E, I, H, generator=g), torch.randn(E, H, I, generator=g)]
+    y, dropped = gpu_step.ForcedBalance().exchange(
+        x, torch.zeros(T, k, dtype=torch.long), w,
+        lambda t, c, s: moe.expert_ffn(t, c, *ws, scale=s, impl="bmm"), num_experts=E, axis=None)
+    want = torch.zeros(T, H)
+    for t in range(T):
+        for j in range(k):
+            e = (t * k + j) % E
+            want[t] += w[t, j] * moe.expert_ffn(x[t:t + 1], torch.tensor([1]), *(a[e:e + 1] for a in ws))[0]
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+    assert dropped is None
