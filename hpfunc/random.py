@@ -85,8 +85,10 @@ def _words(k: torch.Tensor, device: torch.device | None = None) -> tuple[torch.T
         )
     if k.dtype != torch.int64:
         raise TypeError(f"expected a key (an int64 tensor of shape (2,) from hpfunc.random.key), found dtype {k.dtype}")
-    if device is not None and k.device != torch.device(device):
-        k = k.to(device, non_blocking=True)
+    if device is not None:
+        device = torch.device(device)
+        if k.device.type != device.type or (device.index is not None and k.device.index != device.index):
+            k = k.to(device, non_blocking=True)
     return k.unbind(0)  # not k[0]: Python indexing needs a device guard, which fake CUDA on a CPU build lacks
 
 

@@ -10,6 +10,9 @@ sits above the fake mode and sees every aten op the function runs. It records
   ``off_device`` with the op and the source line);
 * every **host sync**, three kinds:
 
+  (a read of a CPU tensor waits for no device and is not counted: hpfunc's optimizer step counters
+  live on the host for that reason)
+
   - ``"scalar read"``: ``aten._local_scalar_dense`` (``.item()``, ``.tolist()``, ``int(t)``, ``float(t)``,
     ``bool(t)``, an ``if`` on a tensor), and the other ops torch tags ``data_dependent_output``
     (``torch.equal``, ...);
@@ -132,6 +135,8 @@ class DeviceRecorder(TorchDispatchMode):
       devices: ``Counter`` of device types over every tensor every op returned.
       off_device: :class:`Created` for each tensor returned on another device type than ``device_type``.
       host_syncs: :class:`HostSync` in the order they happened.
+      host_reads: reads of a host (CPU) tensor's value: no device waits for them, so they are not host
+        syncs; on fake tensors they need an answer all the same (kind ``"host read"``).
     """
 
     def __init__(self, device_type: str = "cuda", on_host_sync: Union[str, Callable] = "raise"):
@@ -144,11 +149,14 @@ class DeviceRecorder(TorchDispatchMode):
         self.devices: collections.Counter = collections.Counter()
         self.off_device: list[Created] = []
         self.host_syncs: list[HostSync] = []
+        self.host_reads: list[HostSync] = []  # values of host tensors read (no device waits; still no value)
 
     def _sync_kind(self, func: Any, args: tuple, kwargs: dict) -> str | None:
+        # reading a value of a host tensor waits for no device: only device tensors' reads count
+        on_device = any(t.device.type != "cpu" for t in _tensors(list(args)))
         if func is _aten._local_scalar_dense.default or _has_tag(func, "data_dependent_output"):
-            return "scalar read"
-        if _has_tag(func, "dynamic_output_shape"):
+            return "scalar read" if on_device else "host read"
+        if on_device and _has_tag(func, "dynamic_output_shape"):
             return "data-dependent shape"
         if func is _aten._to_copy.default:
             src, dev = args[0], kwargs.get("device")
@@ -167,8 +175,12 @@ class DeviceRecorder(TorchDispatchMode):
         kind = self._sync_kind(func, args, kwargs)
         if kind is not None:
             sync = HostSync(kind, str(func.overloadpacket.__name__), _where())
-            self.host_syncs.append(sync)
+            (self.host_reads if kind == "host read" else self.host_syncs).append(sync)
             if self.on_host_sync == "raise":
+                if kind == "host read":
+                    raise HostSyncError(
+                        f"a value of a host tensor is read (aten.{sync.op}) at {sync.where}: no device waits for it, "
+                        f"but a fake tensor has no value; answer it with on_host_sync=")
                 raise HostSyncError(
                     f"host sync ({sync.kind}: aten.{sync.op}) at {sync.where}; a step on {self.device_type} must "
                     f"keep values on the device (or document this sync and answer it with on_host_sync=)")
@@ -197,7 +209,7 @@ class answer_host_syncs:  # noqa: N801 -- used like a function: on_host_sync=ans
         self.scalar = scalar
 
     def __call__(self, sync: HostSync, func: Any, args: tuple, kwargs: dict) -> Any:
-        if sync.kind != "scalar read" or func is not _aten._local_scalar_dense.default:
+        if sync.kind not in ("scalar read", "host read") or func is not _aten._local_scalar_dense.default:
             raise HostSyncError(f"host sync ({sync.kind}: aten.{sync.op}) at {sync.where} has no stand-in value")
         dt = args[0].dtype
         if dt == torch.bool:
@@ -263,7 +275,7 @@ def _child(conn: Any, fn: Callable, args: tuple, kwargs: dict, options: dict) ->
     try:
         run = run_on_fake_devices(fn, *args, **options, **kwargs)
         rec = run.record
-        conn.send(("ok", (run.result, rec.device_type, rec.devices, rec.off_device, rec.host_syncs)))
+        conn.send(("ok", (run.result, rec.device_type, rec.devices, rec.off_device, rec.host_syncs, rec.host_reads)))
     except BaseException as e:  # noqa: BLE001 -- sent to the parent, which raises it
         conn.send(("error", (type(e).__name__, str(e), traceback.format_exc())))
     finally:
@@ -290,7 +302,7 @@ def _run_isolated(fn: Callable, args: tuple, kwargs: dict, options: dict) -> Fak
         cls = HostSyncError if name == "HostSyncError" else RuntimeError
         raise cls(f"{msg}\n(in the isolated fake-device process; its traceback:)\n{tb}" if cls is RuntimeError
                   else msg)
-    result, device_type, devices, off_device, host_syncs = payload
+    result, device_type, devices, off_device, host_syncs, host_reads = payload
     rec = DeviceRecorder(device_type)
-    rec.devices, rec.off_device, rec.host_syncs = devices, off_device, host_syncs
+    rec.devices, rec.off_device, rec.host_syncs, rec.host_reads = devices, off_device, host_syncs, host_reads
     return FakeRun(result, rec)

@@ -82,3 +82,27 @@ def tiny_moe_forward_backward(mesh) -> tuple:
     loss, _ = qwen3.loss(params, {"tokens": tokens}, cfg)
     grads = torch.autograd.grad(loss, leaves, allow_unused=True)
     return loss.device.type, sum(g is not None for g in grads)
+
+
+def front_door_step(mesh, plan_name: str = "fsdp") -> dict:
+    """The trainer's step of the tiny MoE under ``hpfunc.parallelize`` (AdamW) on the mesh: what the front
+    door does on fake devices today (used by the lead's probe, and by docs/gpu.md's status)."""
+    import functools
+
+    from hpfunc import optim, random
+    from hpfunc.models import preset, qwen3
+    from hpfunc.train.step import init_train_state, make_train_step
+    from hpfunc.transforms import plans
+    from hpfunc.transforms.parallelize import init_sharded, parallelize
+
+    cfg = preset("qwen3-moe-tiny")
+    plan = {"fsdp": plans.fsdp("fsdp")}[plan_name]
+    tx = optim.adamw(1e-3, weight_decay=0.1)
+    step = make_train_step(cfg, tx, loss_fn=qwen3.parallel_plan.loss)
+    train_step = parallelize(step, mesh, plan, params="params")
+    key = random.key(0, device=mesh.device_type)
+    params = init_sharded(functools.partial(qwen3.init, cfg=cfg), mesh, plan, key, shapes=qwen3.param_shapes(cfg))
+    state = train_step.init_state(lambda p: init_train_state(p, tx), params)
+    tokens = random.randint(random.fold_in(key, 1), (mesh.size * 2, 16), 0, cfg.vocab_size)
+    state, metrics = train_step(state, {"tokens": tokens})
+    return {k: (tuple(v.shape), v.device.type) for k, v in metrics.items()}
