@@ -63,6 +63,9 @@ def spmd(fn: Callable, nprocs: int, *args: Any, return_all: bool = False, pool=N
 
 _RDZV_FLAGS = ("--rdzv-endpoint", "--rdzv_endpoint", "--rdzv-backend", "--rdzv_backend", "--master-addr",
                "--master_addr", "--master-port", "--master_port", "--nnodes", "--standalone")
+# torchrun's options that take no value; every other option takes one (``--nnodes 2`` or ``--nnodes=2``)
+_TORCHRUN_SWITCHES = ("--standalone", "-m", "--module", "--no-python", "--no_python", "--run-path", "--run_path",
+                      "--virtual-local-rank", "--virtual_local_rank")
 _NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")  # torchrun's own --nproc-per-node values besides a number
 
 USAGE = """usage: hpfunc launch --nproc N [--timeout S] script.py [script args]
@@ -71,7 +74,8 @@ USAGE = """usage: hpfunc launch --nproc N [--timeout S] script.py [script args]
 Run a script on N ranks through torch's own launcher (torch.distributed.run), one machine
 (--standalone unless you pass rendezvous options).
 
-  --nproc N, -n N   number of processes (ranks), a number >= 1
+  --nproc N, -n N   number of processes (ranks) per machine, a number >= 1, or gpu (one per GPU,
+                    each rank on cuda:LOCAL_RANK with NCCL), cpu, auto (torchrun's words)
   --timeout S       seconds a collective may wait for its peers before the job fails with an error
                     naming the rank and the collective (default 300); a rank whose heartbeat stops
                     for longer is named and killed
@@ -96,7 +100,14 @@ class LaunchArgs(NamedTuple):
 
 
 def _nproc(value: str, flag: str) -> int | None:
-    if value in _NPROC_WORDS and flag.startswith("--nproc-per-node"):
+    if value == "gpu":  # one rank per GPU of this machine (torchrun's word), checked here
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError(f"{flag} gpu: this machine has no CUDA device (torch.cuda.is_available() is False); "
+                             f"give a number of processes (e.g. {flag} 2)")
+        return torch.cuda.device_count()
+    if value in _NPROC_WORDS:
         return None
     try:
         n = int(value)
@@ -137,7 +148,7 @@ def parse_args(argv: Sequence[str]) -> LaunchArgs:
         elif flag in ("--nproc", "-n", "--nproc-per-node", "--nproc_per_node"):
             v = value(flag)
             nproc = _nproc(v, "--nproc-per-node" if flag.startswith("--nproc_") else flag)
-            out += ["--nproc-per-node", v]
+            out += ["--nproc-per-node", str(nproc) if v == "gpu" else v]
         elif flag == "--timeout":
             v = value(flag)
             try:
@@ -146,6 +157,9 @@ def parse_args(argv: Sequence[str]) -> LaunchArgs:
                 raise UsageError(str(e)) from None
         elif a.startswith("-"):
             out.append(a)
+            if "=" not in a and flag not in _TORCHRUN_SWITCHES and i + 1 < len(argv):
+                i += 1  # a torchrun option's value (--nnodes 2, --rdzv-endpoint host:port), not the script
+                out.append(argv[i])
         else:
             script_seen = True
             if not any(x.split("=")[0] in _RDZV_FLAGS for x in out):

@@ -65,6 +65,8 @@ def init_distributed(backend: str | None = None, *, timeout_s: float | None = No
         backend = "nccl" if torch.cuda.is_available() and os.environ.get("HPFUNC_BACKEND") != "gloo" else "gloo"
         if os.environ.get("HPFUNC_BACKEND"):
             backend = os.environ["HPFUNC_BACKEND"]
+    if backend == "nccl" and torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))  # each rank on its own GPU
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         seconds = _faults.timeout_from_env() if timeout_s is None else _faults.check_timeout(timeout_s, "timeout_s")
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=seconds))

@@ -285,7 +285,9 @@ def full(shape: Sequence[int], fill_value: float, *, dtype: torch.dtype = torch.
     if sharding is None:
         return torch.full(tuple(shape), fill_value, dtype=dtype)
     _, sizes = local_block(tuple(shape), sharding.mesh, sharding.spec, sharding.mesh.coordinate())
-    return from_local(torch.full(sizes, fill_value, dtype=dtype), sharding, global_shape=tuple(shape))
+    # allocated on the mesh's device (a block made on the host would be copied there)
+    local = torch.full(sizes, fill_value, dtype=dtype, device=sharding.mesh.device_type)
+    return from_local(local, sharding, global_shape=tuple(shape))
 
 
 def is_dtensor(x: Any) -> bool:

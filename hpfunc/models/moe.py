@@ -200,11 +200,20 @@ def _is_fake(t: torch.Tensor) -> bool:
     return t.device.type == "meta" or is_fake(t)
 
 
+# The dtypes torch's CPU grouped_mm takes (float64 is refused: "Expected mat_a to be Float32, BFloat16 or
+# Float16 matrix, got Double"); its CUDA kernels take bfloat16 (sm80+).
+_CPU_GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def _grouped_mm_supported(x: torch.Tensor, fake: bool) -> bool:
-    # CPU runs any float dtype; CUDA kernels need bf16 (and sm80+); dry runs take the bf16 detour.
+    """Whether ``impl="auto"`` runs ``F.grouped_mm`` on ``x``'s device and dtype; else the padded ``bmm``."""
     if not hasattr(F, "grouped_mm"):
         return False
-    return fake or x.device.type == "cpu" or x.dtype == torch.bfloat16
+    if fake:
+        return True  # dry runs take the bf16 detour (values are meaningless there)
+    if x.device.type == "cpu":
+        return x.dtype in _CPU_GROUPED_MM_DTYPES
+    return x.dtype == torch.bfloat16
 
 
 def moe_block(

@@ -31,7 +31,8 @@ USAGE = """usage: hpfunc train CONFIG.yaml [--set key.path=value ...] [--out DIR
 
 Train a model from a YAML config and write config.yaml, metrics.jsonl, loss.png, sample.txt and
 summary.json into the output folder, which the run owns (locked) while it runs. A `parallel:` mesh of
-N > 1 processes starts N ranks (torch.distributed.run, gloo) running this same command.
+N > 1 processes starts N ranks (torch.distributed.run; gloo, or NCCL with parallel.device cuda)
+running this same command.
 
   CONFIG.yaml             the run's config (see docs/train.md; example: examples/configs/qwen3_moe_tiny.yaml)
   --set key.path=value    override one config key, e.g. --set train.steps=50 --set optimizer.lr=1e-3
@@ -103,6 +104,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         cfg = load_config(args.config, overrides)
         model_cfg = check_buildable(cfg)
+        from hpfunc.train.device import backend_for, resolve_device
+
+        device = resolve_device(cfg.parallel)  # parallel.device: cuda on a machine without one fails here
         if args.check:
             from hpfunc.train.data import check_data, load_data
 
@@ -146,8 +150,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                            resume=plan.resume, hint=hint) as folder:
                 if cfg.output.progress != "none":
                     # the ranks take a while to start (each imports torch): say what is happening
-                    print(f"hpfunc train: starting {cfg.parallel.size} processes (torch.distributed.run, gloo) for "
-                          f"the mesh {cfg.parallel.mesh_text}", flush=True)
+                    print(f"hpfunc train: starting {cfg.parallel.size} processes (torch.distributed.run, "
+                          f"{backend_for(device)}) for the mesh {cfg.parallel.mesh_text}", flush=True)
                 before = os.environ.get(LOCK_ENV)
                 os.environ[LOCK_ENV] = folder.token or ""  # the ranks inherit the environment
                 try:

@@ -206,6 +206,7 @@ class ParallelConfig:
     timeout_s: float = DEFAULT_TIMEOUT_S  # a collective waiting longer fails, naming rank and collective
     sdc_check: str = "off"  # off | raise | warn: replicas of each reduced gradient compared every step
     max_restarts: int = 0  # elastic: restart the whole group this many times after a rank fails (resume auto)
+    device: str = "auto"  # auto | cpu | cuda: the ranks' device (auto: cuda when available); NCCL on cuda, gloo on cpu
 
     @property
     def size(self) -> int:
@@ -241,6 +242,8 @@ class ParallelConfig:
             timeout["sdc_check"] = self.sdc_check
         if self.max_restarts:
             timeout["max_restarts"] = self.max_restarts
+        if self.device != "auto":
+            timeout["device"] = self.device
         if not self.mesh and not self.plan:
             return timeout
         return {"mesh": dict(self.mesh), "plan": [e.to_data() for e in self.plan], **timeout}
@@ -502,6 +505,8 @@ def _check_ranges(cfg: Config) -> None:
 
 
 SDC_CHECKS = ("off", "raise", "warn")
+DEVICES = ("auto", "cpu", "cuda")  # parallel.device; resolved on the machine by hpfunc.train.device
+_PARALLEL_KEYS = ("mesh", "plan", "timeout_s", "sdc_check", "max_restarts", "device")
 
 
 def _parse_parallel(data: Any, path: str) -> ParallelConfig:
@@ -515,8 +520,13 @@ def _parse_parallel(data: Any, path: str) -> ParallelConfig:
     if not isinstance(data, Mapping):
         raise ConfigError(f"{path}: expected a mapping with mesh and plan, found {_found(data)}")
     for key in data:
-        if key not in ("mesh", "plan", "timeout_s", "sdc_check", "max_restarts"):
-            raise ConfigError(_unknown_key_message(path, key, ["mesh", "plan", "timeout_s", "sdc_check", "max_restarts"]))
+        if key not in _PARALLEL_KEYS:
+            raise ConfigError(_unknown_key_message(path, key, list(_PARALLEL_KEYS)))
+    device = data.get("device", "auto")
+    if device not in DEVICES:
+        close = difflib.get_close_matches(str(device), DEVICES, n=1)
+        raise ConfigError(f"{path}.device: expected one of {', '.join(DEVICES)} (auto: cuda when available), found "
+                          f"{_found(device)}{f'; did you mean {close[0]!r}?' if close else ''}")
     timeout_s = _parse_timeout(data.get("timeout_s", DEFAULT_TIMEOUT_S), f"{path}.timeout_s")
     sdc_check = data.get("sdc_check", "off")
     if sdc_check is False:  # YAML reads a bare off as false
@@ -547,7 +557,7 @@ def _parse_parallel(data: Any, path: str) -> ParallelConfig:
         raise ConfigError(f"{path}.plan: missing; the mesh {_flow(mesh)} ({size} processes) needs a plan with one "
                           f"entry per mesh axis, in mesh order, e.g. plan: [{example}]")
     return ParallelConfig(mesh=mesh, plan=_bind_axes(parsed, mesh, path), timeout_s=timeout_s, sdc_check=sdc_check,
-                          max_restarts=max_restarts)
+                          max_restarts=max_restarts, device=device)
 
 
 def _parse_timeout(value: Any, path: str) -> float:

@@ -1,6 +1,6 @@
 """Training on a mesh: ``parallel:`` -> a :class:`~hpfunc.transforms.plans.Plan`, checked before launch.
 
-Inside the ranks (:func:`hpfunc.train.run` with such a config): :func:`start_mesh` joins the gloo
+Inside the ranks (:func:`hpfunc.train.run` with such a config): :func:`start_mesh` joins the gloo (or NCCL)
 process group and builds the :class:`hpfunc.Mesh`; :func:`build_parallel_step` creates the parameters
 directly sharded (``init_sharded``, the same values as ``qwen3.init``) and wraps the single-device
 ``make_train_step`` with ``hpfunc.parallelize``; the step's ``full_params`` makes full tensors again
@@ -309,8 +309,9 @@ def _defaults(kind: str) -> dict:
 
 @contextlib.contextmanager
 def start_mesh(pc: ParallelConfig) -> Iterator[Any]:
-    """Join the launch's process group (gloo; the trainer runs on CPU) with the collective timeout
-    ``parallel.timeout_s`` and yield ``hpfunc.Mesh(pc.mesh)``; the process group is destroyed on exit
+    """Join the launch's process group (NCCL with each rank on ``cuda:LOCAL_RANK`` when ``parallel.device``
+    resolves to cuda, gloo on cpu: :mod:`hpfunc.train.device`) with the collective timeout
+    ``parallel.timeout_s`` and yield ``hpfunc.Mesh(pc.mesh)`` of that device type; the process group is destroyed on exit
     if this call created it. A collective issued outside hpfunc.lax (a DTensor's ``full_tensor()``)
     that times out or loses a peer is re-raised as :class:`hpfunc.faults.CollectiveError`, naming
     the rank and the source line, like those of hpfunc.lax."""
@@ -318,6 +319,7 @@ def start_mesh(pc: ParallelConfig) -> Iterator[Any]:
 
     from hpfunc.faults import translate
     from hpfunc.mesh import Mesh, init_distributed
+    from hpfunc.train.device import backend_for, local_device, resolve_device
     from hpfunc.train.launch import in_launched_rank
 
     if not dist.is_initialized() and not in_launched_rank():
@@ -326,14 +328,16 @@ def start_mesh(pc: ParallelConfig) -> Iterator[Any]:
             f"starts them, or call hpfunc.train.run in every rank of a torchrun launch"
         )
     created = not dist.is_initialized()
-    init_distributed("gloo", timeout_s=pc.timeout_s)
+    device = resolve_device(pc)
+    local_device(device)
+    init_distributed(backend_for(device), timeout_s=pc.timeout_s)
     try:
         world = dist.get_world_size()
         if world != pc.size:
             raise ConfigError(f"parallel.mesh: {pc.mesh_text} needs {pc.size} processes but this launch has {world} "
                               f"(WORLD_SIZE); launch {pc.size} or change the mesh")
         try:
-            yield Mesh(pc.mesh)
+            yield Mesh(pc.mesh, device_type=device)
         except RuntimeError as e:
             err = translate(e)
             if err is None or err is e:
@@ -405,5 +409,8 @@ def parallel_summary(cfg: Config) -> str:
     """The start line of a parallel run: processes, mesh, plan and the batch split."""
     pc = cfg.parallel
     per = cfg.train.batch_size // max(pc.data_size, 1)
-    return (f"parallel: {pc.size} processes (gloo), mesh {pc.mesh_text}, plan {_plan_text(pc)}; "
+    import torch.distributed as dist
+
+    backend = dist.get_backend() if dist.is_initialized() else "gloo"
+    return (f"parallel: {pc.size} processes ({backend}), mesh {pc.mesh_text}, plan {_plan_text(pc)}; "
             f"batch {cfg.train.batch_size} split {per} per data shard")
