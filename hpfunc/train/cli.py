@@ -139,6 +139,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
             # where the run starts is checked here too (the saved config against this one), before any rank
             plan = plan_resume(cfg, cfg.output.dir, args.resume, overwrite=args.overwrite)
+            for line in plan.skipped:  # damaged newer checkpoints, renamed here (the ranks see them no more)
+                print(f"hpfunc train: {line}", file=sys.stderr, flush=True)
             hint = ("; or continue it from its newest checkpoint with --resume auto"
                     if latest(checkpoint_root(cfg, cfg.output.dir)) is not None else "")
             # the output folder is checked and claimed here, before any rank starts, and held to the end
@@ -163,6 +165,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             if status:
                 raise SystemExit(status)
             return
+        from hpfunc.checkpoint import CheckpointError
         from hpfunc.train.loop import Stopped, TrainingDiverged, run
         from hpfunc.train.output import OutputWriteError
 
@@ -178,6 +181,11 @@ def main(argv: Sequence[str] | None = None) -> None:
             raise SystemExit(1) from None
         except OutputWriteError as e:
             print(f"{who}: output error: {e}", file=sys.stderr, flush=True)
+            raise SystemExit(1) from None
+        except CheckpointError as e:
+            # the same error on every rank (a save's failure is agreed on): one line, from rank 0
+            if rank_of_this_process() == 0:
+                print(f"hpfunc train: checkpoint error: {e}", file=sys.stderr, flush=True)
             raise SystemExit(1) from None
     except ConfigError as e:
         print(f"{who}: config error: {e}", file=sys.stderr)

@@ -245,6 +245,9 @@ def _run(cfg: Config, *, out_dir: str | pathlib.Path | None, stream: TextIO | No
     model_cfg = check_buildable(cfg)  # config errors first: nothing is created for a config that cannot run
     out = pathlib.Path(cfg.output.dir if out_dir is None else out_dir)
     plan = _plan_on_rank0(cfg, out, claim, mesh)  # before any file is written
+    if main:
+        for line in plan.skipped:  # damaged newer checkpoints, renamed: said once, before the run starts
+            print(f"hpfunc train: {line}", file=sys.stderr, flush=True)
     if not main:
         return _train(cfg, model_cfg, out, None, stream=stream, echo=echo, mesh=mesh, plan=plan)
     hint = ("; or continue it from its newest checkpoint with --resume auto"
@@ -489,11 +492,13 @@ def _train(cfg: Config, model_cfg: Any, out: pathlib.Path, folder: RunFolder | N
                         progress.message(f"step {done}: validation loss {val:.4f}")
                 progress.update(done, record)
                 if ckpts is not None and ckpts.due(done) and done != tc.steps:
-                    ckpts.save(state, done, loop_state())
+                    with _save_errors(root, done):
+                        ckpts.save(state, done, loop_state())
+                save_failed = ckpts is not None and ckpts.failed()  # an async save: known at the next step
                 if use_words:
                     hooks.maybe_term(done, handled=signals.signum is None and signals.installed)
                     try:
-                        signum = words.any_stop(signals.signum)
+                        signum, save_failed = words.any_stop(signals.signum, save_failed)
                     except Exception as e:  # a peer lost between two steps: the state of `done` is whole
                         if is_comm_failure(e):
                             record_failure(f"rank {rank} lost a peer after step {done}")
@@ -501,9 +506,15 @@ def _train(cfg: Config, model_cfg: Any, out: pathlib.Path, folder: RunFolder | N
                         raise
                     if signum is not None and done != tc.steps:
                         raise Stopped(stop_message(signum, done, last_words(done, _sig_name(signum))), signum)
+                elif mesh is not None and ckpts is not None and ckpts.in_flight():
+                    save_failed = _any_rank(save_failed)  # every rank stops at the same step
+                if save_failed:
+                    with _save_errors(root, done):
+                        ckpts.wait()  # raises the save's error, the same on every rank
             if ckpts is not None and done == tc.steps and start < tc.steps:
-                ckpts.save(state, done, loop_state())  # the last step's state: a run can be extended from it
-                ckpts.wait()
+                with _save_errors(root, done):
+                    ckpts.save(state, done, loop_state())  # the last step's state: a run can be extended from it
+                    ckpts.wait()
             final_params = full_params(state.params)  # a collective: every rank
             bad = _first_nonfinite(final_params)  # the last update has no later loss to show it
             if bad is not None:
@@ -580,6 +591,28 @@ def _train(cfg: Config, model_cfg: Any, out: pathlib.Path, folder: RunFolder | N
     folder.write_json("summary.json", summary)  # last: its presence means the run finished
     say(format_summary(summary))
     return RunResult(state=state, records=records, summary=summary, out_dir=out)
+
+
+def _any_rank(flag: bool) -> bool:
+    """Whether ``flag`` is true on any rank (one all-reduce of one integer)."""
+    t = torch.tensor([int(flag)], dtype=torch.int64)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return bool(t[0])
+
+
+@contextlib.contextmanager
+def _save_errors(root: pathlib.Path, done: int):
+    """A checkpoint that could not be saved stops the run: its error (the same on every rank) says
+    which checkpoint stays the newest and how to continue. Nothing is trained after it."""
+    from hpfunc.checkpoint import CheckpointError
+
+    try:
+        yield
+    except CheckpointError as e:
+        newest = latest(root)
+        keep = (f"the newest complete checkpoint is still {newest} (continue from it with --resume auto once the "
+                f"cause is fixed)" if newest is not None else "no complete checkpoint was written before")
+        raise CheckpointError(f"checkpoint.dir: {e}; the run stopped after step {done}; {keep}") from None
 
 
 def _sig_name(signum: int) -> str:
