@@ -293,11 +293,17 @@ def load(path: str | os.PathLike, target: Any, *, verify: bool = True, process_g
     hpfunc.checkpoint.errors.CheckpointMismatchError: checkpoint '...', key 'w': saved shape (2,), the target wants (3,); ...
     """
     folder = pathlib.Path(path)
-    marker = _marker.read(folder)
     leaves, treedef = _tree.flatten(target, is_leaf=is_abstract_leaf)
     paths = [p for p, _ in _tree.leaves_with_paths(target, is_leaf=is_abstract_leaf)]
     flat = {p: abstract(x) if isinstance(x, torch.Tensor) else x for p, x in zip(paths, leaves)}
-    all_targets = {k for part in _ranks.all_gather(sorted(flat), process_group) for k in part}
+    # one collective: every rank's folder (they must load the same checkpoint) and target keys
+    seen = _ranks.all_gather((os.path.abspath(folder), sorted(flat)), process_group)
+    if len({f for f, _ in seen}) > 1:
+        per_rank = "; ".join(f"rank {r}: {f!r}" for r, (f, _) in enumerate(seen))
+        raise CheckpointError(f"load: the ranks were given different checkpoints ({per_rank}); every rank must "
+                              f"load the same folder")
+    all_targets = {k for _, part in seen for k in part}
+    marker = _marker.read(folder)
     try:
         _check_target(folder, marker["keys"], flat, all_targets)
         problem = None
