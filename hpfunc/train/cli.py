@@ -94,6 +94,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     from hpfunc.train.launch import in_launched_rank, launch, rank_of_this_process
 
     overrides = list(args.overrides)
+    if args.out is not None and not args.out.strip():
+        print(f"hpfunc train: --out: expected a folder path, found {args.out!r} (an empty path would write into the "
+              f"current folder; give --out . for that)", file=sys.stderr)
+        raise SystemExit(2)
     if args.out is not None:
         overrides.append(f"output.dir={args.out}")
     if args.steps is not None:
@@ -137,6 +141,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             from hpfunc.train.data import data_inputs
             from hpfunc.train.output import RunFolder
 
+            from hpfunc.train.data import check_data_files
+
+            check_data_files(cfg.data)  # found missing here once, not by every rank after they start
             # where the run starts is checked here too (the saved config against this one), before any rank
             plan = plan_resume(cfg, cfg.output.dir, args.resume, overwrite=args.overwrite)
             for line in plan.skipped:  # damaged newer checkpoints, renamed here (the ranks see them no more)

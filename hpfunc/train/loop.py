@@ -408,7 +408,7 @@ def _train(cfg: Config, model_cfg: Any, out: pathlib.Path, folder: RunFolder | N
     finished = False  # an error of the checkpoints' closing must not hide the error that ends the run
     try:
         with MetricsWriter(folder.file("metrics.jsonl")) if main else _NoWriter() as writer, \
-                StopSignals() if use_words else contextlib.nullcontext() as signals:
+                StopSignals() if use_words or mesh is None else contextlib.nullcontext() as signals:
             for step in range(start, tc.steps):
                 hooks.maybe_kill(step + 1, rank=rank, attempt=plan.restart)
                 batch = hooks.batch(step + 1, sample_batch(data.train, train_key, step, tc.batch_size, tc.seq_len))
@@ -495,8 +495,9 @@ def _train(cfg: Config, model_cfg: Any, out: pathlib.Path, folder: RunFolder | N
                     with _save_errors(root, done):
                         ckpts.save(state, done, loop_state())
                 save_failed = ckpts is not None and ckpts.failed()  # an async save: known at the next step
-                if use_words:
+                if signals is not None:
                     hooks.maybe_term(done, handled=signals.signum is None and signals.installed)
+                if use_words:
                     try:
                         signum, save_failed = words.any_stop(signals.signum, save_failed)
                     except Exception as e:  # a peer lost between two steps: the state of `done` is whole
@@ -508,6 +509,13 @@ def _train(cfg: Config, model_cfg: Any, out: pathlib.Path, folder: RunFolder | N
                         raise Stopped(stop_message(signum, done, last_words(done, _sig_name(signum))), signum)
                 elif mesh is not None and ckpts is not None and ckpts.in_flight():
                     save_failed = _any_rank(save_failed)  # every rank stops at the same step
+                elif signals is not None and signals.signum is not None and done != tc.steps:
+                    # one process without last words: still a message and 128 + the signal, after the step
+                    why = ("checkpoints are off (checkpoint.every: 0), so the run cannot be continued" if ckpts is None
+                           else "no checkpoint on the way out (checkpoint.last_words: false); continue from the "
+                                "newest one with `hpfunc train CONFIG --resume auto`")
+                    raise Stopped(f"stopped by {_sig_name(signals.signum)} after step {done}; {why}; the metrics up "
+                                  f"to step {done} are kept", signals.signum)
                 if save_failed:
                     with _save_errors(root, done):
                         ckpts.wait()  # raises the save's error, the same on every rank

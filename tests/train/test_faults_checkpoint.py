@@ -290,7 +290,7 @@ def test_a_malformed_pretrained_config_json_names_the_file_and_key_before_launch
     hf = tmp_path / "hf"
     qwen3.save_pretrained(qwen3.init(random.key(0), cfg), cfg, hf)
     good = json.loads((hf / "config.json").read_text())
-    config = _config(tmp_path, 2, 0, model={"pretrained": str(hf)})
+    config = _config(tmp_path, 4, 0, model={"pretrained": str(hf)})
     file = hf / "config.json"
     cases = [('{"model_type": "qwen3_moe",', rf"{re.escape(str(file))} is not valid JSON \(line 1 column 28: "),
              (json.dumps({k: v for k, v in good.items() if k != "hidden_size"}),
@@ -324,3 +324,47 @@ def test_a_read_only_checkpoint_dir_is_refused_before_launch(tmp_path):
         assert "Traceback" not in err and "starting" not in out and "[rank" not in err
     assert list(ro.iterdir()) == []
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+def test_missing_data_on_a_mesh_is_found_once_before_launch(tmp_path, capsys):
+    config = _config(tmp_path, 4, 0)
+    with pytest.raises(SystemExit) as info:
+        train_main([str(config), "--set", f"data.paths=[{tmp_path}/nowhere/*.py]", *MESH])
+    assert info.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.err.count("data.paths.0: the pattern") == 1 and "matches no file" in captured.err, captured.err
+    assert "starting" not in captured.out and "[rank" not in captured.err
+
+
+# ---------------------------------------------------------------------------------------------
+# The smaller items of the probe
+
+
+def test_small_inputs_named_seed_out_sigterm_and_an_empty_file(tmp_path, capsys, monkeypatch):
+    from hpfunc.train.fault_hooks import ENV as FAULTS
+
+    config = _config(tmp_path, 6, 0)
+    with pytest.raises(SystemExit) as info:  # before: 2**64 silently became the seed 0
+        train_main([str(config), "--set", f"seed={2**64}"])
+    assert info.value.code == 2
+    assert "config error: seed: expected an integer in [0, 2**64)" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:  # before: wrote into the current folder
+        train_main([str(config), "--out", ""])
+    assert info.value.code == 2
+    assert "hpfunc train: --out: expected a folder path, found ''" in capsys.readouterr().err
+    # an empty file under data.max_bytes: the data is to blame, not the byte cap
+    (tmp_path / "empty.py").write_text("")
+    with pytest.raises(SystemExit) as info:
+        train_main([str(config), "--set", f"data.paths=[{tmp_path}/empty.py]", "--set", "data.max_bytes=100000"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "config error: data.paths: the training split has 0 tokens" in err and "raise data.max_bytes" not in err
+    # SIGTERM of one process without checkpoints: a message and 143 after the step, not a bare -15
+    monkeypatch.setenv(FAULTS, "term@2")
+    with pytest.raises(SystemExit) as info:
+        train_main([str(config)])
+    assert info.value.code == 143
+    err = capsys.readouterr().err
+    assert ("hpfunc train: stopped by SIGTERM after step 2; checkpoints are off (checkpoint.every: 0), so the run "
+            "cannot be continued; the metrics up to step 2 are kept") in err, err
+    assert [s for s, *_ in _steps(read_metrics(tmp_path / "out" / "metrics.jsonl"))] == [1, 2]
