@@ -368,3 +368,19 @@ def test_small_inputs_named_seed_out_sigterm_and_an_empty_file(tmp_path, capsys,
     assert ("hpfunc train: stopped by SIGTERM after step 2; checkpoints are off (checkpoint.every: 0), so the run "
             "cannot be continued; the metrics up to step 2 are kept") in err, err
     assert [s for s, *_ in _steps(read_metrics(tmp_path / "out" / "metrics.jsonl"))] == [1, 2]
+
+
+def test_launch_says_when_restarts_are_used_up_and_refuses_a_missing_script(tmp_path):
+    script = tmp_path / "fail.py"
+    script.write_text("import sys\nsys.exit(3)\n")
+    launch = [sys.executable, "-m", "hpfunc.launch", "--nproc", "1"]
+    proc = subprocess.run([*launch, str(tmp_path / "nothere.py")], capture_output=True, text=True, env=_env(),
+                          timeout=120)
+    assert proc.returncode == 2  # before any rank starts
+    assert f"hpfunc launch: the script '{tmp_path / 'nothere.py'}' does not exist" in proc.stderr, proc.stderr
+    proc = subprocess.run([*launch, "--max-restarts", "1", str(script)], capture_output=True, text=True, env=_env(),
+                          timeout=300)
+    assert proc.returncode == 3, proc.stderr
+    assert ("hpfunc: rank 0 of 1 failed (exit status 3); its error is printed above. The other ranks were stopped. "
+            "The group was restarted 1 time(s), all that --max-restarts (parallel.max_restarts) allows, and failed "
+            "again: giving up.") in proc.stderr, proc.stderr
