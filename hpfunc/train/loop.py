@@ -591,6 +591,10 @@ def _train(cfg: Config, model_cfg: Any, out: pathlib.Path, folder: RunFolder | N
         folder.write_text("sample.txt", text)
         summary["sample"] = text
         say(f"sample (temperature {oc.sample_temperature}):\n{'-' * 60}\n{text}\n{'-' * 60}")
+    elif oc.sample_tokens and oc.sample_prompt:  # said, not silently skipped
+        what = f"data.tokenizer {cfg.data.tokenizer}" if cfg.data.tokenizer else "data.source: ids"
+        say(f"sample: none written: output.sample_tokens generates bytes, and this run's data is token ids ({what}); "
+            f"set output.sample_tokens: 0 to silence this")
     if cfg.output.plot:
         title = f"{cfg.model.preset} on {cfg.data.source} ({tc.steps} steps, batch {tc.batch_size}x{tc.seq_len})"
         if mesh is not None:

@@ -384,3 +384,16 @@ def test_launch_says_when_restarts_are_used_up_and_refuses_a_missing_script(tmp_
     assert ("hpfunc: rank 0 of 1 failed (exit status 3); its error is printed above. The other ranks were stopped. "
             "The group was restarted 1 time(s), all that --max-restarts (parallel.max_restarts) allows, and failed "
             "again: giving up.") in proc.stderr, proc.stderr
+
+
+def test_a_sample_that_cannot_be_written_is_said(tmp_path, capsys):
+    import numpy as np
+
+    config = _config(tmp_path, 4, 0)
+    np.save(tmp_path / "ids.npy", np.arange(2000) % 300)
+    train_main([str(config), "--set", "data.source=ids", "--set", f"data.paths=[{tmp_path / 'ids.npy'}]",
+                "--set", "model.vocab_size=300", "--set", "output.sample_tokens=8", "--set", "output.progress=lines"])
+    out = capsys.readouterr().out
+    assert ("sample: none written: output.sample_tokens generates bytes, and this run's data is token ids "
+            "(data.source: ids)") in out, out
+    assert not (tmp_path / "out" / "sample.txt").exists()
