@@ -298,10 +298,12 @@ def set_aside_damaged(resume: str, root: pathlib.Path) -> list[str]:
     found, skipped = checkpoint.newest_verified(folder)
     lines = []
     for damaged, why in skipped:
-        kept = checkpoint.set_aside(damaged)
-        lines.append(f"--resume {resume}: skipped the damaged checkpoint {damaged.name} ({why}); it is kept as "
-                     f"{kept} (remove it when done with it); resuming from "
-                     f"{found.name if found is not None else 'step 0 (no verified checkpoint)'}")
+        try:
+            kept = f"it is kept as {checkpoint.set_aside(damaged)} (remove it when done with it)"
+        except OSError as e:  # a read-only folder: skipped all the same, left where it is
+            kept = f"it could not be renamed ({e.strerror or e}) and is left in place"
+        lines.append(f"--resume {resume}: skipped the damaged checkpoint {damaged.name} ({why}); {kept}; resuming "
+                     f"from {found.name if found is not None else 'step 0 (no verified checkpoint)'}")
     return lines
 
 
