@@ -228,6 +228,10 @@ def run_ranks(torchrun_argv: Sequence[str], *, nproc: int | None, timeout_s: flo
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     args = torchrun.parse_args(list(torchrun_argv))
+    if not args.module and not args.no_python and not os.path.isfile(args.training_script):
+        # found here, before any rank starts (torch's launcher would start them all to fail one by one)
+        raise UsageError(f"the script {args.training_script!r} does not exist (or is not a file); give the path of "
+                         f"a Python script, or -m MODULE")
     if not args.no_python and not args.run_path:
         args.training_script_args = [*(["-m"] if args.module else []), args.training_script,
                                      *args.training_script_args]
@@ -246,7 +250,10 @@ def run_ranks(torchrun_argv: Sequence[str], *, nproc: int | None, timeout_s: flo
                    "; its error is printed above")
             also = [r for r in sorted(dog.killed) if r != rank]
             more = f" Rank {', '.join(map(str, also))} stopped responding and was killed (see above)." if also else ""
-            print(f"hpfunc: rank {rank}{of} failed ({how}){why}. The other ranks were stopped.{more}",
+            restarts = int(getattr(args, "max_restarts", 0) or 0)
+            gave_up = (f" The group was restarted {restarts} time(s), all that --max-restarts (parallel.max_restarts) "
+                       f"allows, and failed again: giving up." if restarts else "")
+            print(f"hpfunc: rank {rank}{of} failed ({how}){why}. The other ranks were stopped.{more}{gave_up}",
                   file=sys.stderr, flush=True)
             return code if code > 0 else 1
         except SignalException as e:  # the launcher stopped the ranks (SIGTERM, then SIGKILL) before this
@@ -275,7 +282,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     except UsageError as e:
         print(f"hpfunc launch: {e}\n\n{USAGE}", file=sys.stderr, end="")
         raise
-    status = run_ranks(parsed.torchrun, nproc=parsed.nproc, timeout_s=parsed.timeout_s)
+    try:
+        status = run_ranks(parsed.torchrun, nproc=parsed.nproc, timeout_s=parsed.timeout_s)
+    except UsageError as e:
+        print(f"hpfunc launch: {e}", file=sys.stderr)
+        raise
     if status:
         raise SystemExit(status)
 

@@ -24,9 +24,9 @@ from hpfunc.checkpoint.async_save import AsyncSaver, PendingSave
 from hpfunc.checkpoint.dcp_io import SaveResult, info, load, save
 from hpfunc.checkpoint.errors import (CheckpointError, CheckpointMismatchError, CorruptCheckpointError,
                                       IncompleteCheckpointError)
-from hpfunc.checkpoint.manager import CheckpointManager, complete_steps, latest, step_dir
+from hpfunc.checkpoint.manager import CheckpointManager, complete_steps, latest, newest_verified, set_aside, step_dir
 from hpfunc.checkpoint.marker import MARKER
 
 __all__ = ["save", "load", "info", "SaveResult", "Abstract", "abstract", "abstract_like", "CheckpointManager",
-           "latest", "complete_steps", "step_dir", "AsyncSaver", "PendingSave", "CheckpointError",
+           "latest", "complete_steps", "step_dir", "newest_verified", "set_aside", "AsyncSaver", "PendingSave", "CheckpointError",
            "IncompleteCheckpointError", "CorruptCheckpointError", "CheckpointMismatchError", "MARKER"]

@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor
 from hpfunc.checkpoint import _ranks
 from hpfunc.checkpoint.dcp_io import SaveResult, check_metadata, flatten_state, write_flat
 from hpfunc.checkpoint.errors import CheckpointError
+from hpfunc.checkpoint.save_faults import check_step
 from hpfunc.faults import is_comm_failure
 
 __all__ = ["AsyncSaver", "PendingSave", "stage", "DEFAULT_TIMEOUT_S"]
@@ -80,6 +81,10 @@ class PendingSave:
     def done(self) -> bool:
         return self._done.is_set()
 
+    def failed(self) -> bool:
+        """Whether the write finished with an error (not waiting: False while it runs)."""
+        return self._done.is_set() and self._error is not None
+
     def wait(self) -> SaveResult:
         """Block until the write finished; its result, or its error raised here."""
         self._done.wait()
@@ -121,10 +126,17 @@ class AsyncSaver:
         self._after_save = after_save
         self._pending: PendingSave | None = None
 
-    def save(self, path: str | os.PathLike, state: Any, *, step: int, metadata: Any = None) -> PendingSave:
-        """Stage ``state`` and start writing it to ``path`` (after the previous save finished); every rank calls it."""
+    def save(self, path: str | os.PathLike, state: Any, *, step: int, metadata: Any = None,
+             expect_bytes: int | None = None) -> PendingSave:
+        """Stage ``state`` and start writing it to ``path`` (after the previous save finished); every rank calls it.
+
+        The write first has the ranks compare path and step and rank 0 check the free space against
+        ``expect_bytes`` (:func:`hpfunc.checkpoint.save_faults.agree`, on the saver's group): a
+        mismatch, too little space or a failed write is a :class:`CheckpointError` on every rank,
+        raised by :meth:`PendingSave.wait` (the trainer asks after every step)."""
         start = time.perf_counter()
         check_metadata(metadata)
+        step = check_step(step, "save")
         flat = flatten_state(state)
         self.wait()  # at most one in flight; an error of the previous save is raised here
         staged = stage(flat)
@@ -135,7 +147,8 @@ class AsyncSaver:
 
         def write() -> SaveResult:
             try:
-                result = write_flat(path, staged, step=step, metadata=metadata, group=group)
+                result = write_flat(path, staged, step=step, metadata=metadata, group=group,
+                                    expect_bytes=expect_bytes)
             except Exception as e:
                 if not is_comm_failure(e):  # not a collective that lost its peers: the write's own error
                     raise

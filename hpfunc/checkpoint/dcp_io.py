@@ -41,12 +41,15 @@ from typing import Any
 import attrs
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from hpfunc import tree as _tree
 from hpfunc.checkpoint import _ranks, marker as _marker
 from hpfunc.checkpoint.abstract import Abstract, abstract, empty, is_abstract_leaf
 from hpfunc.checkpoint.errors import CheckpointError, CheckpointMismatchError, CorruptCheckpointError, listed
 from hpfunc.checkpoint.files import partial_name, publish
+from hpfunc.checkpoint.save_faults import agree, cause, check_step, remove_partial
+from hpfunc.faults import is_comm_failure
 
 __all__ = ["save", "load", "info", "SaveResult", "flatten_state", "check_metadata", "write_flat", "abstract"]
 
@@ -91,61 +94,105 @@ def _quiet_single_process():
         yield
 
 
-def _on_rank0(fn, group: Any) -> None:
-    """Run ``fn`` on rank 0 and raise its error, if any, on every rank (they all agree)."""
-    err = None
+def _on_rank0(fn, group: Any) -> Any:
+    """Run ``fn`` on rank 0; ``(its result, None)`` or ``(None, the cause of its error)`` on every rank."""
+    out: Any = (None, None)
     if _ranks.rank(group) == 0:
         try:
-            fn()
+            out = (fn(), None)
         except Exception as e:  # noqa: BLE001 - handed to every rank
-            err = f"{type(e).__name__}: {e}"
-    err = _ranks.from_rank0(err, group)
-    if err is not None:
-        raise CheckpointError(f"save: rank 0 failed: {err}")
+            out = (None, cause(e))
+    return _ranks.from_rank0(out, group)
+
+
+class _SaveFailed(Exception):
+    """A phase of a save failed on some rank; every rank holds the same ``cause``."""
 
 
 def write_flat(path: str | os.PathLike, flat: dict[str, Any], *, step: int, metadata: Any = None,
-               group: Any = None, planner: Any = None) -> SaveResult:
+               group: Any = None, planner: Any = None, expect_bytes: int | None = None,
+               agreed: bool = False) -> SaveResult:
     """The collective write of a flat state (:func:`save` and the async writer's thread; every rank calls it).
 
     ``planner``: DCP's save planner (``None``: its default); :mod:`hpfunc.checkpoint.safetensors_io`'s
-    Block planner lets values be :class:`~hpfunc.checkpoint.safetensors_io.Block` pieces."""
+    Block planner lets values be :class:`~hpfunc.checkpoint.safetensors_io.Block` pieces.
+    ``expect_bytes``: the size the save is expected to need (the previous checkpoint's), checked against
+    the free space first; ``agreed``: the ranks already compared path and step
+    (:func:`hpfunc.checkpoint.save_faults.agree`).
+
+    Any failure of the write (no space, read-only, no permission, a folder that vanished) is one
+    :class:`CheckpointError` naming the folder, the step and the cause, raised on every rank; the
+    partial folder is removed, an older checkpoint of the folder's parent is untouched."""
     start = time.perf_counter()
+    step = check_step(step, "save")
     final = pathlib.Path(path)
     tmp = partial_name(final)
+    if not agreed:
+        agree(final, step, group=group, expect_bytes=expect_bytes)
+    try:
+        files = _write_phases(final, tmp, flat, step=step, metadata=metadata, group=group, planner=planner)
+    except _SaveFailed as e:
+        if _ranks.rank(group) == 0:
+            remove_partial(tmp)
+        raise CheckpointError(f"cannot save the checkpoint of step {step} to {final}: {e}; nothing of it was kept "
+                              f"(the partial folder was removed), older checkpoints are untouched") from None
+    return SaveResult(final, int(step), sum(f["bytes"] for f in files.values()), time.perf_counter() - start)
+
+
+def _write_phases(final: pathlib.Path, tmp: pathlib.Path, flat: dict[str, Any], *, step: int, metadata: Any,
+                  group: Any, planner: Any) -> dict[str, dict]:
+    """The phases of :func:`write_flat`, each ending with the ranks agreeing whether it failed."""
 
     def prepare() -> None:
         if tmp.exists():  # left by a killed save
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
 
-    _on_rank0(prepare, group)
+    _, err = _on_rank0(prepare, group)
+    if err is not None:
+        raise _SaveFailed(err)
     # every rank's keys: the ranks of a pipeline hold different stages (and so different keys)
     keys: dict[str, dict] = {}
     for part in _ranks.all_gather({k: _marker.key_entry(v) for k, v in flat.items()}, group):
         keys.update(part)
-    with _quiet_single_process():
-        dcp.save(flat, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), process_group=group, planner=planner,
-                 no_dist=not _ranks.active())
+    try:
+        with _quiet_single_process():
+            dcp.save(flat, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), process_group=group,
+                     planner=planner, no_dist=not _ranks.active())
+    except (Exception, CheckpointException) as e:  # DCP gathers every rank's error and raises it on every rank
+        if is_comm_failure(e):
+            raise
+        raise _SaveFailed(cause(e)) from None
     # DCP returns once rank 0 wrote .metadata after every rank's files: list, then checksum in parallel
-    names = _ranks.from_rank0(sorted(p.name for p in tmp.iterdir() if p.is_file()) if _ranks.rank(group) == 0
-                              else None, group)
+    names, err = _on_rank0(lambda: sorted(p.name for p in tmp.iterdir() if p.is_file()), group)
+    if err is not None:
+        raise _SaveFailed(err)
     r, w = _ranks.rank(group), _ranks.world(group)
+    try:
+        mine, err = _marker.describe_files(tmp, names[r::w]), None
+    except Exception as e:  # noqa: BLE001 - handed to every rank
+        mine, err = {}, f"{cause(e)} (on rank {r})"
     files: dict[str, dict] = {}
-    for part in _ranks.all_gather(_marker.describe_files(tmp, names[r::w]), group):
+    errors = []
+    for part, part_err in _ranks.all_gather((mine, err), group):
         files.update(part)
+        errors += [part_err] if part_err else []
+    if errors:
+        raise _SaveFailed(errors[0])
 
     def finish() -> None:
         _marker.write(tmp, _marker.build(step=step, metadata=metadata, keys=keys,
                                          files=dict(sorted(files.items())), world_size=w))
         publish(tmp, final)
 
-    _on_rank0(finish, group)
-    return SaveResult(final, int(step), sum(f["bytes"] for f in files.values()), time.perf_counter() - start)
+    _, err = _on_rank0(finish, group)
+    if err is not None:
+        raise _SaveFailed(err)
+    return files
 
 
 def save(path: str | os.PathLike, state: Any, *, step: int, metadata: Any = None,
-         process_group: Any = None) -> SaveResult:
+         process_group: Any = None, expect_bytes: int | None = None) -> SaveResult:
     """Save ``state`` (any pytree of DTensors, tensors and plain values) as the checkpoint folder ``path``.
 
     Every rank calls it (SPMD). The folder appears only when complete (see the module docstring); an old
@@ -157,7 +204,9 @@ def save(path: str | os.PathLike, state: Any, *, step: int, metadata: Any = None
     True
     """
     check_metadata(metadata)
-    return write_flat(path, flatten_state(state), step=step, metadata=metadata, group=process_group)
+    check_step(step, "save")
+    return write_flat(path, flatten_state(state), step=step, metadata=metadata, group=process_group,
+                      expect_bytes=expect_bytes)
 
 
 def info(path: str | os.PathLike) -> dict:
@@ -244,11 +293,17 @@ def load(path: str | os.PathLike, target: Any, *, verify: bool = True, process_g
     hpfunc.checkpoint.errors.CheckpointMismatchError: checkpoint '...', key 'w': saved shape (2,), the target wants (3,); ...
     """
     folder = pathlib.Path(path)
-    marker = _marker.read(folder)
     leaves, treedef = _tree.flatten(target, is_leaf=is_abstract_leaf)
     paths = [p for p, _ in _tree.leaves_with_paths(target, is_leaf=is_abstract_leaf)]
     flat = {p: abstract(x) if isinstance(x, torch.Tensor) else x for p, x in zip(paths, leaves)}
-    all_targets = {k for part in _ranks.all_gather(sorted(flat), process_group) for k in part}
+    # one collective: every rank's folder (they must load the same checkpoint) and target keys
+    seen = _ranks.all_gather((os.path.abspath(folder), sorted(flat)), process_group)
+    if len({f for f, _ in seen}) > 1:
+        per_rank = "; ".join(f"rank {r}: {f!r}" for r, (f, _) in enumerate(seen))
+        raise CheckpointError(f"load: the ranks were given different checkpoints ({per_rank}); every rank must "
+                              f"load the same folder")
+    all_targets = {k for _, part in seen for k in part}
+    marker = _marker.read(folder)
     try:
         _check_target(folder, marker["keys"], flat, all_targets)
         problem = None

@@ -30,9 +30,10 @@ from hpfunc.checkpoint import _ranks, marker as _marker
 from hpfunc.checkpoint.async_save import DEFAULT_TIMEOUT_S, AsyncSaver, PendingSave
 from hpfunc.checkpoint.dcp_io import SaveResult, load, save
 from hpfunc.checkpoint.errors import CheckpointError, IncompleteCheckpointError
+from hpfunc.checkpoint.marker import MARKER
 from hpfunc.checkpoint.files import is_partial, remove_dir
 
-__all__ = ["CheckpointManager", "latest", "complete_steps", "step_dir"]
+__all__ = ["CheckpointManager", "latest", "complete_steps", "step_dir", "newest_verified", "set_aside", "DAMAGED"]
 
 _STEP = re.compile(r"step_(\d+)")
 
@@ -62,6 +63,64 @@ def complete_steps(root: str | os.PathLike) -> list[int]:
         if m and p.is_dir() and _is_complete(p):
             steps.append(int(m.group(1)))
     return sorted(steps)
+
+
+DAMAGED = ".damaged"
+
+
+def _problem(folder: pathlib.Path, checksums: bool) -> str | None:
+    """Why ``folder`` is not a whole checkpoint (no marker, an unreadable marker, a file missing, of
+    another size or, with ``checksums``, another CRC-32), or None."""
+    try:
+        marker = _marker.read(folder)
+    except CheckpointError as e:
+        return str(e)
+    try:
+        problems = _marker.check_files(folder, marker, checksums=checksums)
+    except (OSError, KeyError, TypeError) as e:
+        return f"{folder}: its files cannot be checked ({type(e).__name__}: {e})"
+    return problems[0] if problems else None
+
+
+def newest_verified(root: str | os.PathLike, *, checksums: bool = True) -> tuple[pathlib.Path | None,
+                                                                                  list[tuple[pathlib.Path, str]]]:
+    """The newest checkpoint under ``root`` whose files all match its marker (sizes and, with
+    ``checksums``, CRC-32s), and ``[(folder, why)]`` of the newer ``step_*`` folders that do not (no
+    marker, truncated, a flipped bit), newest first. Nothing is changed on disk (:func:`set_aside`).
+
+    >>> import tempfile, pathlib, torch
+    >>> root = pathlib.Path(tempfile.mkdtemp())
+    >>> m = CheckpointManager(root)
+    >>> _ = m.save({"w": torch.ones(4)}, 1); _ = m.save({"w": torch.ones(4)}, 2)
+    >>> (root / "step_00000002" / MARKER).unlink()
+    >>> found, skipped = newest_verified(root)
+    >>> found.name, [(p.name, "has no completion marker" in why) for p, why in skipped]
+    ('step_00000001', [('step_00000002', True)])
+    """
+    root = pathlib.Path(root)
+    if not root.is_dir():
+        return None, []
+    candidates = sorted(((int(m.group(1)), p) for p in root.iterdir()
+                         if (m := _STEP.fullmatch(p.name)) and p.is_dir()), reverse=True)
+    skipped: list[tuple[pathlib.Path, str]] = []
+    for _, folder in candidates:
+        why = _problem(folder, checksums)
+        if why is None:
+            return folder, skipped
+        skipped.append((folder, why))
+    return None, skipped
+
+
+def set_aside(folder: pathlib.Path) -> pathlib.Path:
+    """Rename a damaged checkpoint folder to ``NAME.damaged`` (``.damaged.2``, ... if taken): kept for
+    the user to inspect or remove, never again taken for a checkpoint nor replaced by a new save."""
+    target = folder.with_name(folder.name + DAMAGED)
+    n = 2
+    while target.exists():
+        target = folder.with_name(f"{folder.name}{DAMAGED}.{n}")
+        n += 1
+    os.replace(folder, target)
+    return target
 
 
 def latest(root: str | os.PathLike) -> pathlib.Path | None:
@@ -96,10 +155,27 @@ class CheckpointManager:
         self.root = pathlib.Path(root)
         self.keep_last, self.keep_every = keep_last, keep_every
         self._saver = AsyncSaver(after_save=self._prune, timeout_s=timeout_s) if async_save else None
+        self._last_bytes: int | None = None  # the previous checkpoint's size: what a save is checked to fit
+
+    def expected_bytes(self) -> int | None:
+        """The size a save is expected to need: the last one's, or the newest complete checkpoint's."""
+        if self._last_bytes is None:
+            newest = self.latest()
+            if newest is not None:
+                try:
+                    self._last_bytes = sum(f["bytes"] for f in _marker.read(newest)["files"].values())
+                except (CheckpointError, KeyError, TypeError):
+                    return None
+        return self._last_bytes
 
     def save(self, state: Any, step: int, *, metadata: Any = None,
              process_group: Any = None) -> SaveResult | PendingSave:
         """Save ``state`` as step ``step`` (replacing a checkpoint of that step), then prune.
+
+        Before writing, the free space is checked against the previous checkpoint's size where the
+        file system reports it (:func:`hpfunc.checkpoint.save`); a failed save raises a
+        :class:`CheckpointError` naming the folder, the step and the cause and prunes nothing: the
+        previous checkpoint stays the newest complete one.
 
         ``process_group`` (synchronous managers only) is the group the save's collectives run on
         (default: the whole world), e.g. one with a short timeout for a save on the way out."""
@@ -108,8 +184,9 @@ class CheckpointManager:
             if process_group is not None:
                 raise ValueError("CheckpointManager.save: an asynchronous manager saves on its own process group; "
                                  "use a synchronous manager to pass process_group")
-            return self._saver.save(path, state, step=step, metadata=metadata)
-        result = save(path, state, step=step, metadata=metadata, process_group=process_group)
+            return self._saver.save(path, state, step=step, metadata=metadata, expect_bytes=self.expected_bytes())
+        result = save(path, state, step=step, metadata=metadata, process_group=process_group,
+                      expect_bytes=self.expected_bytes())
         self._prune(result)
         return result
 
@@ -145,6 +222,7 @@ class CheckpointManager:
 
     def _prune(self, result: SaveResult) -> None:
         """On rank 0: remove checkpoints the retention does not keep, and folders left by killed saves."""
+        self._last_bytes = result.bytes
         if _ranks.rank(None) != 0:
             return
         steps = complete_steps(self.root)

@@ -109,9 +109,22 @@ def read(folder: str | os.PathLike) -> dict:
     except (OSError, ValueError) as e:
         raise CorruptCheckpointError(f"{path}: the completion marker is not readable JSON ({e}); the checkpoint "
                                      f"cannot be trusted, load another one") from None
-    if not isinstance(marker, dict) or marker.get("format") != FORMAT:
-        found = marker.get("format") if isinstance(marker, dict) else type(marker).__name__
-        raise CorruptCheckpointError(f"{path}: expected a marker of format {FORMAT!r}, found {found!r}")
+    if not isinstance(marker, dict):
+        raise CorruptCheckpointError(f"{path}: the completion marker is damaged: expected a JSON object, found a "
+                                     f"{type(marker).__name__}; the checkpoint cannot be trusted, load another one")
+    found = marker.get("format")
+    family = FORMAT.rsplit("/", 1)[0] + "/"
+    if found != FORMAT:
+        if isinstance(found, str) and found.startswith(family) and found[len(family):].isdigit():
+            raise CorruptCheckpointError(f"{path}: the checkpoint is of format {found!r}, this hpfunc reads "
+                                         f"{FORMAT!r}; load it with the hpfunc version that wrote it "
+                                         f"({marker.get('hpfunc_version')!r})")
+        raise CorruptCheckpointError(f"{path}: the completion marker is damaged: its 'format' key reads {found!r}, "
+                                     f"expected {FORMAT!r}; the checkpoint cannot be trusted, load another one")
+    lacking = [k for k, kind in (("step", int), ("files", dict), ("keys", dict)) if not isinstance(marker.get(k), kind)]
+    if lacking:
+        raise CorruptCheckpointError(f"{path}: the completion marker is damaged: the key(s) {lacking} are missing or "
+                                     f"of the wrong type; the checkpoint cannot be trusted, load another one")
     return marker
 
 

@@ -68,6 +68,45 @@ def build_model_config(mc: ModelConfig) -> Any:
         raise ConfigError(f"{where}model (preset {mc.preset!r} with overrides {overrides}): {e}") from None
 
 
+def _read_pretrained_config(folder: str, load_config: Callable[[str], Any], model_error: type) -> Any:
+    """``folder/config.json`` read into a model config; a file that is not JSON, not an object or lacks
+    a key is a :class:`ConfigError` naming ``model.pretrained``, the file and the line or the key.
+
+    >>> import json, pathlib, tempfile
+    >>> d = pathlib.Path(tempfile.mkdtemp()); _ = (d / "config.json").write_text('{"model_type": "qwen3",')
+    >>> from hpfunc.models.qwen3.hf import load_config
+    >>> _read_pretrained_config(str(d), load_config, ValueError)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    hpfunc.train.config.ConfigError: model.pretrained: .../config.json is not valid JSON (line 1 column 24: ...
+    """
+    import json
+    import os
+
+    file = os.path.join(folder, "config.json")
+    try:
+        with open(file) as f:
+            data = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"model.pretrained: {file} is not valid JSON (line {e.lineno} column {e.colno}: {e.msg}); "
+                          f"fix or replace the file (it is written by save_pretrained or hpfunc convert --to hf)") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"model.pretrained: cannot read {file}: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"model.pretrained: {file} holds a JSON {type(data).__name__}, expected an object of the "
+                          f"model's keys (hidden_size, num_hidden_layers, ...)")
+    try:
+        return load_config(folder)
+    except model_error as e:
+        raise ConfigError(f"model.pretrained: {e}") from None
+    except KeyError as e:
+        raise ConfigError(f"model.pretrained: {file} lacks the key {e.args[0]!r}, which a {data.get('model_type')!r} "
+                          f"config needs; add it (Hugging Face's config.json of the model has it)") from None
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"model.pretrained: {file} has a value of the wrong kind ({e}); expected numbers for the "
+                          f"sizes, as Hugging Face's config.json of the model has them") from None
+
+
 def _pretrained_config(mc: ModelConfig) -> Any:
     """``model.pretrained``'s ``config.json`` with the ``model.<field>`` overrides applied."""
     import os
@@ -78,10 +117,11 @@ def _pretrained_config(mc: ModelConfig) -> Any:
     if not os.path.isfile(os.path.join(mc.pretrained, "config.json")):
         raise ConfigError(f"model.pretrained: {mc.pretrained!r} holds no config.json; expected a Hugging Face folder "
                           f"(config.json and *.safetensors, e.g. from save_pretrained or hpfunc convert --to hf)")
-    try:
-        base = load_config(mc.pretrained)
-    except qcfg.ConfigError as e:
-        raise ConfigError(f"model.pretrained: {e}") from None
+    base = _read_pretrained_config(mc.pretrained, load_config, qcfg.ConfigError)
+    if not any(os.path.isfile(os.path.join(mc.pretrained, n))
+               for n in ("model.safetensors", "model.safetensors.index.json")):
+        raise ConfigError(f"model.pretrained: {mc.pretrained!r} holds config.json but no weights (model.safetensors "
+                          f"or model.safetensors.index.json); copy the whole Hugging Face folder")
     hints = typing.get_type_hints(qcfg.Qwen3Config)
     fields = {f.name for f in attrs.fields(qcfg.Qwen3Config)} - _NOT_OVERRIDABLE
     overrides = {}

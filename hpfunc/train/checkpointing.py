@@ -39,7 +39,7 @@ from hpfunc.train.config import Config, ConfigError, config_to_dict
 
 __all__ = ["checkpoint_root", "resolve_resume", "check_compatible", "saved_tree", "restore_state",
            "truncate_metrics", "TrainCheckpoints", "RESTART_ENV", "restart_count", "ResumePlan", "plan_resume",
-           "clear_checkpoints"]
+           "clear_checkpoints", "set_aside_damaged", "check_checkpoint_dir"]
 
 # torch's elastic launcher numbers the attempts of a worker group (0: the first start)
 RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"
@@ -67,9 +67,9 @@ def checkpoint_root(cfg: Config, out: str | os.PathLike) -> pathlib.Path:
 
 
 def resolve_resume(resume: str, root: pathlib.Path) -> pathlib.Path | None:
-    """The checkpoint folder ``--resume`` names: ``never`` -> None; ``auto`` -> the newest complete
-    checkpoint under ``root`` (None if there is none); a path -> that checkpoint folder, or the newest
-    complete one under that folder. A path with no complete checkpoint is a ConfigError naming ``--resume``.
+    """The checkpoint folder ``--resume`` names: ``never`` -> None; ``auto`` -> the newest verified
+    checkpoint under ``root`` (every file's size and CRC-32 as its marker records; None if there is
+    none); a path -> that checkpoint folder, or the newest verified one under that folder. A path with no complete checkpoint is a ConfigError naming ``--resume``.
 
     >>> import tempfile, pathlib
     >>> resolve_resume("auto", pathlib.Path(tempfile.mkdtemp())) is None
@@ -80,7 +80,7 @@ def resolve_resume(resume: str, root: pathlib.Path) -> pathlib.Path | None:
     if resume == "never":
         return None
     if resume == "auto":
-        return checkpoint.latest(root)
+        return checkpoint.newest_verified(root)[0]
     path = pathlib.Path(resume)
     if (path / checkpoint.MARKER).exists():
         try:
@@ -88,7 +88,7 @@ def resolve_resume(resume: str, root: pathlib.Path) -> pathlib.Path | None:
         except checkpoint.CheckpointError as e:
             raise ConfigError(f"--resume: {e}") from None
         return path
-    found = checkpoint.latest(path) if path.is_dir() else None
+    found = checkpoint.newest_verified(path)[0] if path.is_dir() else None
     if found is None:
         why = "does not exist" if not path.exists() else "is not a complete checkpoint and holds none"
         raise ConfigError(f"--resume: {path} {why}; give a checkpoint folder (…/checkpoints/step_00000100), the "
@@ -213,9 +213,18 @@ class TrainCheckpoints:
             self.write_s.append(out.seconds)
 
     def _collect(self) -> None:
-        if self._pending is not None and self._pending.done():
-            self.write_s.append(self._pending.wait().seconds)
-            self._pending = None
+        # the saver waits for the save in flight anyway; collected here on every rank at the same call
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            self.write_s.append(pending.wait().seconds)
+
+    def in_flight(self) -> bool:
+        """Whether an asynchronous save was started and not yet collected (the same on every rank)."""
+        return self._pending is not None
+
+    def failed(self) -> bool:
+        """Whether this rank's asynchronous save in flight has finished with an error (no waiting)."""
+        return self._pending is not None and self._pending.failed()
 
     def wait(self) -> None:
         """Finish the save in flight (its error is raised here)."""
@@ -247,6 +256,55 @@ class ResumePlan:
     restart: int = 0
     resume: bool = False
     notes: tuple[str, ...] = ()
+    skipped: tuple[str, ...] = ()  # damaged newer checkpoints passed over (and renamed), one line each
+
+
+def check_checkpoint_dir(root: pathlib.Path) -> None:
+    """``checkpoint.dir`` can be written: created if absent, a file made and removed in it (before any
+    rank starts; a read-only or unwritable folder would otherwise fail at the first save). An
+    :class:`~hpfunc.train.output.OutputError` naming the key, the folder and the cause.
+
+    >>> import tempfile, pathlib
+    >>> check_checkpoint_dir(pathlib.Path(tempfile.mkdtemp()) / "ckpts")
+    """
+    import tempfile
+
+    from hpfunc.train.output import OutputError, _why
+
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".hpfunc-write-check.", dir=root)
+        os.close(fd)
+        os.unlink(probe)
+    except FileExistsError:
+        raise OutputError(f"checkpoint.dir: {root} exists and is not a folder; choose a folder path") from None
+    except NotADirectoryError:
+        raise OutputError(f"checkpoint.dir: cannot create the folder {root}: a part of the path is not a folder; "
+                          f"choose another checkpoint folder") from None
+    except OSError as e:
+        raise OutputError(f"checkpoint.dir: cannot write into the folder {root}: {_why(e)}; choose a folder you can "
+                          f"write (--set checkpoint.dir=DIR)") from None
+
+
+def set_aside_damaged(resume: str, root: pathlib.Path) -> list[str]:
+    """For ``--resume auto`` (or a folder of checkpoints): rename each ``step_*`` folder newer than the
+    newest verified checkpoint (no marker, a truncated or missing file, a checksum mismatch) to
+    ``NAME.damaged`` and return one line per folder saying which, why and where it is kept."""
+    from hpfunc import checkpoint
+
+    folder = root if resume == "auto" else pathlib.Path(resume)
+    if resume == "never" or (folder / checkpoint.MARKER).exists() or not folder.is_dir():
+        return []
+    found, skipped = checkpoint.newest_verified(folder)
+    lines = []
+    for damaged, why in skipped:
+        try:
+            kept = f"it is kept as {checkpoint.set_aside(damaged)} (remove it when done with it)"
+        except OSError as e:  # a read-only folder: skipped all the same, left where it is
+            kept = f"it could not be renamed ({e.strerror or e}) and is left in place"
+        lines.append(f"--resume {resume}: skipped the damaged checkpoint {damaged.name} ({why}); {kept}; resuming "
+                     f"from {found.name if found is not None else 'step 0 (no verified checkpoint)'}")
+    return lines
 
 
 def plan_resume(cfg: Config, out: str | os.PathLike, mode: str, *, overwrite: bool) -> ResumePlan:
@@ -271,6 +329,9 @@ def plan_resume(cfg: Config, out: str | os.PathLike, mode: str, *, overwrite: bo
         raise ConfigError("--resume: a resumed run continues the run in its folder, --overwrite replaces it; "
                           "give one of them")
     root = checkpoint_root(cfg, out)
+    if cfg.checkpoint.dir and cfg.checkpoint.every > 0:
+        check_checkpoint_dir(root)  # the output folder (and a checkpoint folder inside it) is RunFolder's
+    skipped = set_aside_damaged(mode, root)
     path = resolve_resume(mode, root)
     notes: list[str] = []
     if path is not None:
@@ -284,7 +345,8 @@ def plan_resume(cfg: Config, out: str | os.PathLike, mode: str, *, overwrite: bo
         raise OutputError(f"checkpoint.dir: {root} holds checkpoints of a previous run (steps {steps[0]} to "
                           f"{steps[-1]}); continue that run with --resume auto, replace it with --overwrite, or "
                           f"choose another folder (checkpoint.dir, --out DIR)")
-    return ResumePlan(path=path, restart=restart, resume=path is not None or restart > 0, notes=tuple(notes))
+    return ResumePlan(path=path, restart=restart, resume=path is not None or restart > 0, notes=tuple(notes),
+                      skipped=tuple(skipped))
 
 
 def clear_checkpoints(root: pathlib.Path) -> None:

@@ -95,6 +95,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     from hpfunc.train.launch import in_launched_rank, launch, rank_of_this_process
 
     overrides = list(args.overrides)
+    if args.out is not None and not args.out.strip():
+        print(f"hpfunc train: --out: expected a folder path, found {args.out!r} (an empty path would write into the "
+              f"current folder; give --out . for that)", file=sys.stderr)
+        raise SystemExit(2)
     if args.out is not None:
         overrides.append(f"output.dir={args.out}")
     if args.steps is not None:
@@ -141,8 +145,13 @@ def main(argv: Sequence[str] | None = None) -> None:
             from hpfunc.train.data import data_inputs
             from hpfunc.train.output import RunFolder
 
+            from hpfunc.train.data import check_data_files
+
+            check_data_files(cfg.data)  # found missing here once, not by every rank after they start
             # where the run starts is checked here too (the saved config against this one), before any rank
             plan = plan_resume(cfg, cfg.output.dir, args.resume, overwrite=args.overwrite)
+            for line in plan.skipped:  # damaged newer checkpoints, renamed here (the ranks see them no more)
+                print(f"hpfunc train: {line}", file=sys.stderr, flush=True)
             hint = ("; or continue it from its newest checkpoint with --resume auto"
                     if latest(checkpoint_root(cfg, cfg.output.dir)) is not None else "")
             # the output folder is checked and claimed here, before any rank starts, and held to the end
@@ -167,6 +176,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             if status:
                 raise SystemExit(status)
             return
+        from hpfunc.checkpoint import CheckpointError
         from hpfunc.train.loop import Stopped, TrainingDiverged, run
         from hpfunc.train.output import OutputWriteError
 
@@ -182,6 +192,11 @@ def main(argv: Sequence[str] | None = None) -> None:
             raise SystemExit(1) from None
         except OutputWriteError as e:
             print(f"{who}: output error: {e}", file=sys.stderr, flush=True)
+            raise SystemExit(1) from None
+        except CheckpointError as e:
+            # the same error on every rank (a save's failure is agreed on): one line, from rank 0
+            if rank_of_this_process() == 0:
+                print(f"hpfunc train: checkpoint error: {e}", file=sys.stderr, flush=True)
             raise SystemExit(1) from None
     except ConfigError as e:
         print(f"{who}: config error: {e}", file=sys.stderr)

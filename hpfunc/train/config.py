@@ -269,6 +269,7 @@ _OPEN_SECTIONS = {ModelConfig: "overrides"}
 
 # Positive-integer and range checks: (path, predicate, what was expected).
 _RANGES: list[tuple[str, Any, str]] = [
+    ("seed", lambda v: 0 <= v < 2**64, "an integer in [0, 2**64) (the random key holds 64 bits: 2**64 would be 0)"),
     ("train.steps", lambda v: v >= 1, "an integer >= 1"),
     ("train.batch_size", lambda v: v >= 1, "an integer >= 1"),
     ("train.microbatches", lambda v: v >= 1, "an integer >= 1"),

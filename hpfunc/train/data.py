@@ -400,6 +400,22 @@ def data_inputs(cfg: DataConfig) -> list[tuple[str, str]]:
     return found
 
 
+def check_data_files(cfg: DataConfig) -> None:
+    """The files the data section names exist (each ``data.paths`` pattern matches a file, the tokenizer
+    is a file): checked before any rank starts, a :class:`DataError` naming the key.
+
+    >>> from hpfunc.train.config import load_config_dict
+    >>> check_data_files(load_config_dict({"data": {"source": "text", "paths": ["/nowhere/*.txt"]}}).data)
+    Traceback (most recent call last):
+    ...
+    hpfunc.train.data.DataError: data.paths.0: the pattern '/nowhere/*.txt' matches no file
+    """
+    if cfg.source in ("text", "jsonl", "ids"):
+        expand_globs(cfg.paths or [])
+    if cfg.tokenizer and not pathlib.Path(cfg.tokenizer).is_file():
+        raise DataError(f"data.tokenizer: {cfg.tokenizer!r} is not a file; give the path of a tokenizer.json")
+
+
 def _names(files: Sequence[str], most: int = 3) -> str:
     shown = ", ".join(files[:most])
     return shown + (f" and {len(files) - most} more" if len(files) > most else "")
@@ -448,8 +464,9 @@ def check_data(data: TokenData, cfg: Config, vocab_size: int) -> None:
         split = (f"data.val_fraction {dc.val_fraction} keeps the last {n_val:,} for validation" if n_val
                  else "none kept for validation")
         if total < need:  # not enough data at all: more data or a shorter window
-            key = "data.max_bytes" if dc.max_bytes is not None and dc.source != "ids" else (
-                "data.paths" if dc.paths else "data")
+            # data.max_bytes is to blame only where it cut the text short (bytes are tokens without a tokenizer)
+            capped = dc.max_bytes is not None and dc.source != "ids" and (bool(dc.tokenizer) or total >= dc.max_bytes)
+            key = "data.max_bytes" if capped else ("data.paths" if dc.paths else "data")
             more = f"raise data.max_bytes (now {dc.max_bytes:,})" if key == "data.max_bytes" else (
                 "add data (data.paths)" if dc.paths else "add data")
             fix = f"{more} or lower train.seq_len (to at most {total - 1})" if total > 1 else more

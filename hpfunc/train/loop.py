@@ -245,6 +245,9 @@ def _run(cfg: Config, *, out_dir: str | pathlib.Path | None, stream: TextIO | No
     model_cfg = check_buildable(cfg)  # config errors first: nothing is created for a config that cannot run
     out = pathlib.Path(cfg.output.dir if out_dir is None else out_dir)
     plan = _plan_on_rank0(cfg, out, claim, mesh)  # before any file is written
+    if main:
+        for line in plan.skipped:  # damaged newer checkpoints, renamed: said once, before the run starts
+            print(f"hpfunc train: {line}", file=sys.stderr, flush=True)
     if not main:
         return _train(cfg, model_cfg, out, None, stream=stream, echo=echo, mesh=mesh, plan=plan)
     hint = ("; or continue it from its newest checkpoint with --resume auto"
@@ -405,7 +408,7 @@ def _train(cfg: Config, model_cfg: Any, out: pathlib.Path, folder: RunFolder | N
     finished = False  # an error of the checkpoints' closing must not hide the error that ends the run
     try:
         with MetricsWriter(folder.file("metrics.jsonl")) if main else _NoWriter() as writer, \
-                StopSignals() if use_words else contextlib.nullcontext() as signals:
+                StopSignals() if use_words or mesh is None else contextlib.nullcontext() as signals:
             for step in range(start, tc.steps):
                 hooks.maybe_kill(step + 1, rank=rank, attempt=plan.restart)
                 batch = hooks.batch(step + 1, sample_batch(data.train, train_key, step, tc.batch_size, tc.seq_len))
@@ -489,11 +492,14 @@ def _train(cfg: Config, model_cfg: Any, out: pathlib.Path, folder: RunFolder | N
                         progress.message(f"step {done}: validation loss {val:.4f}")
                 progress.update(done, record)
                 if ckpts is not None and ckpts.due(done) and done != tc.steps:
-                    ckpts.save(state, done, loop_state())
-                if use_words:
+                    with _save_errors(root, done):
+                        ckpts.save(state, done, loop_state())
+                save_failed = ckpts is not None and ckpts.failed()  # an async save: known at the next step
+                if signals is not None:
                     hooks.maybe_term(done, handled=signals.signum is None and signals.installed)
+                if use_words:
                     try:
-                        signum = words.any_stop(signals.signum)
+                        signum, save_failed = words.any_stop(signals.signum, save_failed)
                     except Exception as e:  # a peer lost between two steps: the state of `done` is whole
                         if is_comm_failure(e):
                             record_failure(f"rank {rank} lost a peer after step {done}")
@@ -501,9 +507,22 @@ def _train(cfg: Config, model_cfg: Any, out: pathlib.Path, folder: RunFolder | N
                         raise
                     if signum is not None and done != tc.steps:
                         raise Stopped(stop_message(signum, done, last_words(done, _sig_name(signum))), signum)
+                elif mesh is not None and ckpts is not None and ckpts.in_flight():
+                    save_failed = _any_rank(save_failed)  # every rank stops at the same step
+                elif signals is not None and signals.signum is not None and done != tc.steps:
+                    # one process without last words: still a message and 128 + the signal, after the step
+                    why = ("checkpoints are off (checkpoint.every: 0), so the run cannot be continued" if ckpts is None
+                           else "no checkpoint on the way out (checkpoint.last_words: false); continue from the "
+                                "newest one with `hpfunc train CONFIG --resume auto`")
+                    raise Stopped(f"stopped by {_sig_name(signals.signum)} after step {done}; {why}; the metrics up "
+                                  f"to step {done} are kept", signals.signum)
+                if save_failed:
+                    with _save_errors(root, done):
+                        ckpts.wait()  # raises the save's error, the same on every rank
             if ckpts is not None and done == tc.steps and start < tc.steps:
-                ckpts.save(state, done, loop_state())  # the last step's state: a run can be extended from it
-                ckpts.wait()
+                with _save_errors(root, done):
+                    ckpts.save(state, done, loop_state())  # the last step's state: a run can be extended from it
+                    ckpts.wait()
             final_params = full_params(state.params)  # a collective: every rank
             bad = _first_nonfinite(final_params)  # the last update has no later loss to show it
             if bad is not None:
@@ -572,6 +591,10 @@ def _train(cfg: Config, model_cfg: Any, out: pathlib.Path, folder: RunFolder | N
         folder.write_text("sample.txt", text)
         summary["sample"] = text
         say(f"sample (temperature {oc.sample_temperature}):\n{'-' * 60}\n{text}\n{'-' * 60}")
+    elif oc.sample_tokens and oc.sample_prompt:  # said, not silently skipped
+        what = f"data.tokenizer {cfg.data.tokenizer}" if cfg.data.tokenizer else "data.source: ids"
+        say(f"sample: none written: output.sample_tokens generates bytes, and this run's data is token ids ({what}); "
+            f"set output.sample_tokens: 0 to silence this")
     if cfg.output.plot:
         title = f"{cfg.model.preset} on {cfg.data.source} ({tc.steps} steps, batch {tc.batch_size}x{tc.seq_len})"
         if mesh is not None:
@@ -580,6 +603,28 @@ def _train(cfg: Config, model_cfg: Any, out: pathlib.Path, folder: RunFolder | N
     folder.write_json("summary.json", summary)  # last: its presence means the run finished
     say(format_summary(summary))
     return RunResult(state=state, records=records, summary=summary, out_dir=out)
+
+
+def _any_rank(flag: bool) -> bool:
+    """Whether ``flag`` is true on any rank (one all-reduce of one integer)."""
+    t = torch.tensor([int(flag)], dtype=torch.int64)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return bool(t[0])
+
+
+@contextlib.contextmanager
+def _save_errors(root: pathlib.Path, done: int):
+    """A checkpoint that could not be saved stops the run: its error (the same on every rank) says
+    which checkpoint stays the newest and how to continue. Nothing is trained after it."""
+    from hpfunc.checkpoint import CheckpointError
+
+    try:
+        yield
+    except CheckpointError as e:
+        newest = latest(root)
+        keep = (f"the newest complete checkpoint is still {newest} (continue from it with --resume auto once the "
+                f"cause is fixed)" if newest is not None else "no complete checkpoint was written before")
+        raise CheckpointError(f"checkpoint.dir: {e}; the run stopped after step {done}; {keep}") from None
 
 
 def _sig_name(signum: int) -> str:

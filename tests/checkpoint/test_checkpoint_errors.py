@@ -134,5 +134,6 @@ def test_a_save_rank_0_cannot_start_fails_on_every_rank(pools, tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a folder")
     msgs = pools(2).run(H.save_failure_is_every_ranks, str(blocker / "step_1"))
-    assert msgs[0] == msgs[1] and msgs[0].startswith("save: rank 0 failed: NotADirectoryError"), msgs
+    assert msgs[0] == msgs[1] and msgs[0].startswith(
+        f"cannot save the checkpoint of step 1 to {blocker / 'step_1'}: Not a directory (ENOTDIR)"), msgs
     assert blocker.read_text() == "not a folder"
