@@ -24,8 +24,14 @@ def tiny_config(tmp_path):
     return path
 
 
-def test_no_args_prints_usage(capsys):
-    train_main([])
+def test_no_args_is_a_usage_error_exit_2(capsys):
+    for run in (train_main, lambda argv: hpfunc_main(["train", *argv])):
+        with pytest.raises(SystemExit) as info:
+            run([])
+        assert info.value.code == 2
+        err = capsys.readouterr().err
+        assert "error:" in err and "usage: hpfunc train CONFIG.yaml" in err
+    train_main(["--help"])
     assert capsys.readouterr().out.startswith("usage: hpfunc train CONFIG.yaml")
 
 
