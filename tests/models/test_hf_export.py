@@ -165,3 +165,19 @@ def test_the_command_line_version_and_usage_errors(capsys):
         assert info.value.code == 2, argv
         err = capsys.readouterr().err
         assert "error:" in err and "usage:" in err, (argv, err)
+
+
+def test_the_trainer_checkpoint_has_named_keys_read_by_torch_alone(trained, tmp_path):
+    import re
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "checkpoint"))
+    from test_checkpoint_keys import read_with_torch_only
+
+    _, ckpt = trained
+    got = read_with_torch_only(ckpt, tmp_path)
+    tensors = {k for k, v in checkpoint.info(ckpt)["keys"].items() if v["kind"] == "tensor"}
+    assert set(got) == tensors and "params.layers.0.attn.wq" in got
+    assert all(re.fullmatch(r"(params|opt_state|step|data_step)(\.\w+)*", k) for k in got), sorted(got)[:5]
+    assert any(k.startswith("opt_state.") and ".mu." in k for k in got)
+    # the parameters hpfunc's own reader (convert --expert-bias keep) gives are these: see the convert test

@@ -254,7 +254,7 @@ def checkpoint_model_config(path: str | os.PathLike) -> Qwen3Config | None:
     >>> from hpfunc import checkpoint
     >>> from hpfunc.models import preset
     >>> d = tempfile.mkdtemp() + "/c"
-    >>> _ = checkpoint.save(d, {"w": torch.ones(1)}, metadata={"model": preset("qwen3-dense-tiny").to_hf_dict()})
+    >>> _ = checkpoint.save(d, {"w": torch.ones(1)}, step=0, metadata={"model": preset("qwen3-dense-tiny").to_hf_dict()})
     >>> checkpoint_model_config(d) == preset("qwen3-dense-tiny")
     True
     """
