@@ -265,6 +265,15 @@ def from_hf_state_dict(tensors: dict[str, torch.Tensor], cfg: Qwen3Config, *,
             return t.float()
         return take(hf_name(path), shape)
 
+    floats = {}
+    for name, t in tensors.items():
+        if not t.is_floating_point():
+            raise CheckpointError(f"tensor {name!r}: expected a floating dtype, found {t.dtype}")
+        if not name.endswith(BIAS_KEY):
+            floats.setdefault(t.dtype, name)
+    if len(floats) > 1 and dtype is None:
+        raise CheckpointError(f"the weights have {len(floats)} dtypes ({', '.join(f'{d} in {n!r}' for d, n in floats.items())}); "
+                              f"expected one: pass dtype= to cast them all to one")
     params = _tree.map_with_path(load, shapes, is_leaf=_is_shape)
     if cfg.tie_word_embeddings and "lm_head.weight" in remaining:
         lm = remaining.pop("lm_head.weight")
@@ -291,37 +300,151 @@ def _names(names: list[str], limit: int = 12) -> str:
     return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
 
 
+# config.json keys whose JSON type and range are checked before they are read (a string where a number
+# belongs, a bool written as "false", a float where an int belongs, a count of 0 would otherwise be
+# converted silently into another model or fail deep inside). Other keys (the hub's configs carry many:
+# transformers_version, use_cache, ...) are not read and do not change the function.
+_POS_INT, _NONNEG_INT, _POS_NUM, _NONNEG_NUM = "an int >= 1", "an int >= 0", "a number > 0", "a number >= 0"
+_CONFIG_KEYS: dict[str, tuple[str, bool]] = {  # key: (kind, required)
+    "vocab_size": (_POS_INT, True), "hidden_size": (_POS_INT, True), "num_hidden_layers": (_POS_INT, True),
+    "num_attention_heads": (_POS_INT, True), "num_key_value_heads": (_POS_INT, False), "head_dim": (_POS_INT, False),
+    "intermediate_size": (_NONNEG_INT, False), "moe_intermediate_size": (_NONNEG_INT, False),
+    "num_experts": (_NONNEG_INT, False), "num_local_experts": (_NONNEG_INT, False), "num_experts_per_tok": (_NONNEG_INT, False),
+    "decoder_sparse_step": (_POS_INT, False), "shared_expert_intermediate_size": (_NONNEG_INT, False),
+    "max_position_embeddings": (_POS_INT, False), "rope_theta": (_POS_NUM, False), "rms_norm_eps": (_POS_NUM, False),
+    "initializer_range": (_NONNEG_NUM, False), "router_aux_loss_coef": (_NONNEG_NUM, False),
+    "attention_dropout": (_NONNEG_NUM, False), "tie_word_embeddings": ("a bool", False),
+    "attention_bias": ("a bool", False), "norm_topk_prob": ("a bool", False), "use_sliding_window": ("a bool", False),
+    "model_type": ("a string", True), "hidden_act": ("a string", False), "architectures": ("a list of strings", False),
+    "mlp_only_layers": ("a list of layer indices", False), "bos_token_id": ("a token id", False),
+    "eos_token_id": ("a token id", False), "rope_scaling": ("an object", False),
+    "rope_parameters": ("an object", False),
+}
+
+
+def _fits(kind: str, v: Any, layers: int | None) -> bool:
+    number = isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and v not in (float("inf"), float("-inf"))
+    integer = isinstance(v, int) and not isinstance(v, bool)
+    if kind == _POS_INT:
+        return integer and v >= 1
+    if kind == _NONNEG_INT:
+        return integer and v >= 0
+    if kind == _POS_NUM:
+        return number and v > 0
+    if kind == _NONNEG_NUM:
+        return number and v >= 0
+    if kind == "a bool":
+        return isinstance(v, bool)
+    if kind == "a string":
+        return isinstance(v, str)
+    if kind == "a list of strings":
+        return isinstance(v, list) and all(isinstance(x, str) for x in v)
+    if kind == "a list of layer indices":
+        return isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < (layers or 0)
+                                           for x in v)
+    if kind == "a token id":
+        ids = v if isinstance(v, list) else [v]
+        return all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in ids)
+    return isinstance(v, dict)  # an object
+
+
+def check_config_dict(d: Any, file: str = CONFIG_NAME) -> None:
+    """Check the JSON types and ranges of the keys of a ``config.json`` that :class:`Qwen3Config` reads;
+    a :class:`ConfigError` names the file and the key, what was expected and what was found.
+
+    >>> check_config_dict({"model_type": "qwen3", "vocab_size": 8, "hidden_size": "64", "num_hidden_layers": 1,
+    ...                    "num_attention_heads": 2})
+    Traceback (most recent call last):
+    ...
+    hpfunc.models.config.ConfigError: config.json: key 'hidden_size': expected an int >= 1, found '64' (str)
+    """
+    if not isinstance(d, dict):
+        raise ConfigError(f"{file}: expected a JSON object, found {type(d).__name__}")
+    layers = d.get("num_hidden_layers") if isinstance(d.get("num_hidden_layers"), int) else None
+    for key, (kind, required) in _CONFIG_KEYS.items():
+        if key not in d:
+            if required:
+                raise ConfigError(f"{file}: key {key!r} is missing; expected {kind}")
+            continue
+        v = d[key]
+        if v is None and not required and kind not in ("a bool",) and key not in ("vocab_size",):
+            continue  # null: the default (as transformers reads it)
+        if not _fits(kind, v, layers):
+            raise ConfigError(f"{file}: key {key!r}: expected {kind}, found {v!r} ({type(v).__name__})")
+    if d.get("model_type") == "qwen3_moe":
+        e, k = d.get("num_experts", d.get("num_local_experts")) or 0, d.get("num_experts_per_tok") or 0
+        if not 1 <= k <= e:
+            raise ConfigError(f"{file}: key 'num_experts_per_tok': expected 1 <= num_experts_per_tok <= num_experts "
+                              f"({e}) for an MoE model, found {k!r}")
+    heads, kv = d.get("num_attention_heads"), d.get("num_key_value_heads") or d.get("num_attention_heads")
+    if heads % kv:
+        raise ConfigError(f"{file}: key 'num_key_value_heads': expected a divisor of num_attention_heads ({heads}), "
+                          f"found {kv}")
+
+
 def load_config(path: str | os.PathLike) -> Qwen3Config:
-    """Read ``path/config.json`` into a :class:`Qwen3Config`."""
+    """Read ``path/config.json`` into a :class:`Qwen3Config`; a malformed file is a :class:`ConfigError`
+    naming the file and the key (:func:`check_config_dict`)."""
     file = os.path.join(path, CONFIG_NAME)
     if not os.path.exists(file):
         raise FileNotFoundError(f"from_pretrained: no {CONFIG_NAME} in {os.fspath(path)!r}")
-    with open(file) as f:
-        d = json.load(f)
+    try:
+        with open(file) as f:
+            d = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{file}: not valid JSON: {e}") from None
+    check_config_dict(d, file)
     try:
         return Qwen3Config.from_hf_dict(d)
-    except ConfigError as e:
+    except (ConfigError, TypeError, ValueError, KeyError) as e:
         raise ConfigError(f"{file}: {e}") from None
 
 
-def _read_tensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+def _load_file(file: str) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
+    try:
+        return load_file(file)
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"{file}: not a readable safetensors file: {e}") from None
+
+
+def _read_tensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     index = os.path.join(path, INDEX_FILE)
     if os.path.exists(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: expected a JSON object with a 'weight_map' of tensor name -> file; "
+                                  f"{type(e).__name__}: {e}") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{index}: key 'weight_map': expected an object of tensor name -> file name")
         tensors: dict[str, torch.Tensor] = {}
+        where: dict[str, str] = {}
         for shard in sorted(set(weight_map.values())):
-            tensors.update(load_file(os.path.join(path, shard)))
+            file = os.path.join(path, shard)
+            if os.path.basename(shard) != shard or not os.path.exists(file):
+                raise CheckpointError(f"{index}: key 'weight_map' lists the file {shard!r} (for "
+                                      f"{_names(sorted(k for k, v in weight_map.items() if v == shard), 3)}), "
+                                      f"which is not in {os.fspath(path)!r}")
+            for name, t in _load_file(file).items():
+                if name in tensors:
+                    raise CheckpointError(f"{file}: tensor {name!r} is in {where[name]!r} too")
+                tensors[name], where[name] = t, shard
         listed, found = set(weight_map), set(tensors)
         if listed != found:
             raise CheckpointError(f"{index}: weight_map and shard contents differ; listed only: "
                                   f"{_names(sorted(listed - found))}; in shards only: {_names(sorted(found - listed))}")
+        moved = sorted(k for k in listed if weight_map[k] != where[k])
+        if moved:
+            raise CheckpointError(f"{index}: weight_map names another file than the one holding "
+                                  f"{_names(moved, 3)} (in {where[moved[0]]!r}, listed in {weight_map[moved[0]]!r})")
         return tensors
     single = os.path.join(path, SINGLE_FILE)
     if os.path.exists(single):
-        return load_file(single)
+        return _load_file(single)
     raise FileNotFoundError(f"from_pretrained: neither {SINGLE_FILE} nor {INDEX_FILE} in {os.fspath(path)!r}")
 
 
@@ -344,7 +467,11 @@ def from_pretrained(path: str | os.PathLike, *, dtype: torch.dtype | None = None
     True
     """
     cfg = load_config(path)
-    return cfg, from_hf_state_dict(_read_tensors(path), cfg, dtype=dtype, device=device)
+    tensors = _read_tensors(path)
+    try:
+        return cfg, from_hf_state_dict(tensors, cfg, dtype=dtype, device=device)
+    except CheckpointError as e:  # the tensors against config.json: say which folder
+        raise type(e)(f"{os.fspath(path)}: {e} (against its {CONFIG_NAME})") from None
 
 
 def load_params(path: str | os.PathLike, cfg: Qwen3Config, *, dtype: torch.dtype | None = None) -> dict:
