@@ -1,8 +1,10 @@
 """``save(path, state, step=)`` and ``load(path, target)``: a whole train state through
 ``torch.distributed.checkpoint`` (DCP), written atomically and verified on the way back.
 
-The state is flattened to dotted path keys (:mod:`hpfunc.tree`: ``params.layers.0.attn.wq``,
-``opt.0.mu.layers.0.attn.wq``, ``step``, ``config.model.hidden``); DTensor leaves are saved by every rank
+The state is flattened to dotted path keys that name every field (:mod:`hpfunc.checkpoint.keys`:
+``params.layers.0.attn.wq``, ``opt_state.mu.layers.0.attn.wq``, ``step``, ``config.model.hidden``; a
+NamedTuple's fields by name, so that plain ``torch.distributed.checkpoint`` reads them without hpfunc;
+a checkpoint of an older hpfunc with positional keys ``0.layers...`` still loads); DTensor leaves are saved by every rank
 as its own blocks, plain tensors once (they are taken to be the same on every rank), other leaves
 (ints, floats, strings) by rank 0. The files are DCP's (``.metadata``, ``__<rank>_<n>.distcp``) plus a
 completion marker (:mod:`hpfunc.checkpoint.marker`).
@@ -50,6 +52,7 @@ from hpfunc.checkpoint.errors import CheckpointError, CheckpointMismatchError, C
 from hpfunc.checkpoint.files import partial_name, publish
 from hpfunc.checkpoint.save_faults import agree, cause, check_step, remove_partial
 from hpfunc.faults import is_comm_failure
+from hpfunc.checkpoint.keys import key_paths
 
 __all__ = ["save", "load", "info", "SaveResult", "flatten_state", "check_metadata", "write_flat", "abstract"]
 
@@ -67,7 +70,7 @@ class SaveResult:
 def flatten_state(state: Any) -> dict[str, Any]:
     """``{dotted_path: leaf}`` of a state, tensors detached (what DCP is given)."""
     flat: dict[str, Any] = {}
-    for path, leaf in _tree.leaves_with_paths(state):
+    for path, leaf in zip(key_paths(state), _tree.leaves(state)):
         if isinstance(leaf, Abstract):
             raise CheckpointError(f"save: the state leaf {path!r} is an abstract {leaf.describe()}, not a value; "
                                   f"save real tensors (abstract states are load targets)")
@@ -294,16 +297,23 @@ def load(path: str | os.PathLike, target: Any, *, verify: bool = True, process_g
     """
     folder = pathlib.Path(path)
     leaves, treedef = _tree.flatten(target, is_leaf=is_abstract_leaf)
-    paths = [p for p, _ in _tree.leaves_with_paths(target, is_leaf=is_abstract_leaf)]
+    paths = key_paths(target, is_leaf=is_abstract_leaf)
+    positional = key_paths(target, is_leaf=is_abstract_leaf, named=False)
     flat = {p: abstract(x) if isinstance(x, torch.Tensor) else x for p, x in zip(paths, leaves)}
-    # one collective: every rank's folder (they must load the same checkpoint) and target keys
-    seen = _ranks.all_gather((os.path.abspath(folder), sorted(flat)), process_group)
-    if len({f for f, _ in seen}) > 1:
-        per_rank = "; ".join(f"rank {r}: {f!r}" for r, (f, _) in enumerate(seen))
+    # one collective: every rank's folder (they must load the same checkpoint) and target keys, named and
+    # positional (a checkpoint of an older hpfunc keys NamedTuple fields by position)
+    seen = _ranks.all_gather((os.path.abspath(folder), sorted(flat), sorted(positional)), process_group)
+    if len({f for f, _, _ in seen}) > 1:
+        per_rank = "; ".join(f"rank {r}: {f!r}" for r, (f, _, _) in enumerate(seen))
         raise CheckpointError(f"load: the ranks were given different checkpoints ({per_rank}); every rank must "
                               f"load the same folder")
-    all_targets = {k for _, part in seen for k in part}
     marker = _marker.read(folder)
+    saved = set(marker["keys"])
+    old = paths != positional and not set(paths) <= saved and set(positional) <= saved
+    if old:
+        paths = positional
+        flat = {p: abstract(x) if isinstance(x, torch.Tensor) else x for p, x in zip(paths, leaves)}
+    all_targets = {k for _, named, pos in seen for k in (pos if old else named)}
     try:
         _check_target(folder, marker["keys"], flat, all_targets)
         problem = None

@@ -7,7 +7,8 @@ A checkpoint of ``hpfunc train`` is a :mod:`hpfunc.checkpoint` folder ``<checkpo
   steps applied: the learning-rate schedule's position) and ``data_step`` (the batches consumed: the
   data position; it is ahead of ``step`` by the steps a non-finite guard skipped). The batch of a
   step is a pure function of (seed, data step), so there is no other RNG or data state.
-- as metadata (strict JSON in the marker): the resolved config and the loop's running totals
+- as metadata (strict JSON in the marker): the resolved config, the model's Hugging Face config
+  (``model``) and the loop's running totals
   (first loss, the last losses for the summary's mean, the open logging window, train time, skips),
   so a resumed run's metrics lines and summary are those of an uninterrupted one.
 
@@ -193,9 +194,16 @@ class TrainCheckpoints:
         self.blocked_s: list[float] = []  # what each save held the loop for
         self.write_s: list[float] = []  # how long each write took (in the background when async)
         self._pending: Any = None
+        self._model: dict[str, Any] | None = None
 
     def metadata(self, loop: dict[str, Any]) -> dict[str, Any]:
-        return {"config": config_to_dict(self.cfg), "loop": loop}
+        # "model": the built model as a Hugging Face config.json dict, so that a reader without the
+        # trainer (``hpfunc convert``) knows the model (``hpfunc.models.qwen3.convert.checkpoint_model_config``)
+        if self._model is None:
+            from hpfunc.train.build import build_model_config
+
+            self._model = build_model_config(self.cfg.model).to_hf_dict()
+        return {"config": config_to_dict(self.cfg), "model": self._model, "loop": loop}
 
     def due(self, done: int) -> bool:
         return self.every > 0 and done % self.every == 0

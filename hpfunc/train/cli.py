@@ -10,7 +10,7 @@ diverged run, a failed write (a full disk), or for a multi-process run the statu
 that failed.
 
 Example:
-    >>> main([])  # doctest: +ELLIPSIS
+    >>> main(["--help"])  # doctest: +ELLIPSIS
     usage: hpfunc train CONFIG.yaml ...
 """
 
@@ -76,9 +76,12 @@ class _Parser(argparse.ArgumentParser):
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of ``hpfunc train``; raises ``SystemExit`` with a non-zero status on errors."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
+    if argv and argv[0] in ("-h", "--help"):
         print(USAGE, end="")
         return
+    if not argv:  # a usage error, as argparse's: the usage on stderr, status 2
+        print(f"hpfunc train: error: the config file is required\n\n{USAGE}", file=sys.stderr, end="")
+        raise SystemExit(2)
     parser = _Parser(prog="hpfunc train", usage=USAGE, add_help=False)
     for action in _parser()._actions:
         parser._add_action(action)

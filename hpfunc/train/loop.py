@@ -383,6 +383,9 @@ def _train(cfg: Config, model_cfg: Any, out: pathlib.Path, folder: RunFolder | N
     train_time = float(loop.get("train_time_s", 0.0))
     window: list[float] = list(loop.get("window", []))
     window_time = float(loop.get("window_time_s", 0.0))
+    # the window's other per-step values: a record logs every loss and the gradient norm the same way,
+    # as the mean over the steps since the previous record
+    window_parts: dict[str, list[float]] = {k: list(v) for k, v in loop.get("window_parts", {}).items()}
     skipped = int(loop.get("skipped", 0))
     in_a_row = int(loop.get("in_a_row", 0))
     recovery_s: float | None = None
@@ -392,7 +395,8 @@ def _train(cfg: Config, model_cfg: Any, out: pathlib.Path, folder: RunFolder | N
 
     def loop_state() -> dict[str, Any]:
         return {"first_loss": first_loss, "recent": losses[-10:], "min_loss": min_loss, "train_time_s": train_time,
-                "window": window, "window_time_s": window_time, "skipped": skipped, "in_a_row": in_a_row}
+                "window": window, "window_time_s": window_time, "window_parts": window_parts, "skipped": skipped,
+                "in_a_row": in_a_row}
 
     def last_words(done: int, why: str) -> str:
         """Save the state after ``done`` steps on the way out; the message says what happened."""
@@ -452,6 +456,9 @@ def _train(cfg: Config, model_cfg: Any, out: pathlib.Path, folder: RunFolder | N
                 window_time += dt
                 losses.append(loss)
                 window.append(loss)
+                for key, value in (("ce_loss", metrics["ce_loss"]), ("aux_loss", metrics["aux_loss"]),
+                                   ("grad_norm", grad_norm)):
+                    window_parts.setdefault(key, []).append(float(value))
                 first_loss = loss if first_loss is None else first_loss
                 min_loss = loss if min_loss is None else min(min_loss, loss)
                 done = step + 1
@@ -466,11 +473,10 @@ def _train(cfg: Config, model_cfg: Any, out: pathlib.Path, folder: RunFolder | N
                 if done % tc.log_every == 0 or done == 1 or done == tc.steps:
                     record = {
                         "step": done,
+                        # means over the window (the steps since the previous record), all four alike
                         "loss": sum(window) / len(window),
-                        "ce_loss": float(metrics["ce_loss"]),
-                        "aux_loss": float(metrics["aux_loss"]),
-                        "grad_norm": grad_norm,
-                        "lr": step_lr,
+                        **{k: sum(v) / len(v) for k, v in window_parts.items()},
+                        "lr": step_lr,  # the record's step's, as the expert statistics below
                         "tokens_per_s": tokens_per_step * len(window) / max(window_time, 1e-9),
                         "elapsed_s": train_time,
                         **(_expert_stats(metrics["expert_load"], ep_size) if "expert_load" in metrics else {}),
@@ -480,7 +486,7 @@ def _train(cfg: Config, model_cfg: Any, out: pathlib.Path, folder: RunFolder | N
                         record["skipped_steps"] = skipped
                     writer.write(record)
                     records.append(record)
-                    window, window_time = [], 0.0
+                    window, window_time, window_parts = [], 0.0, {}
                 if tc.eval_every and done % tc.eval_every == 0 and done != tc.steps and val_batches:
                     full = full_params(state.params)  # a collective: every rank
                     val = _evaluate(eval_step, full, val_batches) if main else None

@@ -108,7 +108,31 @@ def test_export_is_atomic_and_replaces_an_old_folder(tmp_path):
     path = tmp_path / "hf"
     path.mkdir()
     (path / "stale.safetensors").write_bytes(b"old")
-    hf_sharded.export_pretrained(params, cfg, path)
+    hf_sharded.export_pretrained(params, cfg, path, expert_bias="keep")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no partial folder left
     assert not (path / "stale.safetensors").exists() and not (path / "sharded").exists()
     _assert_same(qwen3.from_pretrained(path)[1], params)
+
+
+def test_sharded_export_of_a_nonzero_expert_bias_refuses_or_drops_knowingly(pools, tmp_path):
+    """transformers' Qwen3-MoE drops the expert bias: the 4-rank export refuses on every rank (nothing
+    written) unless told; with ``drop`` transformers computes hpfunc's function without the bias."""
+    transformers = pytest.importorskip("transformers")
+    path = tmp_path / "hf"
+    refused = pools(4).run(H.export_outcome, str(path), {"fsdp": 4}, "fsdp", "refuse")
+    assert len(set(refused)) == 1, refused  # the same decision on every rank
+    assert refused[0].startswith("ExpertBiasError: export_pretrained: refusing") and "expert_bias='drop'" in refused[0]
+    assert "'model.layers.1.mlp.gate.e_score_correction_bias'" in refused[0]
+    assert not path.exists() and list(tmp_path.iterdir()) == []
+    assert pools(4).run(H.export_outcome, str(path), {"fsdp": 4}, "fsdp", "drop") == ["written"] * 4
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    assert not [k for k in index["weight_map"] if "e_score_correction_bias" in k]
+    cfg, params = preset(H.CFG), H.full_params()
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                              attn_implementation="eager").eval()
+    tokens = torch.randint(0, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = model(input_ids=tokens).logits
+    unbiased = hpfunc.tree.map_with_path(lambda p, t: t * 0 if p.endswith("expert_bias") else t, params)
+    assert (qwen3.apply(unbiased, tokens, cfg) - ref).abs().max().item() <= 1e-4
+    assert (qwen3.apply(params, tokens, cfg) - ref).abs().max().item() > 1e-3  # the bias routed differently

@@ -35,7 +35,7 @@ def moe(tmp_path):
     cfg = preset("qwen3-moe-tiny")
     params = qwen3.init(hpfunc.random.key(3), cfg, dtype=torch.bfloat16)
     params["layers"][1]["moe"]["expert_bias"] = torch.arange(cfg.num_experts, dtype=torch.float32) / 3
-    qwen3.save_pretrained(params, cfg, tmp_path / "hf", max_shard_size="80KB")
+    qwen3.save_pretrained(params, cfg, tmp_path / "hf", max_shard_size="80KB", expert_bias="keep")
     return cfg, params
 
 
@@ -51,7 +51,7 @@ def test_every_direction_gives_the_same_parameters(tmp_path, moe):
              ("torch", "/c.pt", "/hf3", {"to": "hf"})]
     for fmt, src, dst, kw in steps:
         assert cv.detect_format(d + src) == fmt
-        r = cv.convert(d + src, d + dst, cfg=cfg, max_shard_size="80KB", **kw)
+        r = cv.convert(d + src, d + dst, cfg=cfg, max_shard_size="80KB", expert_bias="keep", **kw)
         assert r.source == fmt and r.parameters == qwen3.count_params(cfg) + cfg.num_experts  # one bias published
     # the DCP checkpoint is an ordinary hpfunc checkpoint of {"params": ...}
     meta = hpfunc.tree.tree_map(lambda x: torch.empty(x.shape, dtype=x.dtype, device="meta"), params)
@@ -68,7 +68,7 @@ def test_the_cli_converts_and_names_a_bad_tensor(tmp_path, moe, capsys):
     from hpfunc.cli import main
 
     cfg, params = moe
-    main(["convert", str(tmp_path / "hf"), str(tmp_path / "m.pt")])
+    main(["convert", str(tmp_path / "hf"), str(tmp_path / "m.pt"), "--expert-bias", "keep"])
     assert "hf -> torch: 70 tensors" in capsys.readouterr().out
     sd = torch.load(tmp_path / "m.pt")
     sd.pop("model.layers.0.mlp.experts.5.gate_proj.weight")

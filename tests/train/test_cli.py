@@ -24,8 +24,14 @@ def tiny_config(tmp_path):
     return path
 
 
-def test_no_args_prints_usage(capsys):
-    train_main([])
+def test_no_args_is_a_usage_error_exit_2(capsys):
+    for run in (train_main, lambda argv: hpfunc_main(["train", *argv])):
+        with pytest.raises(SystemExit) as info:
+            run([])
+        assert info.value.code == 2
+        err = capsys.readouterr().err
+        assert "error:" in err and "usage: hpfunc train CONFIG.yaml" in err
+    train_main(["--help"])
     assert capsys.readouterr().out.startswith("usage: hpfunc train CONFIG.yaml")
 
 
@@ -56,6 +62,12 @@ def test_train_end_to_end_loss_falls(tiny_config, tmp_path, capsys):
     assert [r["step"] for r in train] == [1, 5, 10, 15, 20, 25, 30]
     assert {"ce_loss", "aux_loss", "grad_norm", "lr", "tokens_per_s", "expert_load", "expert_imbalance"} <= set(train[0])
     assert len(train[0]["expert_load"]) == 2 and len(train[0]["expert_load"][0]) == 4
+    # the losses of a line are logged the same way (window means): loss = ce_loss + coef * aux_loss
+    from hpfunc.train.build import build_model_config
+
+    coef = build_model_config(load_config(tiny_config).model).router_aux_loss_coef
+    for r in train:
+        assert abs(r["loss"] - (r["ce_loss"] + coef * r["aux_loss"])) <= 1e-5 * r["loss"], r
     assert [r["step"] for r in records if "val_loss" in r] == [15, 30]
     first, last = train[0]["loss"], train[-1]["loss"]
     assert first > 5.0  # about ln(256) at init

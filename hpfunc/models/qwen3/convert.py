@@ -54,8 +54,10 @@ from hpfunc import tree as _tree
 from hpfunc.checkpoint.errors import CheckpointError
 from hpfunc.checkpoint.safetensors_io import (Block, block_planner, check_names, header, mmap_safetensors, SUFFIX,
                                               write_folder)
-from hpfunc.models.config import Qwen3Config
-from hpfunc.models.qwen3.hf import CONFIG_NAME, _EXPERT_PROJ, _parse_size, hf_name, load_config
+from hpfunc.models.config import ConfigError, Qwen3Config
+from hpfunc.models.qwen3.hf import CheckpointError as HFCheckpointError
+from hpfunc.models.qwen3.hf import (BIAS_KEY, CONFIG_NAME, _EXPERT_PROJ, _parse_size, check_expert_bias_mode,
+                                    expert_bias_names, hf_name, load_config)
 from hpfunc.models.qwen3.hf_sharded import expected_tensors
 
 __all__ = ["convert", "detect_format", "ConvertResult", "main", "FORMATS"]
@@ -244,20 +246,57 @@ class _DCPSource(_HFNamed):
         return t if e is None else t[e]
 
 
+def checkpoint_model_config(path: str | os.PathLike) -> Qwen3Config | None:
+    """The model config an hpfunc checkpoint carries in its metadata (``metadata["model"]``, a Hugging
+    Face ``config.json`` dict, which ``hpfunc train`` and ``convert --to dcp`` write), or ``None``.
+
+    >>> import tempfile, torch
+    >>> from hpfunc import checkpoint
+    >>> from hpfunc.models import preset
+    >>> d = tempfile.mkdtemp() + "/c"
+    >>> _ = checkpoint.save(d, {"w": torch.ones(1)}, step=0, metadata={"model": preset("qwen3-dense-tiny").to_hf_dict()})
+    >>> checkpoint_model_config(d) == preset("qwen3-dense-tiny")
+    True
+    """
+    from hpfunc.checkpoint import info
+    from hpfunc.models.config import ConfigError
+
+    meta = info(path).get("metadata") or {}
+    model = meta.get("model")
+    if model is None:
+        return None
+    try:
+        return Qwen3Config.from_hf_dict(model)
+    except (ConfigError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{os.fspath(path)!r}: the model config in its metadata (key 'model') is not a "
+                              f"Qwen3 config: {e}") from None
+
+
 def _source(path: pathlib.Path, fmt: str, cfg: Qwen3Config | None, prefix: str) -> tuple[_HFNamed, Qwen3Config]:
     if fmt == "hf":
         src: _HFNamed = _HFSource(path)
         if cfg is None:
             cfg = load_config(path)
         return src, cfg
+    if cfg is None and fmt == "dcp":
+        cfg = checkpoint_model_config(path)
+        if cfg is None:
+            meta = __import__("hpfunc.checkpoint", fromlist=["info"]).info(path).get("metadata") or {}
+            why = ("it was written by `hpfunc train` before checkpoints carried their model config"
+                   if "config" in meta else "its metadata has no 'model' entry (a checkpoint saved from Python)")
+            raise CheckpointError(f"convert: {os.fspath(path)!r} does not say which model it holds: {why}; pass "
+                                  f"--config (a preset name or a config.json)")
     if cfg is None:
-        raise CheckpointError(f"convert: a {fmt} source has no model config; pass --config (a preset name or a "
+        raise CheckpointError(f"convert: a {fmt} file holds no model config; pass --config (a preset name or a "
                               f"config.json)")
     return (_DCPSource(path, cfg, prefix) if fmt == "dcp" else _TorchSource(path)), cfg
 
 
-def _check(src: _HFNamed, cfg: Qwen3Config, where: pathlib.Path) -> list[_Param]:
-    bias = {n for n in src.names if n.endswith("mlp.gate.e_score_correction_bias")}
+def _check(src: _HFNamed, cfg: Qwen3Config, where: pathlib.Path, written_bias: set[str] | None = None
+           ) -> list[_Param]:
+    """Every source tensor against the model; the parameters to write (the biases in ``written_bias``
+    only, when given)."""
+    bias = {n for n in src.names if n.endswith(BIAS_KEY)}
     want = expected_tensors(cfg, fused_experts=src.fused)
     want.update({n: ((cfg.num_experts,), torch.float32) for n in bias})
     found = dict(src.names)
@@ -265,7 +304,48 @@ def _check(src: _HFNamed, cfg: Qwen3Config, where: pathlib.Path) -> list[_Param]
         found.pop("lm_head.weight", None)  # a tied checkpoint may store it too (the embedding is used)
     check_names(where, found, {k: s for k, (s, _) in want.items()},
                 hint="give the model's config (--config) or convert a checkpoint of this model")
-    return _params(cfg, fused=src.fused, bias_names=bias)
+    return _params(cfg, fused=src.fused, bias_names=bias if written_bias is None else bias & written_bias)
+
+
+def _bias_to_write(src: _HFNamed, cfg: Qwen3Config, to: str, mode: str) -> set[str] | None:
+    """The expert biases an export into the Hugging Face layout (``hf``, ``torch``) writes, by ``mode``
+    (an :class:`~hpfunc.models.qwen3.hf.ExpertBiasError` for a nonzero one under ``refuse``); ``None``
+    (all) for a dcp target."""
+    if to == "dcp":
+        return None
+    nonzero = {}
+    for n in src.names:
+        if n.endswith(BIAS_KEY):
+            m = float(src.get(n).abs().max())
+            if m > 0:
+                nonzero[n] = m
+    effect = str(_bias_effect(src, cfg)) if nonzero and mode == "refuse" else ""
+    return expert_bias_names(nonzero, mode, where="convert", option="--expert-bias", effect=effect)
+
+
+_EFFECT_MAX_BYTES = 2 * 10**9
+
+
+def _bias_effect(src: _HFNamed, cfg: Qwen3Config) -> str:
+    """What dropping the bias does to the source model's logits, measured when the model is small enough
+    to hold (up to 2 GB); else nothing."""
+    from hpfunc.models.qwen3.hf import expert_bias_effect
+    from hpfunc.models.qwen3.model import _is_shape, param_shapes
+
+    size = sum(torch.Size(s).numel() * torch.empty((), dtype=d).element_size() for s, d in src.names.values())
+    if size > _EFFECT_MAX_BYTES:
+        return ""
+    bias = {n for n in src.names if n.endswith(BIAS_KEY)}
+    whole = {}
+    for p in _params(cfg, fused=src.fused, bias_names=bias):
+        block = _param_tensor(src, p)
+        t = torch.empty(p.shape, dtype=block.dtype)
+        for off, piece in block.pieces:
+            t[tuple(slice(o, o + n) for o, n in zip(off, piece.shape))] = piece
+        whole[p.path] = t
+    params = _tree.map_with_path(lambda path, shape: whole.get(path, torch.zeros(shape)), param_shapes(cfg),
+                                 is_leaf=_is_shape)
+    return str(expert_bias_effect(params, cfg))
 
 
 # -- targets --------------------------------------------------------------------------------------------------
@@ -321,11 +401,14 @@ def _config_bytes(cfg: Qwen3Config, dtype: torch.dtype) -> bytes:
 
 def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str | None = None, source_format: str | None = None,
             cfg: Qwen3Config | None = None, fused_experts: bool = False, max_shard_size: int | str = "5GB",
-            prefix: str = "params") -> ConvertResult:
+            prefix: str = "params", expert_bias: str = "refuse") -> ConvertResult:
     """Convert the Qwen3 parameters at ``src`` into ``dst`` in format ``to`` (see the module docstring).
 
-    ``cfg``: the model config (read from an HF source's ``config.json`` when not given; needed for the
-    other sources). ``dst`` is written atomically (an old one is replaced).
+    ``cfg``: the model config (default: an HF source's ``config.json``, or the ``model`` entry of a dcp
+    source's metadata, which ``hpfunc train`` checkpoints carry; needed for a torch source).
+    ``expert_bias``: a nonzero MoE expert bias written into the Hugging Face layout (``hf``, ``torch``)
+    refuses unless ``"drop"`` or ``"keep"`` (see :func:`hpfunc.models.qwen3.hf.save_pretrained`).
+    ``dst`` is written atomically (an old one is replaced).
     """
     start = time.perf_counter()
     src_p, dst_p = pathlib.Path(src), pathlib.Path(dst)
@@ -337,8 +420,12 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str | None = 
                                   + ("; give --to (or a .pt destination for torch)" if value is None else ""))
     if fmt == to:
         raise CheckpointError(f"convert: {os.fspath(src_p)!r} is {fmt} already; copy it, or pick another --to")
+    check_expert_bias_mode(expert_bias, "convert")
     source, cfg = _source(src_p, fmt, cfg, prefix)
     params = _check(source, cfg, src_p)
+    written_bias = _bias_to_write(source, cfg, to, expert_bias)
+    if written_bias is not None:
+        params = _check(source, cfg, src_p, written_bias)
     dtype = next(iter(source.names.values()))[1]
     count = sum(torch.Size(s).numel() for s, _ in source.names.values())
     nbytes = sum(torch.Size(s).numel() * torch.empty((), dtype=d).element_size() for s, d in source.names.values())
@@ -371,7 +458,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str | None = 
             write_folder(scratch / "hf", _hf_stream(source, params, cfg, fused_experts),
                          limit=_parse_size(max_shard_size))
             source = _HFSource(scratch / "hf")
-            params = _check(source, cfg, scratch / "hf")
+            params = _check(source, cfg, scratch / "hf", written_bias)
         try:
             sd = dict(_hf_stream(source, params, cfg, fused_experts))
             tmp = dst_p.with_name(f".{dst_p.name}.partial-{os.getpid()}")
@@ -389,6 +476,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str | None = 
 
 
 def _config_arg(value: str | None) -> Qwen3Config | None:
+    """``--config``: a preset name, a config.json, or a folder holding one."""
     if value is None:
         return None
     from hpfunc.models import config as qcfg
@@ -399,7 +487,10 @@ def _config_arg(value: str | None) -> Qwen3Config | None:
     if p.is_dir():
         return load_config(p)
     if p.is_file():
-        return Qwen3Config.from_hf_dict(json.loads(p.read_text()))
+        try:
+            return Qwen3Config.from_hf_dict(json.loads(p.read_text()))
+        except (json.JSONDecodeError, ConfigError, TypeError) as e:
+            raise CheckpointError(f"convert: --config {value!r}: not a Qwen3 config.json: {e}") from None
     raise CheckpointError(f"convert: --config {value!r} is neither a preset ({', '.join(qcfg.PRESETS)}) nor a "
                           f"config.json (or a folder holding one)")
 
@@ -411,16 +502,22 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("dst")
     ap.add_argument("--to", choices=FORMATS, help="the format of DST (default: torch for a .pt / .pth DST)")
     ap.add_argument("--from", dest="source_format", choices=FORMATS, help="the format of SRC (default: detected)")
-    ap.add_argument("--config", help="the model: a preset name or a config.json (default: an hf SRC's config.json)")
+    ap.add_argument("--config", help="the model: a preset name or a config.json (default: an hf SRC's config.json, "
+                                     "a dcp SRC's metadata)")
+    ap.add_argument("--expert-bias", choices=("refuse", "keep", "drop"), default="refuse",
+                    help="a nonzero MoE expert-selection bias, which transformers' Qwen3-MoE drops: refuse the export "
+                         "(default), drop it (the logits change), or keep it for hpfunc's readers")
     ap.add_argument("--fused-experts", action="store_true", help="write transformers 5's fused gate_up_proj layout")
     ap.add_argument("--max-shard-size", default="5GB", help="hf: the largest safetensors file (default 5GB)")
     ap.add_argument("--prefix", default="params", help="dcp: the key prefix of the parameters (default params)")
     args = ap.parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
-        r = convert(args.src, args.dst, to=args.to, source_format=args.source_format, cfg=_config_arg(args.config),
-                    fused_experts=args.fused_experts, max_shard_size=args.max_shard_size, prefix=args.prefix)
-    except CheckpointError as e:
-        print(f"hpfunc convert: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+        cfg = _config_arg(args.config)
+        r = convert(args.src, args.dst, to=args.to, source_format=args.source_format, cfg=cfg,
+                    fused_experts=args.fused_experts, max_shard_size=args.max_shard_size, prefix=args.prefix,
+                    expert_bias=args.expert_bias)
+    except (CheckpointError, HFCheckpointError, ConfigError) as e:
+        print(f"hpfunc convert: {str(e).removeprefix('convert: ')}", file=sys.stderr)  # the command named once
+        raise SystemExit(1) from None
     print(f"{r.source} -> {r.target}: {r.tensors} tensors, {r.parameters:,} parameters, "
           f"{r.bytes / 1e6:.1f} MB in {r.seconds:.2f} s -> {args.dst}")

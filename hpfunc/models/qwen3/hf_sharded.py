@@ -43,7 +43,7 @@ from hpfunc.checkpoint.errors import CheckpointMismatchError
 from hpfunc.checkpoint.safetensors_io import (Block, check_names, file_indices, header, load_safetensors, nbytes,
                                               save_safetensors)
 from hpfunc.models.config import Qwen3Config
-from hpfunc.models.qwen3.hf import CONFIG_NAME, _EXPERT_PROJ, _parse_size, hf_name, load_config
+from hpfunc.models.qwen3.hf import CONFIG_NAME, _EXPERT_PROJ, _parse_size, expert_bias_names, hf_name, load_config
 
 __all__ = ["export_pretrained", "import_pretrained", "hf_blocks", "expected_tensors"]
 
@@ -156,23 +156,38 @@ def _whole_rows(path: str, x: Any) -> Any:
     return reshard(x, P(*parts))
 
 
-def _nonzero_bias(params: Any, group: Any) -> set[str]:
-    # a layer's bias is published when it is nonzero on any rank (save_pretrained's rule); all ranks agree
-    local = {p for p, x in _tree.leaves_with_paths(params) if p.endswith("moe.expert_bias")
-             and bool(Block.of(x).pieces and any(t.ne(0).any() for _, t in Block.of(x).pieces))}
-    return set().union(*_ranks.all_gather(sorted(local), group))
+def _nonzero_bias(params: Any, group: Any) -> dict[str, float]:
+    """``{path: max |bias|}`` of the expert biases that are nonzero on any rank; all ranks agree."""
+    local = {}
+    for p, x in _tree.leaves_with_paths(params):
+        if p.endswith("moe.expert_bias"):
+            m = max((float(t.abs().max()) for _, t in Block.of(x).pieces if t.numel()), default=0.0)
+            if m > 0:
+                local[p] = m
+    out: dict[str, float] = {}
+    for part in _ranks.all_gather(local, group):
+        for p, m in part.items():
+            out[p] = max(m, out.get(p, 0.0))
+    return out
 
 
 def export_pretrained(params: Any, cfg: Qwen3Config, path: str | os.PathLike, *, fused_experts: bool = False,
-                      max_shard_size: int | str = "5GB", process_group: Any = None) -> None:
+                      max_shard_size: int | str = "5GB", expert_bias: str = "refuse",
+                      process_group: Any = None) -> None:
     """Write a Hugging Face folder of ``params`` (DTensors on any mesh, or plain tensors); every rank calls it.
 
     Atomic (written in ``.NAME.partial``, synced, renamed). Files are cut at ``max_shard_size`` in
     parameter order (all of a layer together); with ``fused_experts`` an expert gate/up stack split on
-    its dimension 1 is first resharded to whole rows per rank (one stack at a time); a nonzero expert bias is written as
-    ``mlp.gate.e_score_correction_bias`` as :func:`~hpfunc.models.qwen3.hf.save_pretrained` does.
+    its dimension 1 is first resharded to whole rows per rank (one stack at a time).
+
+    ``expert_bias``: as in :func:`~hpfunc.models.qwen3.hf.save_pretrained`: a nonzero expert bias (which
+    transformers' Qwen3-MoE drops) makes every rank raise :class:`~hpfunc.models.qwen3.hf.ExpertBiasError`
+    before anything is written, unless ``"drop"`` (not written) or ``"keep"`` (written as
+    ``mlp.gate.e_score_correction_bias``) is given.
     """
-    bias = _nonzero_bias(params, process_group)
+    nonzero = _nonzero_bias(params, process_group)
+    keep = expert_bias_names({hf_name(p): m for p, m in nonzero.items()}, expert_bias, where="export_pretrained")
+    bias = {p for p in nonzero if hf_name(p) in keep}
     if fused_experts:
         params = _tree.map_with_path(_whole_rows, params)
     blocks = hf_blocks(params, cfg, fused_experts=fused_experts, expert_bias=bias)
