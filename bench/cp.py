@@ -12,7 +12,7 @@ the strategies interleaved iteration by iteration. Per strategy the table gives:
   formula of docs/reference.md#context-parallel-attention;
 - saved: the activation bytes the forward keeps for the backward on rank 0 (storage liveness,
   :func:`hpfunc.memory.saved_activations`; inputs included), next to the same measure for the unsplit
-  sequence on one rank with the same blockwise kernel and with ``scaled_dot_product_attention``.
+  sequence on one rank with the same blocks (``axis=None``) and with ``scaled_dot_product_attention``.
 
 The unsplit rows run on rank 0 alone (the others wait). The load average is printed; the JSON lands in
 ``--out`` (default ``bench/results/cp.json``).
@@ -55,7 +55,7 @@ def rank_bench(args: dict) -> dict:
 
     import hpfunc
     from hpfunc.memory import saved_activations
-    from hpfunc.models.attention_blocks import block_attention, dense_attention
+    from hpfunc.models.attention_blocks import dense_attention
     from hpfunc.models.context_attention import context_attention
     from hpfunc.models.sequence_split import SequenceSplit
 
@@ -107,10 +107,10 @@ def rank_bench(args: dict) -> dict:
         if rank == 0:  # the unsplit sequence on one rank
             qf = torch.randn(B, hq, S, D, generator=g)
             kf, vf = torch.randn(B, hkv, S, D, generator=g), torch.randn(B, hkv, S, D, generator=g)
-            pos = torch.arange(S)
-            kernels = {
-                "unsplit (blockwise kernel)": lambda a, b, c: block_attention(a, b, c, pos, pos, causal=True,
-                                                                               seq_len=S)[0],
+            whole = SequenceSplit(S, 1)
+            kernels = {  # the same blocks on one rank (axis=None: no communication), and torch's kernel
+                "unsplit (same blocks)": lambda a, b, c: context_attention(
+                    whole.permute(a, 2), whole.permute(b, 2), whole.permute(c, 2), whole, axis=None, impl="allgather"),
                 "unsplit (sdpa)": lambda a, b, c: dense_attention(a, b, c, causal=True),
             }
             for name, fn in kernels.items():

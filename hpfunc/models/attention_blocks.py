@@ -10,7 +10,9 @@ keys: ``allowed(q, k) = (k_pos <= q_pos if causal) and doc(q) == doc(k) and (k_p
 k_pos == q_pos)`` (a padded key is seen only by itself). A query row with no allowed key gives
 ``out = 0, lse = -inf``, which the merge weighs by zero (no NaN in value or gradient).
 Grouped-query attention runs on the key/value heads as they are (query heads grouped), never
-repeating them. Plain matmuls in autograd: the backward is the exact one of the same formula.
+repeating them. The backward recomputes each block's probabilities from its ``lse`` (only q, k, v, out
+and lse are kept, as flash attention does) and includes the gradient that flows into ``lse`` through the
+merge.
 
 >>> q, k, v = torch.randn(1, 4, 6, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
 >>> pos = torch.arange(6)
@@ -46,31 +48,70 @@ def allowed_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, *, causal: bool, seq_
     return mask
 
 
+def _scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """``[B, Hkv, g, Sq, Sk]`` scaled scores of the grouped queries, masked to ``-inf``."""
+    B, hq, sq, d = q.shape
+    hkv = k.shape[1]
+    s = torch.matmul(q.reshape(B, hkv, hq // hkv, sq, d), k.unsqueeze(2).transpose(-1, -2)) * scale
+    if mask is not None:
+        s = s.masked_fill(~mask[:, None, None], float("-inf"))
+    return s
+
+
+class _BlockAttention(torch.autograd.Function):
+    """``(out, lse)`` of one block; the backward recomputes the probabilities from ``lse`` (flash-attention
+    style: only q, k, v, out and lse are kept) and takes the gradient of ``lse`` too (the merge needs it):
+    ``dS = P (dP - rowsum(dO O) + dlse)``, ``P = exp(S - lse)``."""
+
+    @staticmethod
+    def forward(q, k, v, mask, scale):
+        s = _scores(q, k, mask, scale)
+        m = s.amax(-1, keepdim=True)
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # a row with no key shifts by 0
+        p = torch.exp(s - m)
+        l = p.sum(-1, keepdim=True)
+        out = torch.matmul(p, v.unsqueeze(2)) / l.clamp_min(_TINY)
+        lse = torch.where(l > 0, torch.log(l.clamp_min(_TINY)) + m, torch.full_like(l, float("-inf")))
+        return out.reshape(q.shape), lse.reshape(q.shape[:3])
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, mask, scale = inputs
+        out, lse = output
+        ctx.save_for_backward(q, k, v, mask, out, lse)
+        ctx.scale = scale
+
+    @staticmethod
+    def backward(ctx, g_out, g_lse):
+        q, k, v, mask, out, lse = ctx.saved_tensors
+        B, hq, sq, d = q.shape
+        hkv = k.shape[1]
+        shape = (B, hkv, hq // hkv, sq)
+        lse = lse.reshape(shape).unsqueeze(-1)
+        p = torch.exp(_scores(q, k, mask, ctx.scale) - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)))
+        g_out = g_out.reshape(shape + (d,))
+        dv = torch.matmul(p.transpose(-1, -2), g_out).sum(2)
+        dp = torch.matmul(g_out, v.unsqueeze(2).transpose(-1, -2))
+        delta = (g_out * out.reshape(shape + (d,))).sum(-1, keepdim=True)
+        ds = p * (dp - delta + g_lse.reshape(shape).unsqueeze(-1))
+        dq = torch.matmul(ds, k.unsqueeze(2)).reshape(q.shape) * ctx.scale
+        dk = torch.matmul(ds.transpose(-1, -2), q.reshape(shape + (d,))).sum(2) * ctx.scale
+        return dq, dk, dv, None, None
+
+
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
                     *, causal: bool, seq_len: int, q_doc: torch.Tensor | None = None,
                     k_doc: torch.Tensor | None = None, scale: float | None = None,
                     masked: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q [B, Hq, Sq, D]`` to ``k, v [B, Hkv, Sk, D]`` at global positions ``q_pos [Sq]``,
     ``k_pos [Sk]`` (documents ``q_doc [B, Sq]``, ``k_doc [B, Sk]`` or None): ``(out [B, Hq, Sq, D],
-    lse [B, Hq, Sq])``. ``masked=False`` skips building the mask (the caller knows every key is allowed).
+    lse [B, Hq, Sq])``, both differentiable. ``masked=False`` skips building the mask (the caller knows
+    every key is allowed). The backward keeps q, k, v, out and lse and recomputes the probabilities.
     """
-    B, hq, sq, d = q.shape
-    hkv, sk = k.shape[1], k.shape[2]
-    g = hq // hkv
-    scale = d ** -0.5 if scale is None else scale
-    qg = q.reshape(B, hkv, g, sq, d)
-    s = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2)) * scale  # [B, Hkv, g, Sq, Sk]
-    if masked:
-        mask = allowed_mask(q_pos, k_pos, causal=causal, seq_len=seq_len, q_doc=q_doc, k_doc=k_doc)
-        s = s.masked_fill(~mask[:, None, None], float("-inf"))
-    with torch.no_grad():  # the shift cancels in value and gradient; a row with no key shifts by 0
-        m = s.amax(-1, keepdim=True)
-        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    p = torch.exp(s - m)
-    l = p.sum(-1, keepdim=True)
-    out = torch.matmul(p, v.unsqueeze(2)) / l.clamp_min(_TINY)
-    lse = torch.where(l > 0, torch.log(l.clamp_min(_TINY)) + m, torch.full_like(l, float("-inf")))
-    return out.reshape(B, hq, sq, d), lse.reshape(B, hq, sq)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    mask = (allowed_mask(q_pos, k_pos, causal=causal, seq_len=seq_len, q_doc=q_doc, k_doc=k_doc) if masked
+            else None)
+    return _BlockAttention.apply(q, k, v, mask, scale)
 
 
 def merge_blocks(out_1: torch.Tensor, lse_1: torch.Tensor, out_2: torch.Tensor,

@@ -3,7 +3,8 @@
 Each rank of a context-parallel mesh axis holds its tokens of the sequence as split by a
 :class:`~hpfunc.models.sequence_split.SequenceSplit` (two chunks, causally balanced), and calls one of
 these inside :func:`hpfunc.shard_map` (or under ``with mesh:``) with its local ``q [B, Hq, S/P, D]``,
-``k, v [B, Hkv, S/P, D]`` (after RoPE at :meth:`SequenceSplit.positions`); the result is its tokens'
+``k, v [B, Hkv, S/P, D]`` (after RoPE at :meth:`SequenceSplit.positions`; ``axis=None``: the whole sequence on this rank, the same
+blocks without communication); the result is its tokens'
 attention output ``[B, Hq, S/P, D]``, equal to single-device attention over the whole sequence. The
 collectives are :mod:`hpfunc.lax`'s, so the backward is their exact transposes (autograd through them:
 the ring's dK, dV go back around the ring by the inverse permutation).
@@ -31,6 +32,8 @@ attends only within its document. Documents need not divide into chunks.
 >>> with hpfunc.Mesh({"cp": 1}):
 ...     out = context_attention(q, k, v, split, axis="cp", impl="ring")
 >>> bool(torch.allclose(out, dense_attention(q, k, v), atol=1e-5))
+True
+>>> bool(torch.allclose(context_attention(q, k, v, split, axis=None, impl="allgather"), out, atol=1e-5))
 True
 """
 
@@ -82,9 +85,9 @@ def _event(name: str, step: int) -> None:
         events.append((time.perf_counter(), name, step))
 
 
-def local_positions(split: SequenceSplit, axis: str | tuple[str, ...]) -> torch.Tensor:
+def local_positions(split: SequenceSplit, axis: str | tuple[str, ...] | None) -> torch.Tensor:
     """Global positions of this rank's tokens along ``axis`` (for RoPE tables), ``[S/P]`` int64."""
-    return split.positions(lax.axis_index(axis))
+    return split.positions(_axis_index(axis))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -93,6 +96,10 @@ def local_positions(split: SequenceSplit, axis: str | tuple[str, ...]) -> torch.
 
 def _axis_size(axis: str | tuple[str, ...] | None) -> int:
     return 1 if axis is None else lax.axis_size(axis)
+
+
+def _axis_index(axis: str | tuple[str, ...] | None) -> int:
+    return 0 if axis is None else lax.axis_index(axis)
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: SequenceSplit, *, impl: str,
@@ -225,8 +232,10 @@ def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split
     """All-gather K and V (their KV heads only, stacked: one all-gather) over ``axis``; attend the local
     queries to the whole sequence's keys. Transpose: one reduce-scatter of dK, dV."""
     docs = _check(q, k, v, split, impl="allgather", axis=axis, ulysses_axis=None, replicate_kv=False, doc_ids=doc_ids)
-    me, P = lax.axis_index(axis), split.ranks
-    kv = lax.all_gather(torch.stack([k, v]), axis, axis=3, tiled=True)  # [2, B, Hkv, S_pad, D]
+    me, P = _axis_index(axis), split.ranks
+    kv = torch.stack([k, v])
+    if axis is not None:
+        kv = lax.all_gather(kv, axis, axis=3, tiled=True)  # [2, B, Hkv, S_pad, D]
     kv, k_chunks = _to_sequence_order(kv, _group_chunks(split, 0, P), split.chunk_len, 3)
     return _outputs(_attend(q, split.chunks_of(me), kv[0], kv[1], k_chunks, _Mask(split, causal, docs, scale)))
 
@@ -238,7 +247,7 @@ def _ring_perm(n: int) -> list[tuple[int, int]]:
 
 def _ring(q: torch.Tensor, q_chunks: Sequence[int], kv: torch.Tensor, chunks_of: Callable[[int], Sequence[int]],
           axis: str | tuple[str, ...], m: _Mask, overlap: bool) -> torch.Tensor:
-    n, me = lax.axis_size(axis), lax.axis_index(axis)
+    n, me = _axis_size(axis), _axis_index(axis)
     perm = _ring_perm(n)
     state: list = [None] * len(q_chunks)
     for t in range(n):
@@ -269,7 +278,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: Seq
     posts the next transfer (:func:`hpfunc.lax.ppermute_start`) before the current block's compute.
     The backward is autograd through the transfers' exact transposes: dK, dV travel back the ring."""
     docs = _check(q, k, v, split, impl="ring", axis=axis, ulysses_axis=None, replicate_kv=False, doc_ids=doc_ids)
-    me = lax.axis_index(axis)
+    me = _axis_index(axis)
     return _ring(q, split.chunks_of(me), torch.stack([k, v]), split.chunks_of, axis,
                  _Mask(split, causal, docs, scale), overlap)
 
@@ -290,6 +299,8 @@ def _ulysses(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: str | tupl
              attend_heads: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """Sequence-sharded -> head-sharded (four all-to-alls over ``axis`` with the output's), attention on
     the group's whole token set for a slice of the heads, and back."""
+    if axis is None:
+        return attend_heads(q, k, v)
     k, v = _expand_kv(k, v, lax.axis_size(axis))
     qh = lax.all_to_all(q, axis, 1, 2)
     kh = lax.all_to_all(k, axis, 1, 2)
@@ -324,8 +335,8 @@ def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: S
     ranks (row-major: ``ring index * Pu + ulysses index``), so the degree is not capped by the heads."""
     docs = _check(q, k, v, split, impl="hybrid", axis=axis, ulysses_axis=ulysses_axis, replicate_kv=replicate_kv,
                   doc_ids=doc_ids)
-    pu = lax.axis_size(ulysses_axis)
-    m, group = _Mask(split, causal, docs, scale), lax.axis_index(axis)
+    pu = _axis_size(ulysses_axis)
+    m, group = _Mask(split, causal, docs, scale), _axis_index(axis)
 
     def attend_heads(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor) -> torch.Tensor:
         return _ring(qh, _group_chunks(split, group, pu), torch.stack([kh, vh]),

@@ -122,10 +122,21 @@ class SequenceSplit:
         """Rank ``rank``'s tokens of the full sequence ``x`` (length ``seq_len`` along ``dim``)."""
         return self.pad_to_split(x, dim, fill).index_select(dim, self.positions(rank).to(x.device))
 
+    def permute(self, x: torch.Tensor, dim: int = 1, fill: float | int = 0) -> torch.Tensor:
+        """``x`` padded and permuted along ``dim``: the ranks' local sequences end to end (split it evenly
+        over the ranks, e.g. by ``shard_map`` with the cp axis on ``dim``). Differentiable."""
+        return self.pad_to_split(x, dim, fill).index_select(dim, self.order().to(x.device))
+
+    def unpermute(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """The inverse of :meth:`permute`: sequence order, padding dropped."""
+        self._check_len(x, dim, self.padded_len, "unpermute")
+        inverse = torch.empty_like(self.order())
+        inverse[self.order()] = torch.arange(self.padded_len)
+        return x.index_select(dim, inverse.to(x.device)).narrow(dim, 0, self.seq_len)
+
     def shard(self, x: torch.Tensor, dim: int = 1, fill: float | int = 0) -> list[torch.Tensor]:
         """Every rank's tokens of ``x``: pad, permute, split (differentiable)."""
-        permuted = self.pad_to_split(x, dim, fill).index_select(dim, self.order().to(x.device))
-        return list(permuted.chunk(self.ranks, dim=dim))
+        return list(self.permute(x, dim, fill).chunk(self.ranks, dim=dim))
 
     def unshard(self, parts: Sequence[torch.Tensor], dim: int = 1) -> torch.Tensor:
         """The inverse of :meth:`shard`: the ranks' local tensors back in sequence order, padding dropped."""
@@ -133,10 +144,7 @@ class SequenceSplit:
             raise ContextParallelError(f"SequenceSplit.unshard: expected {self.ranks} parts, found {len(parts)}")
         for r, p in enumerate(parts):
             self._check_len(p, dim, self.local_len, f"unshard (part {r})")
-        joined = torch.cat(list(parts), dim=dim)
-        inverse = torch.empty_like(self.order())
-        inverse[self.order()] = torch.arange(self.padded_len)
-        return joined.index_select(dim, inverse.to(joined.device)).narrow(dim, 0, self.seq_len)
+        return self.unpermute(torch.cat(list(parts), dim=dim), dim)
 
     def padded_doc_ids(self, doc_ids: torch.Tensor) -> torch.Tensor:
         """Document ids ``[B, seq_len]`` (or ``[seq_len]``) of the whole sequence, padded to ``padded_len``

@@ -310,3 +310,53 @@ def test_split_permutation_round_trip(S, P, balanced):
         assert torch.equal(split.local(x, r, dim=1, fill=-1), part)
     assert sorted(split.order().tolist()) == list(range(split.padded_len))
     assert split.padded_len % (2 * P) == 0 and split.padded_len - S < 2 * P
+
+
+# ---- the docs page's example and the bench
+
+
+def test_guide_example_runs(pools):
+    import os
+    import re
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "context_parallel.md")
+    with open(path) as f:
+        code = re.search(r"```python\n(.*?)```", f.read(), re.S).group(1)
+    scope: dict = {}
+    exec(compile(code, "docs/context_parallel.md", "exec"), scope)
+    assert pools(2).run(scope["main"]) == [[0, 1, 2, 3, 12, 13, 14, 15], [4, 5, 6, 7, 8, 9, 10, 11]]
+
+
+def test_bench_smoke(tmp_path):
+    import importlib.util
+    import json
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "cp.py")
+    spec = importlib.util.spec_from_file_location("cp_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "cp.json"
+    bench.main(["--worlds", "2", "--seqs", "12", "--iters", "1", "--q-heads", "2", "--kv-heads", "2",
+                "--head-dim", "4", "--out", str(out)])
+    rows = json.loads(out.read_text())["worlds"]["2"]["12"]
+    for impl in ("allgather", "ring", "ring (no overlap)", "ulysses"):
+        assert rows[impl]["sent_bytes"] == rows[impl]["formula_bytes"] > 0, impl
+
+
+def test_block_attention_gradcheck_with_lse_and_empty_rows():
+    """The block kernel's own backward (probabilities recomputed from lse, the lse's gradient included)
+    against finite differences, through a merge where some rows see no key in a block (documents)."""
+    from hpfunc.models.attention_blocks import block_attention, merge_blocks
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, 6, 4, generator=g, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2))
+    pos, doc = torch.arange(6), torch.tensor([[0, 0, 1, 1, 1, 2], [0, 1, 1, 1, 1, 1]])
+
+    def f(q, k, v):
+        blocks = [block_attention(q, k[:, :, sl], v[:, :, sl], pos, pos[sl], causal=True, seq_len=6, q_doc=doc,
+                                  k_doc=doc[:, sl]) for sl in (slice(0, 3), slice(3, 6))]
+        return merge_blocks(*blocks[0], *blocks[1])
+
+    assert torch.autograd.gradcheck(f, (q, k, v))
+    torch.testing.assert_close(f(q, k, v)[0], dense_attention(q, k, v, doc_ids=doc))
