@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 import time
 from typing import Callable, Iterator, Sequence
 
@@ -289,8 +290,6 @@ def _expand_kv(k: torch.Tensor, v: torch.Tensor, degree: int) -> tuple[torch.Ten
     hkv = k.shape[1]
     if hkv % degree == 0:
         return k, v
-    import math
-
     r = degree // math.gcd(hkv, degree)
     return k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
 

@@ -119,7 +119,8 @@ def cases(draw, world: int) -> tuple[dict, dict]:
         lambda s: s % (2 * world)))
     case = dict(seed=draw(st.integers(0, 2**31 - 1)), B=draw(st.sampled_from([1, 2])), hq=hq, hkv=hkv, S=S,
                 D=draw(st.sampled_from([4, 8])), causal=draw(st.booleans()), docs=draw(st.sampled_from([0, 1, 3])),
-                overlap=draw(st.booleans()), replicate_kv=hkv % world != 0 or hkv % mesh_shape["uly"] != 0)
+                overlap=draw(st.booleans()), replicate_kv=hkv % world != 0 or hkv % mesh_shape["uly"] != 0,
+                balanced=draw(st.sampled_from([True, True, False])))
     return mesh_shape, case
 
 
