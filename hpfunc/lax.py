@@ -19,7 +19,8 @@ collective         forward                          backward (transpose)
 =================  ===============================  ==========================================
 
 ``all_to_all_start`` issues the row all-to-all without waiting (its ``.wait()`` gives the result); its
-transpose is the reverse all-to-all, issued without waiting too.
+transpose is the reverse all-to-all, issued without waiting too. ``ppermute_start`` does the same for
+``ppermute`` (transpose: the inverse permutation, issued without waiting in the backward).
 
 ``shard_map`` completes this at its boundary: the gradient of an input that is replicated along an
 axis is summed over that axis (the gradients of all replicas of one value), and the cotangent of an
@@ -70,6 +71,8 @@ __all__ = [
     "all_to_all_start",
     "PendingAllToAll",
     "ppermute",
+    "ppermute_start",
+    "PendingPPermute",
     "axis_index",
     "axis_size",
 ]
@@ -583,17 +586,18 @@ class _Flight:
     """One exchange in flight (the forward's, then its transpose's): the work, the send buffer it reads
     until done, and how to put the received rows in logical rank order."""
 
-    __slots__ = ("work", "send", "finish")
+    __slots__ = ("work", "send", "finish", "name")
 
-    def __init__(self, work: object, send: torch.Tensor | None, finish) -> None:
-        self.work, self.send, self.finish = work, send, finish
+    def __init__(self, work: object, send: torch.Tensor | None, finish, name: str = "all_to_all") -> None:
+        self.work, self.send, self.finish, self.name = work, send, finish, name
 
     def wait(self, out: torch.Tensor, axes: tuple[str, ...], n: int) -> torch.Tensor:
         if self.work is not None:
             try:
-                self.work.wait()
+                for w in (self.work if isinstance(self.work, list) else [self.work]):
+                    w.wait()
             except RuntimeError as e:
-                _faults.raise_collective_error(e, "all_to_all", axes, n)
+                _faults.raise_collective_error(e, self.name, axes, n)
                 raise
         self.work = self.send = None  # the send buffer is free now
         return self.finish(out)
@@ -843,6 +847,122 @@ def ppermute(x: torch.Tensor, axis_name: AxisName, perm: Sequence[tuple[int, int
     """
     n = axis_size(axis_name)
     return _call(_PPERMUTE_FNS, x, axis_name, _check_perm(perm, n, axis_name))
+
+
+# ---------------------------------------------------------------------------------------------
+# ppermute_start: the permutation issued without waiting (a ring's next transfer under compute)
+
+
+def _permute_issue(x: torch.Tensor, ax: _Axes, perm: Sequence[tuple[int, int]], collectors,
+                   ) -> tuple[torch.Tensor, _Flight]:
+    """Post the sends and receives of ``ppermute(x, perm)`` (``batch_isend_irecv``) without waiting: the
+    output buffer (zeros where nothing arrives; filled when the works are done) and the flight."""
+    x = x.detach().contiguous()
+    out = torch.zeros_like(x)
+    ops = []
+    for s, d in perm:
+        if s == ax.me and d == ax.me:
+            out.copy_(x)
+        elif s == ax.me:
+            ops.append(dist.P2POp(dist.isend, x, dist.get_global_rank(ax.group, ax.l2g[d]), group=ax.group))
+            if collectors:
+                _comm.record(collectors, op="ppermute", name="ppermute_start", axes=ax.names, n=ax.n,
+                             payload_bytes=_nbytes(x), phase=_phase())
+    for s, d in perm:
+        if d == ax.me and s != ax.me:
+            ops.append(dist.P2POp(dist.irecv, out, dist.get_global_rank(ax.group, ax.l2g[s]), group=ax.group))
+    works: list = []
+    if ops:
+        try:
+            works = list(dist.batch_isend_irecv(ops))
+        except RuntimeError as e:
+            _faults.raise_collective_error(e, "ppermute_start", ax.names, ax.n)
+            raise
+    return out, _Flight(works, x, lambda o: o, "ppermute_start")
+
+
+class PendingPPermute:
+    """A :func:`ppermute_start` in flight; :meth:`wait` returns the received tensor (differentiable).
+
+    The transpose mirrors it: the wait's transpose posts the inverse permutation of the cotangent
+    without waiting, and the start's transpose waits for it, so the backward overlaps as the forward.
+    """
+
+    __slots__ = ("axes", "perm", "mesh", "collectors", "flight", "grad_flight", "grad_out", "_buf", "_done")
+
+    def __init__(self, axes: AxisName, perm: tuple[tuple[int, int], ...]) -> None:
+        self.axes, self.perm = axes, perm
+        self.mesh = current_mesh()
+        self.collectors = _comm.active()
+        self.flight: _Flight | None = None
+        self.grad_flight: _Flight | None = None
+        self.grad_out: torch.Tensor | None = None
+        self._buf: torch.Tensor | None = None
+        self._done = False
+
+    def wait(self) -> torch.Tensor:
+        """Block until this rank's tensor has arrived (zeros if no rank sends to it); the result."""
+        if self._done:
+            raise RuntimeError("PendingPPermute.wait: this ppermute was already waited for; wait once and keep "
+                               "the result")
+        self._done = True
+        buf, self._buf = self._buf, None
+        return _PermuteWait.apply(buf, self)
+
+
+class _PermuteStart(torch.autograd.Function):
+    @staticmethod
+    def forward(x, pending):
+        ax = _axes_of(pending.mesh, pending.axes)
+        out, pending.flight = _permute_issue(x, ax, pending.perm, pending.collectors)
+        return out
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.pending = inputs[1]
+
+    @staticmethod
+    def backward(ctx, g):  # g: the edge from the wait's transpose (never read); the rows come in p.grad_out
+        p = ctx.pending
+        out, p.grad_out = p.grad_out, None
+        return p.grad_flight.wait(out, normalize_axes(p.axes), _pending_size(p)), None
+
+
+class _PermuteWait(torch.autograd.Function):
+    @staticmethod
+    def forward(buf, pending):
+        return pending.flight.wait(buf, normalize_axes(pending.axes), _pending_size(pending))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.pending = inputs[1]
+
+    @staticmethod
+    def backward(ctx, g):
+        # Post the inverse permutation of the cotangent and return at once; the start's transpose waits.
+        p = ctx.pending
+        with p.mesh:
+            ax = _axes_of(p.mesh, p.axes)
+            p.grad_out, p.grad_flight = _permute_issue(g, ax, tuple((d, s) for s, d in p.perm), p.collectors)
+        return g, None
+
+
+def ppermute_start(x: torch.Tensor, axis_name: AxisName, perm: Sequence[tuple[int, int]]) -> PendingPPermute:
+    """:func:`ppermute` posted without waiting: compute runs while ``x`` travels; ``.wait()`` gives the
+    result. The counter records it when posted (``name="ppermute_start"``); the transpose is the inverse
+    permutation, posted in the backward without waiting too. The caller keeps ``x`` unmodified until the
+    wait.
+
+    Example (a ring, in an ``n``-rank program)::
+
+        pending = lax.ppermute_start(kv, "cp", [(i, (i + 1) % n) for i in range(n)])
+        partial = attend(q, kv)          # overlaps the transfer
+        kv = pending.wait()
+    """
+    n = axis_size(axis_name)
+    pending = PendingPPermute(axis_name, _check_perm(perm, n, axis_name))
+    pending._buf = _PermuteStart.apply(x, pending)
+    return pending
 
 
 # ---------------------------------------------------------------------------------------------
