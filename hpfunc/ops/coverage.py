@@ -249,7 +249,7 @@ FOOTER = """
 An op outside this table, or a layout it refuses, gets a rule (`docs/operators.md` is about torch's own
 coverage; hpfunc's registry adds to it):
 
-```python
+```text
 import hpfunc.ops
 hpfunc.ops.register(torch.ops.mylib.fused_mm, rule="i k, k n -> i n | sum k")      # the contraction marked
 hpfunc.ops.register(torch.ops.mylib.row_softmax, rule="... j -> ... j", impl=row_softmax_on_blocks)
