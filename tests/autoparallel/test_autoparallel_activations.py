@@ -1,6 +1,6 @@
 """The cost model's saved activations per layer against storage liveness on Qwen3's real decoder layer.
 
-Measured with :func:`hpfunc.memory.saved_activations` (weak references on storages), bf16: a dense
+Measured with :func:`hpfunc.transforms.remat.saved_activations` (weak references on storages), bf16: a dense
 layer at Qwen3-30B-A3B's attention shapes (h 2048, 32 x 128 query heads, 4 KV heads, SwiGLU 6144,
 s 4096) on fake tensors, and an MoE layer of ``qwen3-moe-small`` (32 experts, top-4) on real tensors
 (routing is data-dependent). Full and selective recompute are exact; without recompute the table is
@@ -18,7 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from hpfunc import tree
 from hpfunc.autoparallel.configuration import Layout, Workload
 from hpfunc.autoparallel.memory_model import layer_activation_bytes_per_token
-from hpfunc.memory import saved_activations
+from hpfunc.transforms.remat import saved_activations
 from hpfunc.models.qwen3 import model as M
 from hpfunc.models.qwen3.describe import describe
 from hpfunc.transforms import remat as R
