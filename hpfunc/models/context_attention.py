@@ -251,15 +251,19 @@ def _ring(q: torch.Tensor, q_chunks: Sequence[int], kv: torch.Tensor, chunks_of:
     n, me = _axis_size(axis), _axis_index(axis)
     perm = _ring_perm(n)
     state: list = [None] * len(q_chunks)
+    unused = []  # received keys no query chunk attends (contiguous split, causal): tied in below
     for t in range(n):
         pending = None
         if t < n - 1 and overlap:  # post the next transfer before this block's compute
             _event("send posted", t)
             pending = lax.ppermute_start(kv, axis, perm)
         _event("compute start", t)
-        for i, block in enumerate(_attend(q, q_chunks, kv[0], kv[1], chunks_of((me - t) % n), m)):
+        blocks = _attend(q, q_chunks, kv[0], kv[1], chunks_of((me - t) % n), m)
+        for i, block in enumerate(blocks):
             if block is not None:
                 state[i] = block if state[i] is None else merge_blocks(*state[i], *block)
+        if all(b is None for b in blocks):
+            unused.append(kv)
         _event("compute end", t)
         if t < n - 1:
             if pending is not None:
@@ -268,7 +272,12 @@ def _ring(q: torch.Tensor, q_chunks: Sequence[int], kv: torch.Tensor, chunks_of:
                 _event("arrived", t)
             else:
                 kv = lax.ppermute(kv, axis, perm)
-    return _outputs(state)  # step 0 is the rank's own keys: every query chunk has its diagonal block
+    out = _outputs(state)  # step 0 is the rank's own keys: every query chunk has its diagonal block
+    # Every rank must run every transfer's transpose in the backward (its peer waits for it): keys this
+    # rank did not attend join the output with weight 0, so their (zero) cotangent still travels.
+    for kv in unused:
+        out = out + 0.0 * kv.sum()
+    return out
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: SequenceSplit, *,

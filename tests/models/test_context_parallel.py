@@ -84,12 +84,14 @@ def run_cp(mesh_shape: dict, case: dict, impls: list[str], mutate: str | None = 
     return results
 
 
-def impls_for(mesh_shape: dict, hq: int, hkv: int) -> list[str]:
+def impls_for(mesh_shape: dict, hq: int, hkv: int, degenerate_hybrid: bool = False) -> list[str]:
+    """The strategies the heads allow; the hybrid on a 2-D mesh (or, ``degenerate_hybrid``, also with one
+    axis of size 1: a ring or Ulysses through the hybrid's path)."""
     P = mesh_shape["ring"] * mesh_shape["uly"]
     impls = ["allgather", "ring"]
     if hq % P == 0:
         impls.append("ulysses")
-    if hq % mesh_shape["uly"] == 0 and mesh_shape["ring"] > 1 and mesh_shape["uly"] > 1:
+    if hq % mesh_shape["uly"] == 0 and (degenerate_hybrid or (mesh_shape["ring"] > 1 and mesh_shape["uly"] > 1)):
         impls.append("hybrid")
     return impls
 
@@ -98,7 +100,7 @@ def check_parity(pools, mesh_shape: dict, case: dict, mutate: str | None = None)
     world = mesh_shape["ring"] * mesh_shape["uly"]
     prob = make_problem(case["seed"], case["B"], case["hq"], case["hkv"], case["S"], case["D"], case["docs"])
     ref = reference(prob, case["causal"])
-    impls = impls_for(mesh_shape, case["hq"], case["hkv"])
+    impls = impls_for(mesh_shape, case["hq"], case["hkv"], degenerate_hybrid=True)
     per_rank = pools(world).run(run_cp, mesh_shape, case, impls, mutate)
     split = SequenceSplit(case["S"], world, balanced=case.get("balanced", True))
     for impl in impls:
