@@ -423,7 +423,10 @@ def _read_tensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
             raise CheckpointError(f"{index}: key 'weight_map': expected an object of tensor name -> file name")
         tensors: dict[str, torch.Tensor] = {}
         where: dict[str, str] = {}
-        for shard in sorted(set(weight_map.values())):
+        # shard files the index no longer names are read too, so a tensor dropped from weight_map (even
+        # the only one of its file) is reported against the index, not as missing from the model
+        unlisted = {f for f in os.listdir(path) if re.fullmatch(r"model-\d+-of-\d+\.safetensors", f)}
+        for shard in sorted(set(weight_map.values()) | unlisted):
             file = os.path.join(path, shard)
             if os.path.basename(shard) != shard or not os.path.exists(file):
                 raise CheckpointError(f"{index}: key 'weight_map' lists the file {shard!r} (for "
@@ -435,8 +438,10 @@ def _read_tensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
                 tensors[name], where[name] = t, shard
         listed, found = set(weight_map), set(tensors)
         if listed != found:
-            raise CheckpointError(f"{index}: weight_map and shard contents differ; listed only: "
-                                  f"{_names(sorted(listed - found))}; in shards only: {_names(sorted(found - listed))}")
+            parts = [f"{what}: {_names(sorted(names))}" for what, names in
+                     (("listed but in no shard", listed - found), ("in a shard but not listed", found - listed))
+                     if names]
+            raise CheckpointError(f"{index}: weight_map and the shard files differ; {'; '.join(parts)}")
         moved = sorted(k for k in listed if weight_map[k] != where[k])
         if moved:
             raise CheckpointError(f"{index}: weight_map names another file than the one holding "
