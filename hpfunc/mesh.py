@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextvars
 import datetime
+import math
 import os
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -234,8 +235,17 @@ class Mesh:
         key = (id(dist.group.WORLD), self._names, self._sizes, tuple(self._dm.mesh.flatten().tolist()), names)
         group = _GROUP_CACHE.get(key)
         if group is None:
-            flat_name = "_".join(names)
-            group = self._dm[tuple(names)]._flatten(flat_name).get_group(flat_name)
+            # A group of this rank's slice, NOT DeviceMesh._flatten: once a flattened mesh over these
+            # axes exists, DTensor's redistribute gathers a dimension split over them in one all_gather
+            # on it, which is wrong when the split is uneven (torch 2.13: a (5,) tensor split over
+            # y then z of a 2x2x2 mesh reads back [0, 1, 2, 0, 3]); without one it gathers axis by axis,
+            # which is right. Only the slice's ranks take part in creating it.
+            dims = [self._dim(a) for a in names]
+            rest = [d for d in range(len(self._names)) if d not in dims]
+            rows = self._dm.mesh.permute(*rest, *dims).reshape(-1, math.prod(self._sizes[d] for d in dims))
+            me = dist.get_rank()
+            ranks = next(r for r in rows.tolist() if me in r)
+            group = dist.new_group(ranks, use_local_synchronization=True)
             _same_timeout_as_world(group)
             _GROUP_CACHE[key] = group
         return group

@@ -108,6 +108,27 @@ def test_reshard_to_another_mesh(pool4):
         assert same and t == "f32[8@x,6]" and tuple(local_shape) == (2, 6)
 
 
+def run_gather_after_multi_axis_group():
+    import hpfunc
+    from hpfunc import lax
+
+    mesh = hpfunc.Mesh({"x": 2, "y": 2, "z": 2})
+    full = torch.arange(5.0).reshape(5, 1)
+    # a collective over (y, z) makes hpfunc create that group; a flattened DeviceMesh would make
+    # DTensor gather the uneven split below in one (wrong) all_gather afterwards
+    hpfunc.shard_map(lambda: lax.psum(torch.ones(()), ("y", "z")), mesh=mesh, in_specs=(), out_specs=P())()
+    x = hpfunc.shard(full, mesh, P(("y", "z")))
+    return torch.equal(x.full_tensor(), full), x.full_tensor().flatten().tolist()
+
+
+@pytest.mark.multirank
+def test_uneven_split_over_two_axes_reads_back_after_a_collective_on_them(pool8):
+    """The 'flaky' test_samplers_are_sharding_invariant: 5 rows split over y then z of a 2x2x2 mesh
+    read back as [0, 1, 2, 0, 3] once a group over (y, z) existed as a flattened DeviceMesh."""
+    for same, values in pool8.run(run_gather_after_multi_axis_group):
+        assert same, f"full_tensor() of a (5, 1) tensor split over ('y', 'z') read back {values}"
+
+
 def run_typeof():
     import hpfunc
 
