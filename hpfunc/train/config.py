@@ -19,6 +19,7 @@ Example:
 from __future__ import annotations
 
 import difflib
+import os
 import pathlib
 import types
 import typing
@@ -776,11 +777,25 @@ def _resolve_paths(cfg: Config, base: pathlib.Path) -> Config:
     data = cfg.data
     paths = [resolve(p) for p in data.paths] if data.paths else data.paths
     tok = resolve(data.tokenizer) if data.tokenizer else data.tokenizer
-    model = cfg.model if not cfg.model.pretrained else attrs.evolve(cfg.model, pretrained=resolve(cfg.model.pretrained))
+    model = cfg.model if not cfg.model.pretrained else attrs.evolve(cfg.model, pretrained=_pretrained_folder(
+        cfg.model.pretrained, resolve(cfg.model.pretrained)))
     plan = tuple(attrs.evolve(e, options={**e.options, "schedule": resolve(e.options["schedule"])})
                  if e.kind == "pp" and _is_schedule_file(e.options.get("schedule")) else e for e in cfg.parallel.plan)
     return attrs.evolve(cfg, data=attrs.evolve(data, paths=paths, tokenizer=tok), model=model,
                         parallel=attrs.evolve(cfg.parallel, plan=plan))
+
+
+def _pretrained_folder(raw: str, resolved: str) -> str:
+    """``model.pretrained`` as a local folder: the path (relative to the config file) when it exists,
+    else a hub repository id (``owner/name[@revision]``) resolved through huggingface_hub's cache."""
+    from hpfunc.models import hub
+
+    if os.path.exists(resolved) or not hub.is_repo_id(raw):
+        return resolved
+    try:
+        return hub.local_folder(raw)
+    except hub.HubError as e:
+        raise ConfigError(f"model.pretrained: {e}") from None
 
 
 def _is_schedule_file(schedule: Any) -> bool:

@@ -431,7 +431,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str | None = 
     nbytes = sum(torch.Size(s).numel() * torch.empty((), dtype=d).element_size() for s, d in source.names.values())
     if to == "hf":
         written = write_folder(dst_p, _hf_stream(source, params, cfg, fused_experts), limit=_parse_size(max_shard_size),
-                               extra={CONFIG_NAME: _config_bytes(cfg, dtype)})
+                               extra={**_carried_files(src_p, fmt), CONFIG_NAME: _config_bytes(cfg, dtype)})
         n = len(written)
     elif to == "dcp":
         from hpfunc.checkpoint.dcp_io import _quiet_single_process, write_flat
@@ -473,6 +473,31 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, to: str | None = 
             if scratch is not None:
                 shutil.rmtree(scratch, ignore_errors=True)
     return ConvertResult(fmt, to, n, count, nbytes, time.perf_counter() - start)
+
+
+def _carried_files(src: pathlib.Path, fmt: str) -> dict[str, bytes]:
+    """The tokenizer and generation files an HF export carries over: from the source folder itself, or
+    for a trainer checkpoint from the Hugging Face folder it started from (its config's
+    ``model.pretrained``, when that folder is still there)."""
+    from hpfunc.models.hub import CARRIED_FILES
+
+    folder: str | None = None
+    if fmt == "hf":
+        folder = os.fspath(src)
+    elif fmt == "dcp":
+        from hpfunc.checkpoint import info
+
+        meta = info(src).get("metadata") or {}
+        folder = ((meta.get("config") or {}).get("model") or {}).get("pretrained")
+    if not folder or not os.path.isdir(folder):
+        return {}
+    out = {}
+    for name in CARRIED_FILES:
+        file = os.path.join(folder, name)
+        if os.path.isfile(file):
+            with open(file, "rb") as f:
+                out[name] = f.read()
+    return out
 
 
 def _config_arg(value: str | None) -> Qwen3Config | None:

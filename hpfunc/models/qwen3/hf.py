@@ -455,7 +455,8 @@ def _read_tensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
 
 def from_pretrained(path: str | os.PathLike, *, dtype: torch.dtype | None = None,
                     device: Any = None) -> tuple[Qwen3Config, dict]:
-    """Load ``(cfg, params)`` from a Hugging Face Qwen3 / Qwen3-MoE checkpoint directory.
+    """Load ``(cfg, params)`` from a Hugging Face Qwen3 / Qwen3-MoE checkpoint directory, or a hub
+    repository id (``owner/name[@revision]``, see :mod:`hpfunc.models.hub`).
 
     ``dtype``: cast floating weights (default: as stored). The expert bias is float32 (zeros when the
     checkpoint has none).
@@ -471,6 +472,9 @@ def from_pretrained(path: str | os.PathLike, *, dtype: torch.dtype | None = None
     >>> cfg2 == cfg and bool(torch.equal(params2["embed"], params["embed"]))
     True
     """
+    from hpfunc.models.hub import local_folder
+
+    path = local_folder(path)  # a folder, or a hub repository id through huggingface_hub's cache
     cfg = load_config(path)
     tensors = _read_tensors(path)
     try:
