@@ -111,7 +111,7 @@ class _Reads:
         return fulls
 
     def __call__(self, w: torch.Tensor) -> torch.Tensor:
-        i = self.ws.index_of(w)
+        i = self.ws.param_of(w)  # the block, or an exact alias of it (a remat recompute's saved input)
         if i is None:
             return w
         cfg = self.cfg
