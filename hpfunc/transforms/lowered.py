@@ -132,6 +132,9 @@ class Lowered:
         self.stage_uses: dict = {}  # parameter tree structure -> per local pipeline stage, the leaves it uses
         self.aux_templates: dict = {}  # batch structure and shapes -> the pipeline's aux template (zeros)
         self._executor: Any = None  # the pipeline's schedule executor (a pp layer), built on first use
+        # the order in which the model first reads its gather groups (by first member): recorded by the first
+        # differentiation, the order of the forward's prefetches after it (engine/prefetch.py)
+        self.gather_order: tuple[int, ...] | None = None
         self.sdc_checks = 0  # gradient reductions checked so far (the "step" an SDC report names)
 
     # -- what a state fits --------------------------------------------------------------------------

@@ -33,6 +33,8 @@ from hpfunc.transforms.engine import sdc
 from hpfunc.transforms.engine.gather import ParamLayer, gather_group, group_key
 from hpfunc.transforms.engine.mixed import cast_for_use
 from hpfunc.transforms.engine.overlap import Overlap, buckets_of
+from hpfunc.transforms.engine import prefetch
+from hpfunc.transforms.engine.packing import _unpack_gathered
 from hpfunc.transforms.engine.pipelined import StagePipeline, known_gradients
 from hpfunc.transforms.engine.reduce import needs_reduction, reduce_gradients
 from hpfunc.transforms.engine.view import Blocks
@@ -93,22 +95,68 @@ def reduce_wanted(program: Any, grads: list[torch.Tensor], wanted: list[int]) ->
 
 
 class _Reads:
-    """The parameters of one differentiation as used: gathered with their group on first read."""
+    """The parameters of one differentiation as used: gathered with their group on first read; from the
+    second differentiation of a lowered step on, the forward prefetches the group read next
+    (:mod:`~hpfunc.transforms.engine.prefetch`)."""
 
-    def __init__(self, cfg: EngineConfig, ws: Blocks, layer: ParamLayer):
+    def __init__(self, cfg: EngineConfig, ws: Blocks, layer: ParamLayer, program: Any = None):
         self.cfg, self.ws, self.layer = cfg, ws, layer
         self.ready: dict[int, torch.Tensor] = {}  # gathered with their group, not yet read
         self.kept: dict[int, torch.Tensor] = {}  # without reshard: every gathered leaf until the backward ends
         self.gids = itertools.count()
+        # the order of first reads of the groups (by first member): recorded by the first differentiation of
+        # the lowered step, followed by the later ones' prefetches
+        self.program = program
+        order = None if program is None or cfg.plan.pipeline is not None else program.gather_order
+        self.order = order
+        self.seen: list[int] | None = [] if program is not None and order is None else None
+        self.at = {} if order is None else {g: k for k, g in enumerate(order)}
+        self.flights: dict[int, prefetch.Flight] = {}  # first member -> its gather in flight
 
     def gather(self, members: list[int]) -> list[torch.Tensor]:
         cfg = self.cfg
         blocks = [self.ws[j] for j in members]
         specs = [cfg.leaves[j].gather for j in members]
-        fulls = gather_group(blocks, specs, cfg.mixed)
+        flight = self.flights.pop(members[0], None)
+        forward = torch._C._current_graph_task_id() == -1  # not a recompute in the backward
+        if self.seen is not None and forward and members[0] not in self.seen:
+            self.seen.append(members[0])
+        if flight is not None:  # prefetched: wait for it, unpack as a synchronous packed gather would
+            full = flight.land(blocks)
+            fulls = _unpack_gathered(full, blocks, [g[0][0] for g in specs], full.shape[0])
+        else:
+            fulls = gather_group(blocks, specs, cfg.mixed)
         detached = [b.detach() for b in blocks]
         self.layer.own_gathered(fulls, next(self.gids), lambda: gather_group(detached, specs, cfg.mixed))
+        if self.order is not None and forward:
+            self._prefetch_after(members[0])
         return fulls
+
+    def _prefetch_after(self, first: int) -> None:
+        """Issue the gather of the group read after ``first`` (one group in flight ahead)."""
+        k = self.at.get(first)
+        if k is None or k + 1 >= len(self.order):
+            return
+        nxt = self.order[k + 1]
+        members = self.cfg.group_of[nxt]
+        if nxt in self.flights or any(j in self.ready or j in self.kept for j in members):
+            return
+        cfg = self.cfg
+        specs = [cfg.leaves[j].gather for j in members]
+        if not prefetch.eligible(specs, cfg.mixed):
+            return
+        self.flights[nxt] = prefetch.start(cfg.mesh, [self.ws[j] for j in members], specs[0][0][1])
+
+    def end_forward(self) -> None:
+        """After the forward: record the order of first reads (the first differentiation), wait for and drop
+        a prefetched group the forward never read, free gathered groups not read."""
+        if self.seen is not None and self.program.gather_order is None:
+            self.program.gather_order = tuple(self.seen)
+        self.seen = None
+        for flight in self.flights.values():
+            flight.wait()
+        self.flights.clear()
+        self.ready.clear()
 
     def __call__(self, w: torch.Tensor) -> torch.Tensor:
         i = self.ws.param_of(w)  # the block, or an exact alias of it (a remat recompute's saved input)
@@ -149,7 +197,7 @@ def value_and_grad(program: Any, blocks: list[torch.Tensor], call: Callable[[lis
     plan = cfg.plan
     layer = ParamLayer(cfg.mesh, reshard=cfg.reshard, any_gather=cfg.any_gather)
     ws = Blocks(blocks, requires_grad=[x.is_floating_point() for x in blocks])
-    reads = _Reads(cfg, ws, layer)
+    reads = _Reads(cfg, ws, layer, program)
     layer.own_blocks(ws)
     pipe = None if plan.pipeline is None else StagePipeline(program, layer, step if reduce else None)
     # one binding for the differentiated function: its data, tensor- and expert-parallel axes (decided at
@@ -169,7 +217,7 @@ def value_and_grad(program: Any, blocks: list[torch.Tensor], call: Callable[[lis
         raise PlanError(f"{where} under a pp plan: the differentiated function did not run the model's pipeline "
                         f"stages; compute the loss with the model's pipelined loss (for Qwen3, "
                         f"qwen3.parallel_plan.loss), which the pp layer's stages belong to")
-    reads.ready.clear()  # gathered with a layer but never read: free now
+    reads.end_forward()  # gathered with a layer but never read: free now
     if has_aux:
         if not (isinstance(out, tuple) and len(out) == 2):
             raise TypeError(f"{where}: with has_aux=True the function must return (loss, aux)")
