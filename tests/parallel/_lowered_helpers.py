@@ -98,12 +98,31 @@ def run_prefetch(reshard: bool, remat: bool, steps: int = 3) -> dict:
     layer in ``remat`` or not), with an identity autograd function on layer 0's first product: its
     forward runs while layer 0 computes, and notes the forward all-gathers the comm counter has seen
     issued by then. Returns those counts per step, every step's gathered bytes by phase, the losses and
-    the final parameters (full), and the same of the step run on one device."""
+    the final parameters (full), and the same of the step run on one device; and, per step, the
+    reduce-scatters issued without waiting (``async``) by the time the backward reaches the model's
+    first op."""
     import hpfunc
     from hpfunc.transforms import plans
 
     seen: list[int] = []
+    scattered: list[int] = []
     stats_box: list = []
+
+    class FirstOp(torch.autograd.Function):  # the model's first op: its backward runs after every layer's
+        @staticmethod
+        def forward(x):
+            return x.view_as(x)
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            pass
+
+        @staticmethod
+        def backward(ctx, g):
+            if stats_box:
+                scattered.append(sum(1 for r in stats_box[-1].records
+                                     if r.op == "reduce_scatter" and r.tag == "async"))
+            return g
 
     class Probe(torch.autograd.Function):
         @staticmethod
@@ -128,7 +147,7 @@ def run_prefetch(reshard: bool, remat: bool, steps: int = 3) -> dict:
 
     def step(state, batch):
         def loss(p):
-            h = p["embed"][batch]
+            h = FirstOp.apply(p["embed"][batch])
             for k, lp in enumerate(p["layers"]):
                 f = hpfunc.remat(lambda lp, h, k=k: layer_fn(lp, h, k == 0)) if remat else (
                     lambda lp, h, k=k: layer_fn(lp, h, k == 0))
@@ -157,6 +176,6 @@ def run_prefetch(reshard: bool, remat: bool, steps: int = 3) -> dict:
                 by_phase[(r.op, r.phase)] = by_phase.get((r.op, r.phase), 0) + r.payload_bytes
         gathered.append(by_phase)
     full = ts.full_params(state["params"])
-    return {"seen": seen, "bytes": gathered, "losses": losses, "ref_losses": ref_losses,
+    return {"seen": seen, "scattered": scattered, "bytes": gathered, "losses": losses, "ref_losses": ref_losses,
             "params": hpfunc.tree.leaves(full), "ref_params": hpfunc.tree.leaves(ref_state["params"]),
             "order": ts.lower(state).gather_order}

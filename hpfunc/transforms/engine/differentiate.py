@@ -35,6 +35,7 @@ from hpfunc.transforms.engine.mixed import cast_for_use
 from hpfunc.transforms.engine.overlap import Overlap, buckets_of
 from hpfunc.transforms.engine import prefetch
 from hpfunc.transforms.engine.packing import _unpack_gathered
+from hpfunc.transforms.engine.scatter_async import Scatters
 from hpfunc.transforms.engine.pipelined import StagePipeline, known_gradients
 from hpfunc.transforms.engine.reduce import needs_reduction, reduce_gradients
 from hpfunc.transforms.engine.view import Blocks
@@ -99,8 +100,13 @@ class _Reads:
     second differentiation of a lowered step on, the forward prefetches the group read next
     (:mod:`~hpfunc.transforms.engine.prefetch`)."""
 
-    def __init__(self, cfg: EngineConfig, ws: Blocks, layer: ParamLayer, program: Any = None):
+    def __init__(self, cfg: EngineConfig, ws: Blocks, layer: ParamLayer, program: Any = None,
+                 differentiated: set[int] | None = None):
         self.cfg, self.ws, self.layer = cfg, ws, layer
+        # the leaves whose gradients this differentiation computes: a group of them all gathers from a packed
+        # leaf of its own whose reduce-scatter the backward does not wait for (scatter_async.py)
+        self.differentiated = differentiated
+        self.scatters = Scatters() if differentiated and cfg.plan.pipeline is None else None
         self.ready: dict[int, torch.Tensor] = {}  # gathered with their group, not yet read
         self.kept: dict[int, torch.Tensor] = {}  # without reshard: every gathered leaf until the backward ends
         self.gids = itertools.count()
@@ -121,7 +127,11 @@ class _Reads:
         forward = torch._C._current_graph_task_id() == -1  # not a recompute in the backward
         if self.seen is not None and forward and members[0] not in self.seen:
             self.seen.append(members[0])
-        if flight is not None:  # prefetched: wait for it, unpack as a synchronous packed gather would
+        if (self.scatters is not None and forward and prefetch.eligible(specs, cfg.mixed)
+                and all(j in self.differentiated for j in members)):
+            full = self.scatters.gather(cfg.mesh, blocks, members, specs[0][0][1], flight)
+            fulls = _unpack_gathered(full, blocks, [g[0][0] for g in specs], full.shape[0])
+        elif flight is not None:  # prefetched: wait for it, unpack as a synchronous packed gather would
             full = flight.land(blocks)
             fulls = _unpack_gathered(full, blocks, [g[0][0] for g in specs], full.shape[0])
         else:
@@ -197,7 +207,9 @@ def value_and_grad(program: Any, blocks: list[torch.Tensor], call: Callable[[lis
     plan = cfg.plan
     layer = ParamLayer(cfg.mesh, reshard=cfg.reshard, any_gather=cfg.any_gather)
     ws = Blocks(blocks, requires_grad=[x.is_floating_point() for x in blocks])
-    reads = _Reads(cfg, ws, layer, program)
+    wanted = list(range(len(ws))) if wanted is None else wanted
+    diff = [i for i in wanted if ws[i].requires_grad]
+    reads = _Reads(cfg, ws, layer, program, set(diff))
     layer.own_blocks(ws)
     pipe = None if plan.pipeline is None else StagePipeline(program, layer, step if reduce else None)
     # one binding for the differentiated function: its data, tensor- and expert-parallel axes (decided at
@@ -227,8 +239,6 @@ def value_and_grad(program: Any, blocks: list[torch.Tensor], call: Callable[[lis
     if not (isinstance(loss, torch.Tensor) and loss.ndim == 0 and loss.is_floating_point()):
         raise TypeError(f"{where}: the loss must be a floating 0-d tensor"
                         f"{' (as the first element, has_aux=True)' if has_aux else ''}; found {loss!r}")
-    wanted = list(range(len(ws))) if wanted is None else wanted
-    diff = [i for i in wanted if ws[i].requires_grad]
     targets = [ws[i] for i in diff]
     # the pipelined loss itself (not a function of it) comes with its gradients already computed
     gs = None if pipe is None or not diff else known_gradients(loss, targets, cfg.seed_scale)
@@ -237,8 +247,13 @@ def value_and_grad(program: Any, blocks: list[torch.Tensor], call: Callable[[lis
         if reduce and cfg.overlap_buckets and diff and loss.requires_grad:
             # each bucket's all-reduce starts from a gradient hook once its last member is final
             overlap = Overlap(cfg.mesh, ws, wanted, cfg.overlap_buckets, plan.reduce_dtype)
-        gs = (torch.autograd.grad(loss, targets, grad_outputs=torch.full_like(loss, cfg.seed_scale),
-                                  allow_unused=True) if diff and loss.requires_grad else [None] * len(diff))
+        packed = reads.scatters.leaves if reads.scatters is not None else []
+        gs = (torch.autograd.grad(loss, targets + packed, grad_outputs=torch.full_like(loss, cfg.seed_scale),
+                                  allow_unused=True) if diff and loss.requires_grad else [None] * (len(diff) + len(packed)))
+        if packed:  # wait for the reduce-scatters issued during the backward; add what they reduced
+            scattered = reads.scatters.finish(list(gs[len(diff):]))
+            gs = [g if i not in scattered else scattered[i] if g is None else g + scattered[i]
+                  for i, g in zip(diff, gs[:len(diff)])]
     reads.ready.clear()  # gathered again by a recompute in the backward and not read
     reads.kept.clear()
     by_leaf = dict(zip(diff, gs))
