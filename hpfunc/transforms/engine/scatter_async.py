@@ -10,7 +10,10 @@ so autograd hands the buffer to ``torch.autograd.grad`` as it is (the leaf is on
 the backward, :meth:`Scatters.finish` waits for every reduce-scatter in the order issued and splits the
 buffers into the members' gradients (a group gathered twice in one forward, a tied weight, has two
 packed leaves: their gradients are summed then). The bytes and calls are the synchronous ones; the comm
-counter records each when issued, in the ``backward`` phase, tagged ``async``.
+counter records each when issued, in the ``backward`` phase, tagged ``async``. At most
+:data:`IN_FLIGHT` are in flight at once: issuing one more first waits for the oldest, whose send buffer
+(the layer's full-size gradient) is then freed, so the backward's memory stays that of the synchronous
+reduce-scatters plus two layers' gradients.
 
 Used for the groups :func:`~hpfunc.transforms.engine.prefetch.eligible` admits (one gather step, no
 mixed precision) whose every member the differentiation wants, outside a pipeline.
@@ -29,7 +32,9 @@ import torch
 from hpfunc import comm as _comm
 from hpfunc import lax
 
-__all__ = ["Scatters"]
+__all__ = ["Scatters", "IN_FLIGHT"]
+
+IN_FLIGHT = 2  # reduce-scatters in flight at once in a backward (each holds a full-size send buffer)
 
 
 class Scatters:
@@ -56,14 +61,8 @@ class Scatters:
     def finish(self, grads: list[torch.Tensor | None]) -> dict[int, torch.Tensor]:
         """Wait for the reduce-scatters; ``grads``: what the backward returned for :attr:`leaves` (``None``
         where it did not reach one). Returns each member's reduced gradient (storage block shape)."""
-        for work, _, axes in self.works:
-            try:
-                work.wait()
-            except RuntimeError as e:
-                from hpfunc import faults as _faults
-
-                _faults.raise_collective_error(e, "all_gather", axes.names, axes.n)
-                raise
+        for work, _, ax in self.works:
+            _wait(work, ax)
         self.works.clear()
         out: dict[int, torch.Tensor] = {}
         members = [j for e in self.entries for j in e[1]]
@@ -110,7 +109,32 @@ class _GatherScatterAsync(torch.autograd.Function):
             _faults.raise_collective_error(e, "all_gather", ax.names, ax.n)
             raise
         ctx.works.append((work, flat, ax))
+        # a bounded number in flight: the oldest is waited for (and its send buffer, a full-size gradient,
+        # freed) when a new one would exceed it, as FSDP2 does
+        _wait_older(ctx.works)
         return (None, None, None, None, *_parts(out, ctx.shapes))
+
+
+def _wait_older(works: list) -> None:
+    """Wait for the oldest reduce-scatters until at most :data:`IN_FLIGHT` still hold their send buffers,
+    and free those buffers."""
+    in_flight = [k for k, (_, flat, _) in enumerate(works) if flat is not None]
+    for k in in_flight[: max(len(in_flight) - IN_FLIGHT, 0)]:
+        work, _, ax = works[k]
+        _wait(work, ax)
+        works[k] = (None, None, ax)
+
+
+def _wait(work: Any, ax: Any) -> None:
+    if work is None:
+        return
+    try:
+        work.wait()
+    except RuntimeError as e:
+        from hpfunc import faults as _faults
+
+        _faults.raise_collective_error(e, "all_gather", ax.names, ax.n)
+        raise
 
 
 def _parts(flat: torch.Tensor, shapes: list[torch.Size]) -> list[torch.Tensor]:
