@@ -178,4 +178,4 @@ def run_prefetch(reshard: bool, remat: bool, steps: int = 3) -> dict:
     full = ts.full_params(state["params"])
     return {"seen": seen, "scattered": scattered, "bytes": gathered, "losses": losses, "ref_losses": ref_losses,
             "params": hpfunc.tree.leaves(full), "ref_params": hpfunc.tree.leaves(ref_state["params"]),
-            "order": ts.lower(state).gather_order}
+            "orders": ts.lower(state).gather_orders}

@@ -101,7 +101,7 @@ class _Reads:
     (:mod:`~hpfunc.transforms.engine.prefetch`)."""
 
     def __init__(self, cfg: EngineConfig, ws: Blocks, layer: ParamLayer, program: Any = None,
-                 differentiated: set[int] | None = None):
+                 differentiated: set[int] | None = None, order_key: Any = None):
         self.cfg, self.ws, self.layer = cfg, ws, layer
         # the leaves whose gradients this differentiation computes: a group of them all gathers from a packed
         # leaf of its own whose reduce-scatter the backward does not wait for (scatter_async.py)
@@ -110,12 +110,13 @@ class _Reads:
         self.ready: dict[int, torch.Tensor] = {}  # gathered with their group, not yet read
         self.kept: dict[int, torch.Tensor] = {}  # without reshard: every gathered leaf until the backward ends
         self.gids = itertools.count()
-        # the order of first reads of the groups (by first member): recorded by the first differentiation of
-        # the lowered step, followed by the later ones' prefetches
-        self.program = program
-        order = None if program is None or cfg.plan.pipeline is not None else program.gather_order
+        # the order of first reads of the groups (by first member): recorded by the first run of this
+        # differentiation of the lowered step (order_key), followed by the later runs' prefetches
+        self.program, self.order_key = program, order_key
+        order = (None if program is None or cfg.plan.pipeline is not None or order_key is None
+                 else program.gather_orders.get(order_key))
         self.order = order
-        self.seen: list[int] | None = [] if program is not None and order is None else None
+        self.seen: list[int] | None = [] if program is not None and order_key is not None and order is None else None
         self.at = {} if order is None else {g: k for k, g in enumerate(order)}
         self.flights: dict[int, prefetch.Flight] = {}  # first member -> its gather in flight
 
@@ -160,8 +161,8 @@ class _Reads:
     def end_forward(self) -> None:
         """After the forward: record the order of first reads (the first differentiation), wait for and drop
         a prefetched group the forward never read, free gathered groups not read."""
-        if self.seen is not None and self.program.gather_order is None:
-            self.program.gather_order = tuple(self.seen)
+        if self.seen is not None:
+            self.program.gather_orders.setdefault(self.order_key, tuple(self.seen))
         self.seen = None
         for flight in self.flights.values():
             flight.wait()
@@ -196,20 +197,22 @@ class _Reads:
 
 def value_and_grad(program: Any, blocks: list[torch.Tensor], call: Callable[[list[torch.Tensor], Callable], Any],
                    has_aux: bool, wanted: list[int] | None = None, *, where: str, reduce: bool = True,
-                   step: Any = None):
+                   step: Any = None, order_key: Any = None):
     """``(loss, aux, grads)``: the per-rank loss of ``call(ws, read)`` and the gradients of the leaves
     ``wanted`` (all by default): reduced and laid out like the optimizer blocks, or with
     ``reduce=False`` per rank (the caller reduces an accumulated sum once, :func:`reduce_wanted`).
     ``program``: the lowered step (:class:`~hpfunc.transforms.lowered.Lowered`: its ``engine`` facts,
     its pipeline executor). ``step``: the step's layout, told by a pipeline the global norm of the
-    gradients it hands out."""
+    gradients it hands out. ``order_key``: which differentiation of the step this is (its position and
+    the leaves it wants): the key of the order of gathers its first run recorded, which later runs
+    prefetch by (``None``: no prefetch)."""
     cfg = program.engine
     plan = cfg.plan
     layer = ParamLayer(cfg.mesh, reshard=cfg.reshard, any_gather=cfg.any_gather)
     ws = Blocks(blocks, requires_grad=[x.is_floating_point() for x in blocks])
     wanted = list(range(len(ws))) if wanted is None else wanted
     diff = [i for i in wanted if ws[i].requires_grad]
-    reads = _Reads(cfg, ws, layer, program, set(diff))
+    reads = _Reads(cfg, ws, layer, program, set(diff), order_key)
     layer.own_blocks(ws)
     pipe = None if plan.pipeline is None else StagePipeline(program, layer, step if reduce else None)
     # one binding for the differentiated function: its data, tensor- and expert-parallel axes (decided at

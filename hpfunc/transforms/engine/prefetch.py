@@ -2,7 +2,7 @@
 
 A step's first differentiation records the order in which the model first reads its gather groups
 (:class:`~hpfunc.transforms.engine.differentiate._Reads`; the :class:`~hpfunc.transforms.lowered.Lowered`
-keeps it, :attr:`Lowered.gather_order`). From then on, when the forward gathers group ``k`` it also
+keeps it per differentiation of the step, :attr:`Lowered.gather_orders`). From then on, when the forward gathers group ``k`` it also
 issues the packed all-gather of group ``k + 1`` with ``async_op=True`` (:func:`start`): one group in
 flight ahead, so the collective runs on the process group's thread while layer ``k`` computes; the
 first read of group ``k + 1`` waits for it (:meth:`Flight.land`). The landed buffer enters autograd
