@@ -132,6 +132,10 @@ class Lowered:
         self.stage_uses: dict = {}  # parameter tree structure -> per local pipeline stage, the leaves it uses
         self.aux_templates: dict = {}  # batch structure and shapes -> the pipeline's aux template (zeros)
         self._executor: Any = None  # the pipeline's schedule executor (a pp layer), built on first use
+        # per differentiation of the step (its position in the step, the leaves it wants), the order in which
+        # the model first read the gather groups (by first member): recorded by its first run, the order of
+        # the forward's prefetches after it (engine/prefetch.py)
+        self.gather_orders: dict[tuple, tuple[int, ...]] = {}
         self.sdc_checks = 0  # gradient reductions checked so far (the "step" an SDC report names)
 
     # -- what a state fits --------------------------------------------------------------------------
@@ -172,7 +176,8 @@ class Lowered:
     def traced(self) -> dict[str, int]:
         """How many structures built inside the step the runs so far have recorded, by kind."""
         return {"metrics": len(self.out_specs), "param trees": len(self.layouts_of),
-                "value_and_grad args": len(self.alike_args), "stage uses": len(self.stage_uses)}
+                "value_and_grad args": len(self.alike_args), "stage uses": len(self.stage_uses),
+                "gather orders": len(self.gather_orders)}
 
     # -- running ------------------------------------------------------------------------------------
     def __call__(self, state: Any, batch: Any) -> tuple[Any, Any]:

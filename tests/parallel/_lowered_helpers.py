@@ -91,3 +91,91 @@ def run_reductions_during_backward(plan_name: str) -> dict:
     grads = [r for r in stats.records if r.op == "all_reduce" and r.payload_bytes > 8]
     return {"before_first_layer_backward": seen[0], "all_reduces": len(grads),
             "phases": sorted({r.phase for r in grads}), "bytes": sum(r.payload_bytes for r in grads)}
+
+
+def run_prefetch(reshard: bool, remat: bool, steps: int = 3) -> dict:
+    """``steps`` steps of the small model under fsdp on 2 ranks (reshard after forward on or off, each
+    layer in ``remat`` or not), with an identity autograd function on layer 0's first product: its
+    forward runs while layer 0 computes, and notes the forward all-gathers the comm counter has seen
+    issued by then. Returns those counts per step, every step's gathered bytes by phase, the losses and
+    the final parameters (full), and the same of the step run on one device; and, per step, the
+    reduce-scatters issued without waiting (``async``) by the time the backward reaches the model's
+    first op."""
+    import hpfunc
+    from hpfunc.transforms import plans
+
+    seen: list[int] = []
+    scattered: list[int] = []
+    stats_box: list = []
+
+    class FirstOp(torch.autograd.Function):  # the model's first op: its backward runs after every layer's
+        @staticmethod
+        def forward(x):
+            return x.view_as(x)
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            pass
+
+        @staticmethod
+        def backward(ctx, g):
+            if stats_box:
+                scattered.append(sum(1 for r in stats_box[-1].records
+                                     if r.op == "reduce_scatter" and r.tag == "async"))
+            return g
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(x):
+            if stats_box and torch._C._current_graph_task_id() == -1:  # not a remat's recompute
+                seen.append(sum(1 for r in stats_box[-1].records if r.op == "all_gather" and r.phase == "forward"))
+            return x.view_as(x)
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            pass
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    def layer_fn(lp, h, first):
+        h = h @ lp["wq"]
+        if first:
+            h = Probe.apply(h)
+        return h @ lp["wo"]
+
+    def step(state, batch):
+        def loss(p):
+            h = FirstOp.apply(p["embed"][batch])
+            for k, lp in enumerate(p["layers"]):
+                f = hpfunc.remat(lambda lp, h, k=k: layer_fn(lp, h, k == 0)) if remat else (
+                    lambda lp, h, k=k: layer_fn(lp, h, k == 0))
+                h = f(lp, h)
+            return (h[..., :3] + p["bias"]).pow(2).mean()
+
+        value, g = hpfunc.value_and_grad(loss)(state["params"])
+        return {"params": hpfunc.tree.tree_map(lambda w, d: w - 0.01 * d, state["params"], g)}, {"loss": value}
+
+    batch = torch.arange(8).reshape(4, 2) % 8
+    ref_state, ref_losses = {"params": _params()}, []
+    for _ in range(steps):  # one device (both ranks' batch: fsdp's mean over data shards is the global mean)
+        ref_state, m = step(ref_state, batch)
+        ref_losses.append(float(m["loss"]))
+    ts = hpfunc.parallelize(step, hpfunc.Mesh({"fsdp": 2}), plans.fsdp("fsdp", reshard_after_forward=reshard))
+    state = {"params": ts.shard_params(_params())}
+    losses, gathered = [], []
+    for _ in range(steps):
+        with hpfunc.comm_stats() as stats:
+            stats_box.append(stats)
+            state, m = ts(state, batch)
+        losses.append(float(m["loss"].full_tensor()))
+        by_phase: dict = {}
+        for r in stats.records:
+            if r.op in ("all_gather", "reduce_scatter"):
+                by_phase[(r.op, r.phase)] = by_phase.get((r.op, r.phase), 0) + r.payload_bytes
+        gathered.append(by_phase)
+    full = ts.full_params(state["params"])
+    return {"seen": seen, "scattered": scattered, "bytes": gathered, "losses": losses, "ref_losses": ref_losses,
+            "params": hpfunc.tree.leaves(full), "ref_params": hpfunc.tree.leaves(ref_state["params"]),
+            "orders": ts.lower(state).gather_orders}

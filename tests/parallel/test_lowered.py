@@ -114,3 +114,24 @@ def test_gradient_all_reduces_start_while_the_backward_runs(pools):
         assert out["before_first_layer_backward"] == 2, out  # layers.1 and layers.0, not yet the top bucket
         assert out["all_reduces"] == 3 and out["phases"] == ["backward"], out
         assert out["bytes"] == 4 * (8 * 4 + 2 * 2 * 16 + 3), out  # every parameter once, fp32
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("reshard,remat", [(True, False), (False, False), (True, True)])
+def test_fsdp_forward_prefetches_the_next_layer_while_this_one_computes(pools, reshard, remat):
+    """FSDP: from the second step on, gathering layer 0 issues layer 1's all-gather before layer 0
+    computes (3 forward gathers seen by then: embed, layers.0, layers.1; the first step, which records
+    the order of reads, 2); the backward issues the layers' reduce-scatters without waiting; with the bytes of every phase unchanged from step to step and losses and
+    parameters equal to one device's over 3 steps (a remat's recompute gathers again, never prefetches)."""
+    from hpfunc.testing import assert_trees_close
+
+    for out in pools(2).run(L.run_prefetch, reshard, remat):
+        assert out["seen"] == [2, 3, 3], out["seen"]
+        # both layers' gradient reduce-scatters were issued without waiting before the backward reached the
+        # model's first op (the step waits for them after the backward)
+        assert out["scattered"] == [2, 2, 2], out["scattered"]
+        # one differentiation, of every leaf: embed, layers.0, layers.1 (the bias is replicated)
+        assert list(out["orders"].values()) == [(1, 2, 4)], out["orders"]
+        assert out["bytes"][0] == out["bytes"][1] == out["bytes"][2], out["bytes"]
+        assert_trees_close(torch.tensor(out["losses"]), torch.tensor(out["ref_losses"]), rtol=1e-5, atol=1e-7, what="losses")
+        assert_trees_close(out["params"], out["ref_params"], rtol=1e-5, atol=1e-7, what="params")

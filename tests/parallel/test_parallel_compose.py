@@ -33,6 +33,14 @@ def test_random_shapes_and_seeds(pools, name, kind, seed, dim, hidden, seq):
     _check(pools(C.world(name)).run(C.run_matrix, [name], [kind], seed=seed, dim=dim, hidden=hidden, seq=seq)[0])
 
 
+@pytest.mark.parametrize("name", ["fsdp2", "fsdp_tp"])
+def test_remat_of_a_layer_called_with_the_parameter_view(pools, name):
+    # the layer reads p["norm"] (gathered over fsdp) from the view it is called with; the recompute gets
+    # the storage blocks back from autograd as new tensors, and once read them as stored (4 wide, not 8)
+    problems = pools(C.world(name)).run(C.run_remat_of_view, name)
+    assert not any(problems), "\n".join(p for rank in problems for p in rank)
+
+
 def test_orders_that_make_no_sense_are_refused(pool2):
     # remat around a step's value_and_grad, a parallelized step inside offload or remat, one step inside
     # another: PlanErrors naming both transforms, before any communication

@@ -33,6 +33,9 @@ from hpfunc.transforms.engine import sdc
 from hpfunc.transforms.engine.gather import ParamLayer, gather_group, group_key
 from hpfunc.transforms.engine.mixed import cast_for_use
 from hpfunc.transforms.engine.overlap import Overlap, buckets_of
+from hpfunc.transforms.engine import prefetch
+from hpfunc.transforms.engine.packing import _unpack_gathered
+from hpfunc.transforms.engine.scatter_async import Scatters
 from hpfunc.transforms.engine.pipelined import StagePipeline, known_gradients
 from hpfunc.transforms.engine.reduce import needs_reduction, reduce_gradients
 from hpfunc.transforms.engine.view import Blocks
@@ -93,25 +96,81 @@ def reduce_wanted(program: Any, grads: list[torch.Tensor], wanted: list[int]) ->
 
 
 class _Reads:
-    """The parameters of one differentiation as used: gathered with their group on first read."""
+    """The parameters of one differentiation as used: gathered with their group on first read; from the
+    second differentiation of a lowered step on, the forward prefetches the group read next
+    (:mod:`~hpfunc.transforms.engine.prefetch`)."""
 
-    def __init__(self, cfg: EngineConfig, ws: Blocks, layer: ParamLayer):
+    def __init__(self, cfg: EngineConfig, ws: Blocks, layer: ParamLayer, program: Any = None,
+                 differentiated: set[int] | None = None, order_key: Any = None):
         self.cfg, self.ws, self.layer = cfg, ws, layer
+        # the leaves whose gradients this differentiation computes: a group of them all gathers from a packed
+        # leaf of its own whose reduce-scatter the backward does not wait for (scatter_async.py)
+        self.differentiated = differentiated
+        self.scatters = Scatters() if differentiated and cfg.plan.pipeline is None else None
         self.ready: dict[int, torch.Tensor] = {}  # gathered with their group, not yet read
         self.kept: dict[int, torch.Tensor] = {}  # without reshard: every gathered leaf until the backward ends
         self.gids = itertools.count()
+        # the order of first reads of the groups (by first member): recorded by the first run of this
+        # differentiation of the lowered step (order_key), followed by the later runs' prefetches
+        self.program, self.order_key = program, order_key
+        order = (None if program is None or cfg.plan.pipeline is not None or order_key is None
+                 else program.gather_orders.get(order_key))
+        self.order = order
+        self.seen: list[int] | None = [] if program is not None and order_key is not None and order is None else None
+        self.at = {} if order is None else {g: k for k, g in enumerate(order)}
+        self.flights: dict[int, prefetch.Flight] = {}  # first member -> its gather in flight
 
     def gather(self, members: list[int]) -> list[torch.Tensor]:
         cfg = self.cfg
         blocks = [self.ws[j] for j in members]
         specs = [cfg.leaves[j].gather for j in members]
-        fulls = gather_group(blocks, specs, cfg.mixed)
+        flight = self.flights.pop(members[0], None)
+        forward = torch._C._current_graph_task_id() == -1  # not a recompute in the backward
+        if self.seen is not None and forward and members[0] not in self.seen:
+            self.seen.append(members[0])
+        if (self.scatters is not None and forward and prefetch.eligible(specs, cfg.mixed)
+                and all(j in self.differentiated for j in members)):
+            full = self.scatters.gather(cfg.mesh, blocks, members, specs[0][0][1], flight)
+            fulls = _unpack_gathered(full, blocks, [g[0][0] for g in specs], full.shape[0])
+        elif flight is not None:  # prefetched: wait for it, unpack as a synchronous packed gather would
+            full = flight.land(blocks)
+            fulls = _unpack_gathered(full, blocks, [g[0][0] for g in specs], full.shape[0])
+        else:
+            fulls = gather_group(blocks, specs, cfg.mixed)
         detached = [b.detach() for b in blocks]
         self.layer.own_gathered(fulls, next(self.gids), lambda: gather_group(detached, specs, cfg.mixed))
+        if self.order is not None and forward:
+            self._prefetch_after(members[0])
         return fulls
 
+    def _prefetch_after(self, first: int) -> None:
+        """Issue the gather of the group read after ``first`` (one group in flight ahead)."""
+        k = self.at.get(first)
+        if k is None or k + 1 >= len(self.order):
+            return
+        nxt = self.order[k + 1]
+        members = self.cfg.group_of[nxt]
+        if nxt in self.flights or any(j in self.ready or j in self.kept for j in members):
+            return
+        cfg = self.cfg
+        specs = [cfg.leaves[j].gather for j in members]
+        if not prefetch.eligible(specs, cfg.mixed):
+            return
+        self.flights[nxt] = prefetch.start(cfg.mesh, [self.ws[j] for j in members], specs[0][0][1])
+
+    def end_forward(self) -> None:
+        """After the forward: record the order of first reads (the first differentiation), wait for and drop
+        a prefetched group the forward never read, free gathered groups not read."""
+        if self.seen is not None:
+            self.program.gather_orders.setdefault(self.order_key, tuple(self.seen))
+        self.seen = None
+        for flight in self.flights.values():
+            flight.wait()
+        self.flights.clear()
+        self.ready.clear()
+
     def __call__(self, w: torch.Tensor) -> torch.Tensor:
-        i = self.ws.index_of(w)
+        i = self.ws.param_of(w)  # the block, or an exact alias of it (a remat recompute's saved input)
         if i is None:
             return w
         cfg = self.cfg
@@ -138,18 +197,22 @@ class _Reads:
 
 def value_and_grad(program: Any, blocks: list[torch.Tensor], call: Callable[[list[torch.Tensor], Callable], Any],
                    has_aux: bool, wanted: list[int] | None = None, *, where: str, reduce: bool = True,
-                   step: Any = None):
+                   step: Any = None, order_key: Any = None):
     """``(loss, aux, grads)``: the per-rank loss of ``call(ws, read)`` and the gradients of the leaves
     ``wanted`` (all by default): reduced and laid out like the optimizer blocks, or with
     ``reduce=False`` per rank (the caller reduces an accumulated sum once, :func:`reduce_wanted`).
     ``program``: the lowered step (:class:`~hpfunc.transforms.lowered.Lowered`: its ``engine`` facts,
     its pipeline executor). ``step``: the step's layout, told by a pipeline the global norm of the
-    gradients it hands out."""
+    gradients it hands out. ``order_key``: which differentiation of the step this is (its position and
+    the leaves it wants): the key of the order of gathers its first run recorded, which later runs
+    prefetch by (``None``: no prefetch)."""
     cfg = program.engine
     plan = cfg.plan
     layer = ParamLayer(cfg.mesh, reshard=cfg.reshard, any_gather=cfg.any_gather)
     ws = Blocks(blocks, requires_grad=[x.is_floating_point() for x in blocks])
-    reads = _Reads(cfg, ws, layer)
+    wanted = list(range(len(ws))) if wanted is None else wanted
+    diff = [i for i in wanted if ws[i].requires_grad]
+    reads = _Reads(cfg, ws, layer, program, set(diff), order_key)
     layer.own_blocks(ws)
     pipe = None if plan.pipeline is None else StagePipeline(program, layer, step if reduce else None)
     # one binding for the differentiated function: its data, tensor- and expert-parallel axes (decided at
@@ -169,7 +232,7 @@ def value_and_grad(program: Any, blocks: list[torch.Tensor], call: Callable[[lis
         raise PlanError(f"{where} under a pp plan: the differentiated function did not run the model's pipeline "
                         f"stages; compute the loss with the model's pipelined loss (for Qwen3, "
                         f"qwen3.parallel_plan.loss), which the pp layer's stages belong to")
-    reads.ready.clear()  # gathered with a layer but never read: free now
+    reads.end_forward()  # gathered with a layer but never read: free now
     if has_aux:
         if not (isinstance(out, tuple) and len(out) == 2):
             raise TypeError(f"{where}: with has_aux=True the function must return (loss, aux)")
@@ -179,8 +242,6 @@ def value_and_grad(program: Any, blocks: list[torch.Tensor], call: Callable[[lis
     if not (isinstance(loss, torch.Tensor) and loss.ndim == 0 and loss.is_floating_point()):
         raise TypeError(f"{where}: the loss must be a floating 0-d tensor"
                         f"{' (as the first element, has_aux=True)' if has_aux else ''}; found {loss!r}")
-    wanted = list(range(len(ws))) if wanted is None else wanted
-    diff = [i for i in wanted if ws[i].requires_grad]
     targets = [ws[i] for i in diff]
     # the pipelined loss itself (not a function of it) comes with its gradients already computed
     gs = None if pipe is None or not diff else known_gradients(loss, targets, cfg.seed_scale)
@@ -189,8 +250,13 @@ def value_and_grad(program: Any, blocks: list[torch.Tensor], call: Callable[[lis
         if reduce and cfg.overlap_buckets and diff and loss.requires_grad:
             # each bucket's all-reduce starts from a gradient hook once its last member is final
             overlap = Overlap(cfg.mesh, ws, wanted, cfg.overlap_buckets, plan.reduce_dtype)
-        gs = (torch.autograd.grad(loss, targets, grad_outputs=torch.full_like(loss, cfg.seed_scale),
-                                  allow_unused=True) if diff and loss.requires_grad else [None] * len(diff))
+        packed = reads.scatters.leaves if reads.scatters is not None else []
+        gs = (torch.autograd.grad(loss, targets + packed, grad_outputs=torch.full_like(loss, cfg.seed_scale),
+                                  allow_unused=True) if diff and loss.requires_grad else [None] * (len(diff) + len(packed)))
+        if packed:  # wait for the reduce-scatters issued during the backward; add what they reduced
+            scattered = reads.scatters.finish(list(gs[len(diff):]))
+            gs = [g if i not in scattered else scattered[i] if g is None else g + scattered[i]
+                  for i, g in zip(diff, gs[:len(diff)])]
     reads.ready.clear()  # gathered again by a recompute in the backward and not read
     reads.kept.clear()
     by_leaf = dict(zip(diff, gs))

@@ -30,7 +30,7 @@ def blocks_first(g: torch.Tensor, d: int, n: int) -> torch.Tensor:
 def _unpack_gathered(full: torch.Tensor, blocks: list[torch.Tensor], dims: list[int], n: int) -> list[torch.Tensor]:
     """The ``(n, total)`` result of gathering packed ``blocks`` -> each block gathered along its dim."""
     outs = []
-    buffer = full.untyped_storage().data_ptr()
+    buffer = full.untyped_storage()._cdata  # the storage itself (no data pointer: fake tensors have none)
     for b, d, part in zip(blocks, dims, full.split([b.numel() for b in blocks], dim=1)):
         shape = list(b.shape)
         x = part.reshape([n] + shape).movedim(0, d)
@@ -38,7 +38,7 @@ def _unpack_gathered(full: torch.Tensor, blocks: list[torch.Tensor], dims: list[
         x = x.reshape(shape)
         # each member gets storage of its own (a copy-out, as FSDP2 does), also where the reshape happens
         # to be a view: a member viewing the packed buffer would keep all of it alive
-        outs.append(x.clone() if x.untyped_storage().data_ptr() == buffer else x)
+        outs.append(x.clone() if x.untyped_storage()._cdata == buffer else x)
     return outs
 
 

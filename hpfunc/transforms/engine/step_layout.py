@@ -85,6 +85,7 @@ class RankStep:
         self.block_shapes = cfg.block_shapes
         self.pipeline_axis = cfg.plan.pp_axis  # norms sum over it: each pipeline rank holds some stages
         self._acc: _Accumulation | None = None
+        self.differentiations = 0  # value_and_grad calls so far in this step (which gather order is theirs)
         self._sq_norm: tuple | None = None  # (gradient blocks, their versions, their global sum of squares)
 
     # -- the StepLayout protocol ------------------------------------------------------------------
@@ -171,8 +172,11 @@ class RankStep:
             return fn(*new_args, **kwargs)  # under the lowered step's inner binding (no step layout)
 
         acc = self._acc
+        order_key = (self.differentiations, tuple(wanted))
+        self.differentiations += 1
         loss, aux, red = differentiate.value_and_grad(self.program, self.storage, call, has_aux, wanted,
-                                                      where="value_and_grad", reduce=acc is None, step=self)
+                                                      where="value_and_grad", reduce=acc is None, step=self,
+                                                      order_key=order_key)
         grad_of = dict(zip(wanted, red))
         with torch.no_grad():
             value = lax.pmean(loss.detach(), cfg.data_axes) if cfg.data_axes else loss.detach()

@@ -5,7 +5,11 @@ Inside a step every parameter is this rank's block: a plain tensor (an alias of 
 that the step handed out in a :class:`Blocks` list. Whatever an op makes from it is a new tensor, so a
 tensor is a parameter of the step exactly when it *is* one of those blocks (identity, asked of the
 list: nothing is attached to the tensor). That is how the step recognises the parameters a function
-differentiates, whatever tree operations (``split_params``, ``merge_params``) built the argument. (A
+differentiates, whatever tree operations (``split_params``, ``merge_params``) built the argument.
+Reading through the view also accepts an exact alias of a block (same storage, offset, shape, strides
+and dtype: the same values), because autograd hands a saved input back as a new tensor object when
+saved-tensor hooks are installed: a ``remat`` region whose argument is the view replays its forward
+from such aliases (:meth:`Blocks.param_of`). (A
 plain tensor, not a subclass: a subclass would cost every op it enters about a microsecond of
 dispatch, and keep the optimizers off their fused ``foreach`` path.)
 
@@ -20,6 +24,8 @@ operations through :mod:`hpfunc.tree` keep it lazy.
     >>> w = blocks[1]
     >>> blocks.index_of(w), blocks.index_of(w + 1), Blocks([torch.ones(2, 2)]).index_of(w)
     (1, None, None)
+    >>> blocks.index_of(w.detach()), blocks.param_of(w.detach()), blocks.param_of(w[:1]), blocks.param_of(w.t())
+    (None, 1, None, None)
     >>> v = lazy({"layer": {"w": w}}, lambda b: b * 10)
     >>> float(v["layer"]["w"][0, 0]), "w" in v["layer"]
     (10.0, True)
@@ -41,13 +47,29 @@ class Blocks(Sequence):
     """Aliases of parameter blocks (``x.detach()``: the same storage, tensors of their own, requiring
     grad where ``requires_grad``) that know their index by identity: ``blocks.index_of(x)``."""
 
-    __slots__ = ("_tensors", "_at")
+    __slots__ = ("_tensors", "_at", "_by_storage")
 
     def __init__(self, tensors: Sequence[torch.Tensor], *, requires_grad: Sequence[bool] | bool = False):
         flags = [requires_grad] * len(tensors) if isinstance(requires_grad, bool) else list(requires_grad)
         self._tensors = [x.detach().requires_grad_(True) if g else x.detach() for x, g in zip(tensors, flags)]
         # an identity map of this list's own tensors (it keeps them alive, so no id is reused meanwhile)
         self._at = {id(t): i for i, t in enumerate(self._tensors)}
+        self._by_storage: dict[tuple, int] | None = None  # made on the first alias asked about
+
+    def param_of(self, x: Any) -> int | None:
+        """The index of the block ``x`` is or exactly aliases (same storage, offset, shape, strides, dtype),
+        else ``None``. An exact alias has the block's values: autograd hands a saved input back as such a
+        tensor (a new object) when saved-tensor hooks are installed, e.g. to a ``remat`` recompute."""
+        i = self.index_of(x)
+        if i is not None or not isinstance(x, torch.Tensor):
+            return i
+        if self._by_storage is None:  # the blocks are alive while this list is: no storage address is reused
+            self._by_storage = {_alias_key(t): i for i, t in enumerate(self._tensors)}
+        i = self._by_storage.get(_alias_key(x))
+        if i is None:
+            return None
+        t = self._tensors[i]
+        return i if x.dtype == t.dtype and x.shape == t.shape and x.stride() == t.stride() else None
 
     def index_of(self, x: Any) -> int | None:
         """The index of ``x`` if it is one of these very tensors, else ``None``."""
@@ -65,6 +87,10 @@ class Blocks(Sequence):
 
     def __repr__(self) -> str:
         return f"Blocks({len(self._tensors)})"
+
+
+def _alias_key(t: torch.Tensor) -> tuple:
+    return (t.untyped_storage()._cdata, t.storage_offset())
 
 
 class _LazyDict(Mapping):

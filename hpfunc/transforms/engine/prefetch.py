@@ -1,0 +1,111 @@
+"""FSDP forward prefetch: the next layer's all-gather runs while this layer computes.
+
+A step's first differentiation records the order in which the model first reads its gather groups
+(:class:`~hpfunc.transforms.engine.differentiate._Reads`; the :class:`~hpfunc.transforms.lowered.Lowered`
+keeps it per differentiation of the step, :attr:`Lowered.gather_orders`). From then on, when the forward gathers group ``k`` it also
+issues the packed all-gather of group ``k + 1`` with ``async_op=True`` (:func:`start`): one group in
+flight ahead, so the collective runs on the process group's thread while layer ``k`` computes; the
+first read of group ``k + 1`` waits for it (:meth:`Flight.land`). The landed buffer enters autograd
+through :class:`_Landed`, whose transpose is the same packed reduce-scatter as a synchronous gather's,
+so gradients and bytes are unchanged: the comm counter records the prefetched gather as the
+``all_gather`` it replaces, at the moment it is issued.
+
+Not prefetched: a recompute in the backward (a ``remat`` region, or a resharded group gathered again
+for the backward) gathers synchronously, as before, so nothing is gathered twice; groups under mixed
+precision or gathered in several steps (a parameter split on two dimensions) gather synchronously; a
+prefetched group the forward never reads is waited for and dropped when the forward ends.
+
+    >>> eligible([((0, ("fsdp",)),), ((1, ("fsdp",)),)], mixed=None), eligible([((0, ("fsdp",)),)], (1, 2))
+    (True, False)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hpfunc import comm as _comm
+from hpfunc import lax
+
+__all__ = ["eligible", "start", "Flight"]
+
+
+def eligible(gathers: list[tuple], mixed: Any) -> bool:
+    """Whether a group of leaves with these gathers (``((dim, axes), ...)`` each) can be prefetched: one
+    gather step over the same axes for all, no mixed precision."""
+    if mixed is not None or not gathers:
+        return False
+    first = gathers[0]
+    return len(first) == 1 and all(len(g) == 1 and g[0][1] == first[0][1] for g in gathers)
+
+
+class Flight:
+    """A packed all-gather in flight: ``land(blocks)`` waits and returns the ``(n, total)`` gathered buffer
+    in logical rank order, differentiable with respect to ``blocks`` (the storage blocks it packed)."""
+
+    __slots__ = ("mesh", "axes", "ax", "out", "work", "collectors")
+
+    def __init__(self, mesh: Any, axes: tuple[str, ...], ax: Any, out: torch.Tensor, work: Any, collectors: tuple):
+        self.mesh, self.axes, self.ax, self.out, self.work, self.collectors = mesh, axes, ax, out, work, collectors
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            try:
+                self.work.wait()
+            except RuntimeError as e:
+                from hpfunc import faults as _faults
+
+                _faults.raise_collective_error(e, "all_gather", self.ax.names, self.ax.n)
+                raise
+            self.work = None
+        full = self.out.view(self.ax.n, -1)
+        if not self.ax.identity_order:
+            full = full[torch.tensor(self.ax.g2l).argsort()]  # row g holds logical rank g2l[g]
+        return full
+
+    def land(self, blocks: list[torch.Tensor]) -> torch.Tensor:
+        flat = torch.cat([b.reshape(-1) for b in blocks])  # the autograd input (its transpose's target)
+        return _Landed.apply(flat, self)
+
+
+def start(mesh: Any, blocks: list[torch.Tensor], axes: tuple[str, ...]) -> Flight:
+    """Issue the packed all-gather of ``blocks`` over ``axes`` without waiting (see the module docstring)."""
+    ax = lax._axes_of(mesh, axes if len(axes) > 1 else axes[0])
+    flat = torch.cat([b.detach().reshape(-1) for b in blocks])
+    out = flat.new_empty(ax.n * flat.numel())
+    collectors = _comm.active()
+    _comm.record(collectors, op="all_gather", name="all_gather", axes=ax.names, n=ax.n,
+                 payload_bytes=out.numel() * out.element_size(), phase="forward")
+    work = None
+    if ax.n == 1:
+        out.copy_(flat)
+    else:
+        try:
+            work = lax._ALL_GATHER(out, flat, group=ax.group, async_op=True)
+        except RuntimeError as e:
+            from hpfunc import faults as _faults
+
+            _faults.raise_collective_error(e, "all_gather", ax.names, ax.n)
+            raise
+    return Flight(mesh, axes, ax, out, work, collectors)
+
+
+class _Landed(torch.autograd.Function):
+    """The prefetched gather as an autograd op of the packed blocks: forward waits for the flight,
+    backward reduce-scatters (the transpose of an untiled all-gather on dimension 0, as ``lax.all_gather``'s)."""
+
+    @staticmethod
+    def forward(flat: torch.Tensor, flight: Flight) -> torch.Tensor:
+        return flight.wait()
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+        flight = inputs[1]
+        ctx.mesh, ctx.axes, ctx.collectors = flight.mesh, flight.axes, flight.collectors
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor):
+        with ctx.mesh:
+            ax = lax._axes_of(ctx.mesh, ctx.axes if len(ctx.axes) > 1 else ctx.axes[0])
+            return lax._scatter(g, ax, 0, False, ctx.collectors, "all_gather"), None
