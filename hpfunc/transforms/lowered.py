@@ -123,7 +123,7 @@ class Lowered:
         self.inner_binding = layout.Binding(
             data_axes=self.engine.data_axes, tp_axis=plan.tp_axis, vocab_parallel=bool(plan.tp_vocab_parallel)
             and plan.tp_axis is not None, sequence_parallel=bool(plan.tp_sequence_parallel) and plan.tp_axis is not None,
-            ep_axis=plan.ep_axis, model_paths=model_paths)
+            ep_axis=plan.ep_axis, context_parallel=plan.cp_binding, model_paths=model_paths)
         # Found by the first run of each structure the step builds inside, replayed after:
         self.out_specs: dict = {}  # metrics structure and shapes -> FlatSpecs of (state, metrics)
         self.out_checks: dict = {}  # metrics structure -> FlatSpecs of the checks (a pp layer)

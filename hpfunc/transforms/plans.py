@@ -40,6 +40,7 @@ from hpfunc.mesh import Mesh
 from hpfunc.sharding import P, _rule_matches
 
 __all__ = ["PlanError", "LeafSpec", "LeafLayout", "Plan", "ddp", "fsdp", "zero1", "zero2", "zero3", "hsdp", "tp", "ep", "pp",
+           "cp",
            "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "VocabParallel", "Replicate", "Style"]
 
 
@@ -197,6 +198,7 @@ class Plan:
     gradient_scaling_factor: float | None = None
     pipeline: Any = None  # a PipelineLayer (hpfunc.transforms.pipeline_plan), from pp(...)
     sdc_check: str | None = None
+    context: Any = None  # a ContextParallelLayer (hpfunc.transforms.context_parallel_plan), from cp(...)
 
     def __add__(self, other: "Plan") -> "Plan":
         def one(name: str) -> Any:
@@ -208,10 +210,14 @@ class Plan:
         if self.pipeline is not None and other.pipeline is not None:
             raise PlanError(f"a plan takes one pipeline layer; found pp({self.pipeline.axis!r}) and "
                             f"pp({other.pipeline.axis!r})")
+        if self.context is not None and other.context is not None:
+            raise PlanError(f"a plan takes one context-parallel layer; found {self.context.describe()} and "
+                            f"{other.context.describe()} (for two axes use impl='hybrid' with ulysses_axis=)")
         return Plan(self.layers + other.layers, self.rules + other.rules,
                     self.reshard_after_forward and other.reshard_after_forward,
                     one("param_dtype"), one("reduce_dtype"), one("gradient_scaling_factor"),
-                    self.pipeline if self.pipeline is not None else other.pipeline, one("sdc_check"))
+                    self.pipeline if self.pipeline is not None else other.pipeline, one("sdc_check"),
+                    self.context if self.context is not None else other.context)
 
     def with_mixed_precision(self, param_dtype: torch.dtype | None = torch.bfloat16,
                              reduce_dtype: torch.dtype | None = torch.float32) -> "Plan":
@@ -261,6 +267,17 @@ class Plan:
     @property
     def data_axes(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys(l.axis for l in self.layers if l.is_data))
+
+    @property
+    def token_axes(self) -> tuple[str, ...]:
+        """Every axis the step's tokens are split over: the data axes (along the batch) and the
+        context-parallel axes (along the sequence). Batch statistics are pooled over them."""
+        return self.data_axes + (() if self.context is None else self.context.token_axes)
+
+    @property
+    def cp_binding(self) -> Any:
+        """The :class:`hpfunc.layout.ContextParallel` of the plan's ``cp`` layer, or ``None``."""
+        return None if self.context is None else self.context.binding
 
     @property
     def tp_axis(self) -> str | None:
@@ -320,6 +337,8 @@ class Plan:
                                 f"over the data axes {axes} ({n} ranks)")
             if tp is not None:
                 check_sequence(x, path, tp, mesh.axis_size(tp))
+            if self.context is not None:
+                self.context.check_batch({path: x}, mesh)
             m = 1 if self.pipeline is None else self.pipeline.microbatches
             if m > 1 and (x.shape[0] // n) % m:
                 raise PlanError(f"batch leaf {path!r} of shape {tuple(x.shape)}: each data shard's {x.shape[0] // n} "
@@ -362,6 +381,10 @@ class Plan:
             if l.axis in seen and seen[l.axis] != l.kind:
                 raise PlanError(f"mesh axis {l.axis!r} is used by both {seen[l.axis]} and {l.kind}")
             seen[l.axis] = l.kind
+        if self.context is not None:
+            if self.pipeline is not None:
+                seen.setdefault(self.pipeline.axis, "pp")
+            self.context.check_mesh(mesh, seen)
         for pat, ls in self.rules:
             for sp in (ls.storage, ls.compute, ls.opt):
                 for a in sp.axes:
@@ -600,6 +623,9 @@ def pp(axis: str, stages: Any, *, schedule: Any = "1f1b", microbatches: int, vir
     from hpfunc.transforms.pipeline_plan import PipelineLayer
 
     return Plan(pipeline=PipelineLayer(axis, stages, schedule, microbatches, virtual_stages, remat, max_resident))
+
+
+from hpfunc.transforms.context_parallel_plan import cp  # noqa: E402  (the cp layer's own module)
 
 
 def total_numel(resolved: Mapping[str, LeafLayout]) -> int:

@@ -1,0 +1,108 @@
+"""The ``cp`` plan layer: each sequence split over context-parallel ranks.
+
+``plans.cp(axis, impl="ring")`` (re-exported by :mod:`hpfunc.transforms.plans`) is one small class with the
+interface every plan layer is to have (DESIGN.md, "plan layers, one class per parallelism"):
+
+* what it does to each parameter's layout: nothing; parameters are replicated over the cp axes (their
+  gradients, partial per rank, are summed over them like any replica's), or sharded over them by another
+  layer of the plan on the same axis is refused: give fsdp its own axis;
+* what it checks against the mesh (:meth:`ContextParallelLayer.check_mesh`) and the batch
+  (:meth:`ContextParallelLayer.check_batch`, before any communication);
+* which axes it adds: :attr:`token_axes`, over which batch statistics (the loss's token count, the MoE
+  load) are pooled; the batch's dimension 0 is *not* split over them, and the loss is the same on every
+  rank of the cp axes (the global token mean), so the gradient seed counts them as replicas;
+* the binding it gives the step: a :class:`hpfunc.layout.ContextParallel`, read by the model's hooks
+  (for Qwen3 :func:`hpfunc.models.qwen3.hooks.context_split`), which take this rank's tokens of every
+  sequence (balanced chunks, padded), their positions and labels, and call
+  :func:`hpfunc.models.context_attention.context_attention` in each attention layer.
+
+    >>> layer = ContextParallelLayer(ContextParallel("cp", impl="ring"))
+    >>> layer.token_axes, layer.describe()
+    (('cp',), "cp('cp', impl='ring')")
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import torch
+
+from hpfunc import tree as _tree
+from hpfunc.layout import ContextParallel, PlanError
+
+__all__ = ["ContextParallelLayer", "cp"]
+
+
+@attrs.frozen
+class ContextParallelLayer:
+    """A plan's context-parallel layer (see the module docstring); ``binding`` is what the step binds."""
+
+    binding: ContextParallel
+
+    @property
+    def token_axes(self) -> tuple[str, ...]:
+        """The mesh axes each sequence's tokens are split over."""
+        return self.binding.axes
+
+    def describe(self) -> str:
+        b = self.binding
+        extra = "".join(f", {k}={getattr(b, k)!r}" for k in ("ulysses_axis", "balanced", "pad", "replicate_kv",
+                                                               "overlap")
+                        if getattr(b, k) != attrs.fields_dict(ContextParallel)[k].default)
+        return f"cp({b.axis!r}, impl={b.impl!r}{extra})"
+
+    def check_mesh(self, mesh: Any, other_axes: dict[str, str]) -> None:
+        """Every cp axis is a mesh axis that no other layer of the plan uses (``other_axes``: axis -> kind)."""
+        for a in self.token_axes:
+            if a not in mesh.axis_names:
+                raise PlanError(f"plan layer {self.describe()} names mesh axis {a!r}, which the mesh does not "
+                                f"have; mesh axes are {mesh.axis_names}")
+            if a in other_axes:
+                raise PlanError(f"mesh axis {a!r} is used by both {other_axes[a]} and cp; give context "
+                                f"parallelism its own axis (e.g. mesh {{fsdp: 2, cp: 2}}, plan fsdp + cp)")
+
+    def check_batch(self, batch: Any, mesh: Any) -> None:
+        """Without padding, dimension 1 (the sequence) of every batch leaf of rank >= 2 must split into
+        ``2 P`` chunks: a :class:`PlanError` naming the leaf, before any communication."""
+        if self.binding.pad:
+            return
+        n = mesh.axis_size(self.token_axes)
+        for path, x in _tree.leaves_with_paths(batch):
+            if isinstance(x, torch.Tensor) and x.ndim >= 2 and x.shape[1] % (2 * n):
+                raise PlanError(
+                    f"batch leaf {path!r} of shape {tuple(x.shape)}: {self.describe()} with pad=False splits "
+                    f"dimension 1 (the sequence, {x.shape[1]} tokens) into 2 x {n} chunks over {self.token_axes} "
+                    f"({n} ranks); use a sequence length that is a multiple of {2 * n}, or pad=True")
+
+
+def cp(axis: str = "cp", *, impl: str = "ring", ulysses_axis: str | None = None, balanced: bool = True,
+       pad: bool = True, replicate_kv: bool = False, overlap: bool = True) -> Any:
+    """Context parallelism over ``axis``: every sequence of the batch split along its length.
+
+    Args:
+        axis: the mesh axis (for ``impl="hybrid"`` the ring's).
+        impl: ``"allgather"`` (K, V gathered, KV heads only), ``"ring"`` (K, V passed around the ring with
+            online softmax), ``"ulysses"`` (all-to-alls between sequence- and head-sharded q, k, v; the
+            degree must divide the KV heads left after tensor parallelism unless ``replicate_kv``) or
+            ``"hybrid"`` (Ulysses over ``ulysses_axis`` inside, the ring across ``axis``).
+        balanced: causal load balancing (rank ``r`` holds chunks ``r`` and ``2P - 1 - r``).
+        pad: pad sequences to a multiple of ``2 P`` (the padding is masked, its labels ignored); else such
+            a length is a :class:`PlanError` before any communication.
+        replicate_kv, overlap: see :class:`hpfunc.layout.ContextParallel`.
+
+    The batch is split along dimension 0 over the plan's data axes only; every cp rank gets its data shard's
+    whole sequences and the model takes its own tokens (no communication). Parameters are replicated over
+    the cp axes; the loss is the mean over every target of the data shard, counted across the cp axes.
+    Composes with ``fsdp`` / ``ddp`` / ``zero`` on other axes, ``tp`` (heads split by tp first) and ``ep``.
+
+    >>> from hpfunc.transforms import plans
+    >>> plan = plans.fsdp("fsdp") + plans.cp("cp", impl="ulysses")
+    >>> plan.data_axes, plan.token_axes, plan.cp_binding.impl
+    (('fsdp',), ('fsdp', 'cp'), 'ulysses')
+    """
+    from hpfunc.transforms.plans import Plan
+
+    return Plan(context=ContextParallelLayer(ContextParallel(axis, impl=impl, ulysses_axis=ulysses_axis,
+                                                             balanced=balanced, pad=pad, replicate_kv=replicate_kv,
+                                                             overlap=overlap)))
