@@ -104,6 +104,8 @@ def _entry_plan(e: PlanEntry, model_cfg: Any, mesh: Mapping[str, int]) -> Any:
     if e.kind == "tp":
         return plans.tp(e.axes[0], parallel_plan.tp_styles(model_cfg, vocab_parallel=o["vocab_parallel"],
                                                            sequence_parallel=o["sequence_parallel"]))
+    if e.kind == "cp":
+        return plans.cp(e.axes[0], **o)
     if e.kind == "ep":
         return plans.ep(e.axes[0], parallel_plan.ep_experts(model_cfg), reshard_after_forward=o["reshard_after_forward"])
     return getattr(plans, e.kind)(e.axes[0])  # ddp, zero1, zero2
@@ -181,6 +183,7 @@ def check_parallel(cfg: Config, model_cfg: Any) -> None:
             raise ConfigError(f"parallel.mesh.{axis}: expert parallelism over {n} ranks must divide the {E} experts of "
                               f"the model (model.num_experts); choose an ep size that divides {E}")
     _check_pipeline(cfg, model_cfg)
+    _check_context(cfg, model_cfg)
     plan = build_plan(pc, model_cfg)
     shapes = qwen3.param_shapes(model_cfg)
     try:
@@ -231,6 +234,46 @@ def _check_pipeline(cfg: Config, model_cfg: Any) -> None:
             what = ("layers_per_stage" if "layers_per_stage" in str(err) else
                     "remat" if "remat" in str(err) else "schedule")
             raise ConfigError(f"{key}.{what}: {err}") from None
+
+
+def _check_context(cfg: Config, model_cfg: Any) -> None:
+    """A ``cp`` entry: a strategy that fits the heads (Ulysses over no more ranks than the key/value heads
+    left after tensor parallelism, unless replicate_kv), a sequence that splits into ``2 P`` chunks when
+    padding is off; errors name the config key."""
+    from hpfunc.transforms.plans import PlanError
+
+    pc = cfg.parallel
+    tp = _tp_entry(pc)
+    n_tp = 1 if tp is None else pc.mesh[tp[1].axes[0]]
+    for i, e in enumerate(pc.plan):
+        if e.kind != "cp":
+            continue
+        o, key = e.options, f"parallel.plan[{i}].cp"
+        try:
+            _entry_plan(e, model_cfg, pc.mesh)
+        except PlanError as err:
+            raise ConfigError(f"{key}.{'ulysses_axis' if 'ulysses_axis' in str(err) else 'impl'}: {err}") from None
+        axes = (e.axes[0],) + ((o["ulysses_axis"],) if o["ulysses_axis"] else ())
+        n = 1
+        for a in axes:
+            n *= pc.mesh[a]
+        if not o["pad"] and cfg.train.seq_len % (2 * n):
+            raise ConfigError(f"train.seq_len: context parallelism ({key}, pad: false) splits the sequence of "
+                              f"{cfg.train.seq_len} into 2 x {n} chunks over {n} ranks; use a multiple of {2 * n} "
+                              f"or {key}.pad: true")
+        heads_axis = {"ulysses": e.axes[0], "hybrid": o["ulysses_axis"]}.get(o["impl"])
+        if heads_axis is None:
+            continue
+        deg = pc.mesh[heads_axis]
+        hq, hkv = model_cfg.num_attention_heads // n_tp, model_cfg.num_key_value_heads // n_tp
+        after = f" per tensor-parallel rank ({n_tp} ranks)" if n_tp > 1 else ""
+        if hq % deg:
+            raise ConfigError(f"parallel.mesh.{heads_axis}: Ulysses ({key}.impl: {o['impl']}) over {deg} ranks must "
+                              f"divide the {hq} attention heads{after}; choose a size that divides {hq}")
+        if hkv % deg and not o["replicate_kv"]:
+            raise ConfigError(f"parallel.mesh.{heads_axis}: Ulysses ({key}.impl: {o['impl']}) over {deg} ranks is above "
+                              f"(or does not divide) the {hkv} key/value heads{after} (model.num_key_value_heads); "
+                              f"set {key}.replicate_kv: true, or impl: hybrid with a Ulysses axis that divides {hkv}")
 
 
 # What the entries that shard promise to shard over their axis (hsdp: over its second axis only).

@@ -51,8 +51,8 @@ def run_cp_parity(name: str, impl: str, model: str, seed: int, seq: int, batch: 
     update at the same parameters (rtol 1e-5), and the independent single-device trajectory.
 
     ``bug`` plants a deliberate error to show that the comparison can fail: ``"skip_rotation"`` (the ring's
-    last K, V transfer is not attended), ``"causal_offset"`` (every rank takes the positions of the next
-    rank's tokens for RoPE)."""
+    last K, V transfer is not attended), ``"causal_offset"`` (the causal mask one position late),
+    ``"rope_offset"`` (every rank takes the positions of the next rank's tokens for RoPE)."""
     import hpfunc
     from hpfunc import optim
     from hpfunc.models import qwen3
@@ -114,7 +114,15 @@ class _planted:
 
             ca._attend = attend
             self.undo.append(lambda: setattr(ca, "_attend", orig))
-        elif self.bug == "causal_offset":
+        elif self.bug == "causal_offset":  # the causal mask one token late: each query sees the next key
+            orig = ca.block_attention
+
+            def block(q, k, v, q_pos, k_pos, **kw):
+                return orig(q, k, v, q_pos + 1, k_pos, **{**kw, "masked": True})
+
+            ca.block_attention = block
+            self.undo.append(lambda: setattr(ca, "block_attention", orig))
+        elif self.bug == "rope_offset":
             orig = SequenceSplit.positions
             SequenceSplit.positions = lambda self, rank: orig(self, (rank + 1) % self.ranks)
             self.undo.append(lambda: setattr(SequenceSplit, "positions", orig))
