@@ -23,6 +23,7 @@ interface every plan layer is to have (DESIGN.md, "plan layers, one class per pa
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import attrs
@@ -62,18 +63,29 @@ class ContextParallelLayer:
                 raise PlanError(f"mesh axis {a!r} is used by both {other_axes[a]} and cp; give context "
                                 f"parallelism its own axis (e.g. mesh {{fsdp: 2, cp: 2}}, plan fsdp + cp)")
 
-    def check_batch(self, batch: Any, mesh: Any) -> None:
-        """Without padding, dimension 1 (the sequence) of every batch leaf of rank >= 2 must split into
-        ``2 P`` chunks: a :class:`PlanError` naming the leaf, before any communication."""
-        if self.binding.pad:
-            return
+    def check_batch(self, batch: Any, mesh: Any, sequence_parallel: str | None = None) -> None:
+        """A :class:`PlanError` naming the leaf, before any communication, for a batch leaf of rank >= 2
+        whose dimension 1 (the sequence) does not split: without padding into ``2 P`` chunks; with a
+        sequence-parallel axis ``sequence_parallel`` (Megatron-SP inside each cp rank), each cp rank's
+        tokens (two chunks of the padded sequence) over it."""
         n = mesh.axis_size(self.token_axes)
         for path, x in _tree.leaves_with_paths(batch):
-            if isinstance(x, torch.Tensor) and x.ndim >= 2 and x.shape[1] % (2 * n):
+            if not (isinstance(x, torch.Tensor) and x.ndim >= 2):
+                continue
+            if not self.binding.pad and x.shape[1] % (2 * n):
                 raise PlanError(
-                    f"batch leaf {path!r} of shape {tuple(x.shape)}: {self.describe()} with pad=False splits "
-                    f"dimension 1 (the sequence, {x.shape[1]} tokens) into 2 x {n} chunks over {self.token_axes} "
-                    f"({n} ranks); use a sequence length that is a multiple of {2 * n}, or pad=True")
+                    f"batch leaf {path!r} of shape {tuple(x.shape)}: {self.describe()} splits dimension 1 (the "
+                    f"sequence, {x.shape[1]} tokens) into 2 x {n} chunks over {self.token_axes} ({n} ranks); use a "
+                    f"sequence length that is a multiple of {2 * n}, or pad=True")
+            if sequence_parallel is not None:
+                k = mesh.axis_size(sequence_parallel)
+                local = 2 * -(-x.shape[1] // (2 * n))
+                if local % k:
+                    raise PlanError(
+                        f"batch leaf {path!r} of shape {tuple(x.shape)}: each of the {n} ranks of {self.describe()} "
+                        f"holds {local} tokens of the padded sequence, which the sequence-parallel axis "
+                        f"{sequence_parallel!r} ({k} ranks) must split evenly; use a sequence length that is a "
+                        f"multiple of {n * math.lcm(2, k)}")
 
 
 def cp(axis: str = "cp", *, impl: str = "ring", ulysses_axis: str | None = None, balanced: bool = True,

@@ -328,7 +328,8 @@ class Plan:
         (the sequence) of every leaf of rank >= 2 over the tensor-parallel axis."""
         axes = self.batch_spec(mesh).dim_axes(0)
         n = mesh.axis_size(axes) if axes else 1
-        tp = self.tp_axis if self.tp_sequence_parallel else None
+        # under context parallelism the sequence-parallel axis splits each cp rank's tokens (checked by the cp layer)
+        tp = self.tp_axis if self.tp_sequence_parallel and self.context is None else None
         for path, x in _tree.leaves_with_paths(batch):
             if not isinstance(x, torch.Tensor):
                 continue
@@ -338,7 +339,7 @@ class Plan:
             if tp is not None:
                 check_sequence(x, path, tp, mesh.axis_size(tp))
             if self.context is not None:
-                self.context.check_batch({path: x}, mesh)
+                self.context.check_batch({path: x}, mesh, self.tp_axis if self.tp_sequence_parallel else None)
             m = 1 if self.pipeline is None else self.pipeline.microbatches
             if m > 1 and (x.shape[0] // n) % m:
                 raise PlanError(f"batch leaf {path!r} of shape {tuple(x.shape)}: each data shard's {x.shape[0] // n} "

@@ -10,11 +10,11 @@ LR = 1e-3
 ADAM_EPS = 1e-5
 
 
-def _tp(cfg, axis):
+def _tp(cfg, axis, **modes):
     from hpfunc.models.qwen3 import parallel_plan
     from hpfunc.transforms import plans
 
-    return plans.tp(axis, parallel_plan.tp_styles(cfg))
+    return plans.tp(axis, parallel_plan.tp_styles(cfg, **modes))
 
 
 # name -> (world, mesh axes, plan factory(plans, cfg, impl)); impl: the cp strategy
@@ -25,6 +25,10 @@ CP_PLANS = {
                      lambda pl, cfg, impl, **kw: pl.cp("cp", impl="hybrid", ulysses_axis="cpu", **kw)),
     "fsdp_cp": (4, {"fsdp": 2, "cp": 2}, lambda pl, cfg, impl, **kw: pl.fsdp("fsdp") + pl.cp("cp", impl=impl, **kw)),
     "cp_tp": (4, {"cp": 2, "tp": 2}, lambda pl, cfg, impl, **kw: pl.cp("cp", impl=impl, **kw) + _tp(cfg, "tp")),
+    "cp_tp_sp": (4, {"cp": 2, "tp": 2}, lambda pl, cfg, impl, **kw: pl.cp("cp", impl=impl, **kw)
+                 + _tp(cfg, "tp", sequence_parallel=True, vocab_parallel=True)),
+    "cp_tp_vocab": (4, {"cp": 2, "tp": 2}, lambda pl, cfg, impl, **kw: pl.cp("cp", impl=impl, **kw)
+                    + _tp(cfg, "tp", vocab_parallel=True)),
     "ep_cp": (4, {"ep": 2, "cp": 2}, lambda pl, cfg, impl, **kw: pl.ep("ep", ep_experts(cfg))
               + pl.cp("cp", impl=impl, **kw)),
 }

@@ -34,10 +34,12 @@ def test_cp2_matches_single_device(pool2, impl, model, seq, seed):
 
 
 # (plan, impl, options): cp over 4 ranks by each strategy (Ulysses above the 2 KV heads replicates them),
-# hybrid 2 x 2, and cp composed with fsdp (batch split too), tp (heads split by tp first) and ep
+# hybrid 2 x 2, and cp composed with fsdp (batch split too), tp (heads split by tp first; with
+# sequence-parallel norms and a vocabulary-parallel embedding and head too) and ep
 CASES_4 = [("cp4", "ring", {}), ("cp4", "allgather", {}), ("cp4", "ulysses", {"replicate_kv": True}),
            ("cp2x2_hybrid", "hybrid", {}), ("fsdp_cp", "ring", {}), ("fsdp_cp", "ulysses", {}),
-           ("cp_tp", "ring", {}), ("cp_tp", "allgather", {}), ("ep_cp", "ring", {})]
+           ("cp_tp", "ring", {}), ("cp_tp", "allgather", {}), ("cp_tp_sp", "ring", {}), ("cp_tp_vocab", "allgather", {}),
+           ("ep_cp", "ring", {})]
 
 
 @settings(max_examples=5)
