@@ -1,11 +1,11 @@
 """The ``cp`` plan layer: each sequence split over context-parallel ranks.
 
-``plans.cp(axis, impl="ring")`` (re-exported by :mod:`hpfunc.transforms.plans`) is one small class with the
+``plans.cp(axis, impl="ring")`` (the factory in :mod:`hpfunc.transforms.plans`) makes one small class with the
 interface every plan layer is to have (DESIGN.md, "plan layers, one class per parallelism"):
 
 * what it does to each parameter's layout: nothing; parameters are replicated over the cp axes (their
-  gradients, partial per rank, are summed over them like any replica's), or sharded over them by another
-  layer of the plan on the same axis is refused: give fsdp its own axis;
+  gradients, partial per rank, are summed over them like any replica's); another layer on a cp axis is
+  refused (give fsdp its own axis: ``fsdp("fsdp") + cp("cp")``);
 * what it checks against the mesh (:meth:`ContextParallelLayer.check_mesh`) and the batch
   (:meth:`ContextParallelLayer.check_batch`, before any communication);
 * which axes it adds: :attr:`token_axes`, over which batch statistics (the loss's token count, the MoE
@@ -32,7 +32,7 @@ import torch
 from hpfunc import tree as _tree
 from hpfunc.layout import ContextParallel, PlanError
 
-__all__ = ["ContextParallelLayer", "cp"]
+__all__ = ["ContextParallelLayer"]
 
 
 @attrs.frozen
@@ -86,35 +86,3 @@ class ContextParallelLayer:
                         f"holds {local} tokens of the padded sequence, which the sequence-parallel axis "
                         f"{sequence_parallel!r} ({k} ranks) must split evenly; use a sequence length that is a "
                         f"multiple of {n * math.lcm(2, k)}")
-
-
-def cp(axis: str = "cp", *, impl: str = "ring", ulysses_axis: str | None = None, balanced: bool = True,
-       pad: bool = True, replicate_kv: bool = False, overlap: bool = True) -> Any:
-    """Context parallelism over ``axis``: every sequence of the batch split along its length.
-
-    Args:
-        axis: the mesh axis (for ``impl="hybrid"`` the ring's).
-        impl: ``"allgather"`` (K, V gathered, KV heads only), ``"ring"`` (K, V passed around the ring with
-            online softmax), ``"ulysses"`` (all-to-alls between sequence- and head-sharded q, k, v; the
-            degree must divide the KV heads left after tensor parallelism unless ``replicate_kv``) or
-            ``"hybrid"`` (Ulysses over ``ulysses_axis`` inside, the ring across ``axis``).
-        balanced: causal load balancing (rank ``r`` holds chunks ``r`` and ``2P - 1 - r``).
-        pad: pad sequences to a multiple of ``2 P`` (the padding is masked, its labels ignored); else such
-            a length is a :class:`PlanError` before any communication.
-        replicate_kv, overlap: see :class:`hpfunc.layout.ContextParallel`.
-
-    The batch is split along dimension 0 over the plan's data axes only; every cp rank gets its data shard's
-    whole sequences and the model takes its own tokens (no communication). Parameters are replicated over
-    the cp axes; the loss is the mean over every target of the data shard, counted across the cp axes.
-    Composes with ``fsdp`` / ``ddp`` / ``zero`` on other axes, ``tp`` (heads split by tp first) and ``ep``.
-
-    >>> from hpfunc.transforms import plans
-    >>> plan = plans.fsdp("fsdp") + plans.cp("cp", impl="ulysses")
-    >>> plan.data_axes, plan.token_axes, plan.cp_binding.impl
-    (('fsdp',), ('fsdp', 'cp'), 'ulysses')
-    """
-    from hpfunc.transforms.plans import Plan
-
-    return Plan(context=ContextParallelLayer(ContextParallel(axis, impl=impl, ulysses_axis=ulysses_axis,
-                                                             balanced=balanced, pad=pad, replicate_kv=replicate_kv,
-                                                             overlap=overlap)))

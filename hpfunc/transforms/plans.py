@@ -16,13 +16,15 @@ Plans are built from layers that compose left to right on N-D meshes::
     plan = hsdp("dp", "fsdp")                                   # = ddp("dp") + fsdp("fsdp")
     plan = zero2("dp")                                          # params replicated, grads/opt sharded
     plan = fsdp("fsdp") + ep("ep", qwen3.parallel_plan.ep_experts(cfg))  # experts split over ep
+    plan = fsdp("fsdp") + cp("cp", impl="ring")                 # each sequence split over cp
 
 and explicit rules on dotted paths (glob or ``re:``) that override the layers::
 
     plan = fsdp("fsdp").with_rules([("embed", LeafSpec(P("fsdp"), P(), P("fsdp")))])
 
 The batch is split along dimension 0 over the plan's data axes (every ``ddp``/``fsdp``/``zero``/``ep``
-axis, in mesh order). Errors are ``PlanError`` (a ``ValueError``) naming the path, axis or size.
+axis, in mesh order); a ``cp`` layer splits each sequence along its length inside the model
+(:mod:`hpfunc.transforms.context_parallel_plan`). Errors are ``PlanError`` (a ``ValueError``) naming the path, axis or size.
 """
 
 from __future__ import annotations
@@ -34,10 +36,11 @@ import attrs
 import torch
 
 from hpfunc import tree as _tree
-from hpfunc.layout import (ColwiseParallel, LeafLayout, LeafSpec, PlanError, Replicate, RowwiseParallel,
+from hpfunc.layout import (ColwiseParallel, ContextParallel, LeafLayout, LeafSpec, PlanError, Replicate, RowwiseParallel,
                            SequenceParallel, Style, VocabParallel, check_sequence)
 from hpfunc.mesh import Mesh
 from hpfunc.sharding import P, _rule_matches
+from hpfunc.transforms.context_parallel_plan import ContextParallelLayer
 
 __all__ = ["PlanError", "LeafSpec", "LeafLayout", "Plan", "ddp", "fsdp", "zero1", "zero2", "zero3", "hsdp", "tp", "ep", "pp",
            "cp",
@@ -626,7 +629,34 @@ def pp(axis: str, stages: Any, *, schedule: Any = "1f1b", microbatches: int, vir
     return Plan(pipeline=PipelineLayer(axis, stages, schedule, microbatches, virtual_stages, remat, max_resident))
 
 
-from hpfunc.transforms.context_parallel_plan import cp  # noqa: E402  (the cp layer's own module)
+def cp(axis: str = "cp", *, impl: str = "ring", ulysses_axis: str | None = None, balanced: bool = True,
+       pad: bool = True, replicate_kv: bool = False, overlap: bool = True) -> Any:
+    """Context parallelism over ``axis``: every sequence of the batch split along its length.
+
+    Args:
+        axis: the mesh axis (for ``impl="hybrid"`` the ring's).
+        impl: ``"allgather"`` (K, V gathered, KV heads only), ``"ring"`` (K, V passed around the ring with
+            online softmax), ``"ulysses"`` (all-to-alls between sequence- and head-sharded q, k, v; the
+            degree must divide the KV heads left after tensor parallelism unless ``replicate_kv``) or
+            ``"hybrid"`` (Ulysses over ``ulysses_axis`` inside, the ring across ``axis``).
+        balanced: causal load balancing (rank ``r`` holds chunks ``r`` and ``2P - 1 - r``).
+        pad: pad sequences to a multiple of ``2 P`` (the padding is masked, its labels ignored); else such
+            a length is a :class:`PlanError` before any communication.
+        replicate_kv, overlap: see :class:`hpfunc.layout.ContextParallel`.
+
+    The batch is split along dimension 0 over the plan's data axes only; every cp rank gets its data shard's
+    whole sequences and the model takes its own tokens (no communication). Parameters are replicated over
+    the cp axes; the loss is the mean over every target of the data shard, counted across the cp axes.
+    Composes with ``fsdp`` / ``ddp`` / ``zero`` on other axes, ``tp`` (heads split by tp first) and ``ep``.
+
+    >>> from hpfunc.transforms import plans
+    >>> plan = plans.fsdp("fsdp") + plans.cp("cp", impl="ulysses")
+    >>> plan.data_axes, plan.token_axes, plan.cp_binding.impl
+    (('fsdp',), ('fsdp', 'cp'), 'ulysses')
+    """
+    return Plan(context=ContextParallelLayer(ContextParallel(axis, impl=impl, ulysses_axis=ulysses_axis,
+                                                             balanced=balanced, pad=pad, replicate_kv=replicate_kv,
+                                                             overlap=overlap)))
 
 
 def total_numel(resolved: Mapping[str, LeafLayout]) -> int:

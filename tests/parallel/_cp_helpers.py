@@ -177,3 +177,29 @@ def run_bad_input(case: str) -> str:
     except ValueError as e:
         return f"{e}\nCOLLECTIVES {0 if stats is None else stats.count()}"
     raise AssertionError(f"{case}: no error")
+
+
+def run_cp_comm(name: str, impl: str, seq: int, batch: int = 2, **kw) -> dict:
+    """One step under ``comm_stats``: every record on the cp axes as ``(op, phase, payload bytes, sent bytes)``,
+    with the figures the formulas of docs/reference.md need (tokens per sequence padded, layers, heads)."""
+    import hpfunc
+    from hpfunc import optim
+    from hpfunc.models import qwen3
+    from hpfunc.models.qwen3 import parallel_plan
+    from hpfunc.transforms.parallelize import init_sharded, parallel_train_step
+
+    cfg = qwen3.preset("qwen3-dense-tiny")
+    mesh, plan = make(name, cfg, impl, **kw)
+    step = parallel_train_step(lambda p, b: parallel_plan.loss(p, b, cfg)[0], optim.adamw(LR), mesh, plan)
+    params = init_sharded(functools.partial(qwen3.init, cfg=cfg), mesh, plan, hpfunc.random.key(0),
+                          shapes=qwen3.param_shapes(cfg))
+    state = step.init_opt_state(params)
+    b = {"tokens": torch.randint(0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))}
+    with hpfunc.comm_stats() as stats:
+        step(params, state, b)
+    axes = plan.cp_binding.axes
+    n_data = mesh.axis_size(plan.data_axes) if plan.data_axes else 1
+    return {"records": [(r.op, r.axes, r.phase, r.payload_bytes, r.sent_bytes) for r in stats.records
+                        if set(r.axes) <= set(axes)],
+            "layers": cfg.num_hidden_layers, "P": mesh.axis_size(axes), "B": batch // n_data,
+            "h": cfg.num_attention_heads * cfg.head_dim, "h_kv": cfg.num_key_value_heads * cfg.head_dim}

@@ -97,3 +97,40 @@ def test_model_without_the_hooks_refuses_a_bound_cp_layout():
     cfg = qwen3.preset("qwen3-dense-tiny")
     with layout.context_parallel(layout.ContextParallel("cp")), pytest.raises(layout.PlanError, match="attention hook"):
         qwen3.apply(qwen3.init(random.key(0), cfg), torch.zeros(1, 4, dtype=torch.long), cfg)
+
+
+@pytest.mark.parametrize("n,name,impl,seq", [(2, "cp2", "ring", 13), (4, "cp4", "allgather", 13),
+                                             (2, "cp2", "ulysses", 13), (4, "fsdp_cp", "ring", 16)])
+def test_attention_communication_per_layer_matches_the_formulas(pools, n, name, impl, seq):
+    """Per layer and rank, with N = batch x padded sequence (docs/reference.md, context-parallel attention):
+    ring P - 1 transfers of 2 N h_kv / P each way; all-gather one all-gather of 2 N h_kv forward (sends
+    (P-1)/P of it) and one reduce-scatter backward; Ulysses 4 all-to-alls each way, q and out N h / P, k and v
+    N h_kv / P. Besides attention the cp axes carry only the loss's scalars and the gradient all-reduce."""
+    from fractions import Fraction
+
+    out = pools(n).run(C.run_cp_comm, name, impl, seq)[0]
+    L, P, B, h, h_kv = out["layers"], out["P"], out["B"], out["h"], out["h_kv"]
+    N = B * (-(-seq // (2 * P)) * 2 * P)
+    f32 = 4
+    recs = out["records"]
+
+    def of(op, phase):
+        return [(r[3], r[4]) for r in recs if r[0] == op and r[2] == phase]
+
+    if impl == "ring":
+        for phase in ("forward", "backward"):
+            assert of("ppermute", phase) == [(2 * N * h_kv // P * f32, 2 * N * h_kv // P * f32)] * (L * (P - 1))
+        attention = {"ppermute"}
+    elif impl == "allgather":
+        full = 2 * N * h_kv * f32
+        assert of("all_gather", "forward") == [(full, Fraction(P - 1, P) * full)] * L
+        assert of("reduce_scatter", "backward") == [(full, Fraction(P - 1, P) * full)] * L
+        attention = {"all_gather", "reduce_scatter"}
+    else:
+        q, kv = N * h // P * f32, N * h_kv // P * f32
+        for phase in ("forward", "backward"):
+            assert sorted(of("all_to_all", phase)) == sorted([(q, Fraction(P - 1, P) * q)] * 2 * L
+                                                             + [(kv, Fraction(P - 1, P) * kv)] * 2 * L)
+        attention = {"all_to_all"}
+    rest = [r for r in recs if r[0] not in attention]
+    assert {r[0] for r in rest} == {"all_reduce"}, rest  # the loss's scalars and the gradients' all-reduce
