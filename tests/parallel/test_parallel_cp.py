@@ -54,14 +54,17 @@ def test_cp4_and_composed_match_single_device(pool4, case, model, seq, seed):
     pool4.run(C.run_cp_parity, name, impl, model, seed, seq, batch, 2, None, **kw)
 
 
-@pytest.mark.parametrize("roles,kind,schedule,seq", [(["pp", "cp"], "moe", "1f1b", 11),
-                                                    (["pp", "cp_ulysses"], "dense", "gpipe", 8)])
-def test_pp_x_cp_matches_single_device(pool4, roles, kind, schedule, seq):
+@pytest.mark.parametrize("roles,kind,schedule,remat,seq", [(["pp", "cp"], "moe", "1f1b", "nothing_saveable", 11),
+                                                          (["pp", "cp_ulysses"], "dense", "zbv", None, 8)])
+def test_pp_x_cp_matches_single_device(pool4, roles, kind, schedule, remat, seq):
     # pipeline stages over pp, each stage's activations this rank's tokens of every sequence; the loss,
-    # aux loss, expert load, gradients of this rank's stages and updates equal one device's (2 microbatches)
+    # aux loss, expert load, gradients of this rank's stages and updates equal one device's (2 microbatches);
+    # with every stage recomputed in its backward (its attention's collectives repeated), and with zbv's
+    # split backward
     import _pp_helpers as PP
 
-    pool4.run(PP.run_pp_parity, {"pp": 2, "cp": 2}, roles, kind=kind, schedule=schedule, m=2, batch=4, seq=seq)
+    pool4.run(PP.run_pp_parity, {"pp": 2, "cp": 2}, roles, kind=kind, schedule=schedule, m=2, batch=4, seq=seq,
+              remat=remat)
 
 
 @pytest.mark.parametrize("pool_n,name,impl,bug,seq", [
