@@ -49,9 +49,10 @@ def make(name, cfg, impl, **kw):
 
 
 def run_cp_parity(name: str, impl: str, model: str, seed: int, seq: int, batch: int = 2, steps: int = 2,
-                  bug: str | None = None, **kw) -> dict:
+                  bug: str | None = None, docs: bool = False, **kw) -> dict:
     """``steps`` AdamW steps under plan ``name`` with the cp strategy ``impl`` against single-device autograd
-    on the same global batches (sequence length ``seq``): loss, every reduced gradient, grad norm and the
+    on the same global batches (sequence length ``seq``; with ``docs`` packed documents of random lengths,
+    ``batch["doc_ids"]``): loss, every reduced gradient, grad norm and the
     update at the same parameters (rtol 1e-5), and the independent single-device trajectory.
 
     ``bug`` plants a deliberate error to show that the comparison can fail: ``"skip_rotation"`` (the ring's
@@ -78,6 +79,8 @@ def run_cp_parity(name: str, impl: str, model: str, seed: int, seq: int, batch: 
         g = torch.Generator().manual_seed(seed)
         for i in range(steps):
             b = {"tokens": torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)}
+            if docs:  # a new document starts at a token with probability 0.3
+                b["doc_ids"] = torch.cumsum((torch.rand(batch, seq, generator=g) < 0.3).long(), dim=1)
             at, at_state = to_full(params), to_full(state)
             params, state, metrics, grads = step(params, state, b)
             value, ref_grads = hpfunc.value_and_grad(lambda p: qwen3.loss(p, b, cfg)[0])(at)

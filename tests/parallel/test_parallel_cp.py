@@ -5,9 +5,10 @@ Parity as in test_parallel_parity.py: loss, every reduced gradient, grad norm an
 parameters equal single-device autograd of ``qwen3.loss`` on the whole sequences (fp32, rtol 1e-5), and the
 independent single-device trajectory, over 2 AdamW steps. Drawn: the strategy, the model (dense, MoE: its
 load-balancing statistics leave the padding out), the sequence length (lengths that divide into ``2 P``
-chunks and lengths that need padding), the seed; alone on 2 and 4 ranks, hybrid on 2 x 2, and composed
-with fsdp, tp (also sequence- and vocabulary-parallel), ep and pp. A deliberate bug (the ring's last K, V block skipped; the causal mask one position
-late) makes the same comparison fail.
+chunks and lengths that need padding), packed documents of random lengths or none, the seed; alone on 2
+and 4 ranks, hybrid on 2 x 2, and composed with fsdp, tp (also sequence- and vocabulary-parallel), ep and
+pp. A deliberate bug (the ring's last K, V block skipped; the causal mask one position late; RoPE at the
+wrong positions) makes the same comparison fail.
 """
 
 from __future__ import annotations
@@ -26,11 +27,11 @@ MODELS = st.sampled_from(["qwen3-dense-tiny", "qwen3-moe-tiny"])
 # three drawn examples and two pinned ones: a length that divides into 2 P chunks and one that needs padding
 @settings(max_examples=3)
 @given(impl=st.sampled_from(["allgather", "ring", "ulysses"]), model=MODELS, seq=st.integers(5, 12),
-       seed=st.integers(0, 2**16))
-@example(impl="ring", model="qwen3-moe-tiny", seq=8, seed=1)
-@example(impl="ulysses", model="qwen3-dense-tiny", seq=7, seed=2)
-def test_cp2_matches_single_device(pool2, impl, model, seq, seed):
-    pool2.run(C.run_cp_parity, "cp2", impl, model, seed, seq)
+       seed=st.integers(0, 2**16), docs=st.booleans())
+@example(impl="ring", model="qwen3-moe-tiny", seq=8, seed=1, docs=False)
+@example(impl="ulysses", model="qwen3-dense-tiny", seq=7, seed=2, docs=True)
+def test_cp2_matches_single_device(pool2, impl, model, seq, seed, docs):
+    pool2.run(C.run_cp_parity, "cp2", impl, model, seed, seq, 2, 2, None, docs)
 
 
 # (plan, impl, options): cp over 4 ranks by each strategy (Ulysses above the 2 KV heads replicates them),
@@ -43,15 +44,16 @@ CASES_4 = [("cp4", "ring", {}), ("cp4", "allgather", {}), ("cp4", "ulysses", {"r
 
 
 @settings(max_examples=3)
-@given(case=st.sampled_from(CASES_4), model=MODELS, seq=st.integers(6, 17), seed=st.integers(0, 2**16))
-@example(case=CASES_4[3], model="qwen3-moe-tiny", seq=16, seed=3)
-@example(case=CASES_4[4], model="qwen3-dense-tiny", seq=13, seed=4)
-def test_cp4_and_composed_match_single_device(pool4, case, model, seq, seed):
+@given(case=st.sampled_from(CASES_4), model=MODELS, seq=st.integers(6, 17), seed=st.integers(0, 2**16),
+       docs=st.booleans())
+@example(case=CASES_4[3], model="qwen3-moe-tiny", seq=16, seed=3, docs=True)
+@example(case=CASES_4[4], model="qwen3-dense-tiny", seq=13, seed=4, docs=False)
+def test_cp4_and_composed_match_single_device(pool4, case, model, seq, seed, docs):
     name, impl, kw = case
     if name == "ep_cp":
         model = "qwen3-moe-tiny"
     batch = 4 if name in ("fsdp_cp", "ep_cp") else 2
-    pool4.run(C.run_cp_parity, name, impl, model, seed, seq, batch, 2, None, **kw)
+    pool4.run(C.run_cp_parity, name, impl, model, seed, seq, batch, 2, None, docs, **kw)
 
 
 @pytest.mark.parametrize("roles,kind,schedule,remat,seq", [(["pp", "cp"], "moe", "1f1b", "nothing_saveable", 11),

@@ -151,7 +151,8 @@ def context_split(cfg: Qwen3Config, batch: dict[str, torch.Tensor]) -> tuple[dic
     :func:`qwen3.loss <hpfunc.models.qwen3.model.loss>` for them: their global ``positions`` (RoPE),
     ``attend`` (:func:`~hpfunc.models.context_attention.context_attention` by the bound strategy),
     ``counted`` (padding is left out of the MoE statistics) and ``cross_entropy`` (the mean over every
-    target of the whole sequences). The labels are made from the whole sequence first (``labels[s]`` is
+    target of the whole sequences). ``batch["doc_ids"]`` (packed sequences) keeps attention within documents
+    of any length (no alignment with the chunks needed). The labels are made from the whole sequence first (``labels[s]`` is
     ``tokens[s + 1]``), so the targets at the chunks' edges are the single-device ones. No communication;
     a Ulysses degree the heads cannot take is an error here, before the step's first collective."""
     cp = layout.cp_binding()
@@ -168,7 +169,9 @@ def context_split(cfg: Qwen3Config, batch: dict[str, torch.Tensor]) -> tuple[dic
     positions = split.positions(r).to(tokens.device)
     local = {"tokens": split.local(tokens, r, dim=1, fill=0),
              "labels": split.local(labels, r, dim=1, fill=_model.IGNORE_INDEX)}
-    kw = {"impl": cp.impl, "replicate_kv": cp.replicate_kv, "overlap": cp.overlap}
+    docs = batch.get("doc_ids")  # the whole sequences' documents, held by every cp rank (no id travels)
+    kw = {"impl": cp.impl, "replicate_kv": cp.replicate_kv, "overlap": cp.overlap,
+          "doc_ids": None if docs is None else _model.check_doc_ids(docs, tokens.shape)}
     if cp.impl == "hybrid":
         kw["ulysses_axis"] = cp.ulysses_axis
     hooks = {"positions": positions,

@@ -26,6 +26,7 @@ Parameter paths (``hpfunc.tree.path_str``), all linear weights ``[out, in]`` as 
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable, Sequence
 
@@ -36,6 +37,7 @@ from hpfunc import layout
 from hpfunc import random as _random
 from hpfunc import tree as _tree
 from hpfunc.models.attention import gqa_attention
+from hpfunc.models.attention_blocks import dense_attention
 from hpfunc.models.dispatch import AllToAll, PaddedAllToAll
 from hpfunc.models.config import ConfigError, Qwen3Config, RopeScaling, preset  # noqa: F401  (re-exported)
 from hpfunc.models.layers import rms_norm, swiglu_mlp
@@ -210,6 +212,14 @@ def check_tokens(tokens: torch.Tensor, vocab_size: int) -> None:
                          f"(vocab_size={vocab_size}; min id {lo}, max id {hi})")
 
 
+def check_doc_ids(doc_ids: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """``doc_ids`` checked against the tokens' ``[B, S]`` shape (an integer tensor of that shape)."""
+    if doc_ids.dtype.is_floating_point or doc_ids.dtype == torch.bool or tuple(doc_ids.shape) != tuple(shape):
+        raise ValueError(f"document ids (batch['doc_ids']): expected an integer tensor of the tokens' shape "
+                         f"{tuple(shape)}, found {doc_ids.dtype} {tuple(doc_ids.shape)}")
+    return doc_ids
+
+
 def rope_for(h: torch.Tensor, positions: torch.Tensor, cfg: Qwen3Config) -> tuple[torch.Tensor, torch.Tensor]:
     """The rotary tables ``(cos, sin)`` for ``positions`` in the hidden states' dtype."""
     inv_freq, rope_scale = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
@@ -255,7 +265,8 @@ def apply(params: dict, tokens: torch.Tensor, cfg: Qwen3Config, *, positions: to
           gather_input: Callable[[torch.Tensor], torch.Tensor] | None = None,
           reduce_partial: Callable[[torch.Tensor], torch.Tensor] | None = None,
           head: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-          attend: Callable[..., torch.Tensor] | None = None, counted: torch.Tensor | None = None) -> Any:
+          attend: Callable[..., torch.Tensor] | None = None, counted: torch.Tensor | None = None,
+          doc_ids: torch.Tensor | None = None) -> Any:
     """Logits ``[B, S, V]`` for ``tokens [B, S]`` (causal; ``positions`` ``[S]`` or ``[B, S]`` default
     ``arange(S)``).
 
@@ -289,6 +300,9 @@ def apply(params: dict, tokens: torch.Tensor, cfg: Qwen3Config, *, positions: to
                                     loss, ``expert_load``); default all (context parallelism's padding
                                     is not counted).
 
+    ``doc_ids`` ``[B, S]`` int (packed sequences): a token attends only to earlier tokens of its own
+    document (ignored when ``attend`` is given: that hook holds the documents itself).
+
     >>> from hpfunc.models import preset
     >>> cfg = preset("qwen3-dense-tiny")
     >>> apply(init(_random.key(0), cfg), torch.zeros(1, 3, dtype=torch.long), cfg).shape
@@ -305,6 +319,8 @@ def apply(params: dict, tokens: torch.Tensor, cfg: Qwen3Config, *, positions: to
             f"given, so each rank would attend only to its own tokens; use hpfunc.models.qwen3.parallel_plan.loss / "
             f".apply")
     B, S = tokens.shape
+    if attend is None and doc_ids is not None:
+        attend = functools.partial(dense_attention, causal=True, doc_ids=check_doc_ids(doc_ids, tokens.shape))
     h = F.embedding(tokens, params["embed"]) if embed is None else embed(tokens, params["embed"])
     if positions is None:
         positions = torch.arange(S, device=tokens.device)
@@ -368,7 +384,9 @@ def loss(params: dict, batch: dict, cfg: Qwen3Config, *, moe_impl: str = "auto",
     :func:`shift_labels` of the tokens (equal to Hugging Face's ``labels=input_ids``). Cross-entropy is the
     mean over non-ignored targets, in float32.
 
-    ``moe_dispatchers, embed, gather_input, reduce_partial, head, positions, attend, counted`` are :func:`apply`'s; ``cross_entropy(logits,
+    ``batch["doc_ids"]`` (optional) ``[B, S]``: the document of each token of packed sequences (attention
+    stays within a document). ``moe_dispatchers, embed, gather_input, reduce_partial, head, positions,
+    attend, counted`` are :func:`apply`'s; ``cross_entropy(logits,
     labels)`` (default ``F.cross_entropy`` in float32, mean over non-ignored targets) receives what
     ``head`` returned, e.g. a vocabulary or sequence block (see :mod:`hpfunc.models.qwen3.parallel_plan`).
 
@@ -391,7 +409,7 @@ def loss(params: dict, batch: dict, cfg: Qwen3Config, *, moe_impl: str = "auto",
     logits, aux = apply(params, tokens, cfg, return_aux=True, moe_impl=moe_impl, moe_dispatchers=moe_dispatchers,
                         embed=embed,
                         gather_input=gather_input, reduce_partial=reduce_partial, head=head, positions=positions,
-                        attend=attend, counted=counted)
+                        attend=attend, counted=counted, doc_ids=batch.get("doc_ids"))
     if cross_entropy is None:
         ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
                              ignore_index=IGNORE_INDEX)
@@ -407,5 +425,5 @@ def loss(params: dict, batch: dict, cfg: Qwen3Config, *, moe_impl: str = "auto",
 
 __all__ = ["Qwen3Config", "RopeScaling", "ConfigError", "preset", "param_shapes", "init", "apply", "loss",
            "shift_labels", "moe_dispatcher", "count_params", "active_params", "check_tokens", "update_expert_bias",
-           "is_expert_bias", "decoder_layer", "rope_for",
+           "is_expert_bias", "decoder_layer", "rope_for", "check_doc_ids",
            "IGNORE_INDEX"]

@@ -25,6 +25,7 @@ microbatch, and the probability sums carry its gradient back to each stage's rou
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,6 +37,7 @@ from hpfunc import tree as _tree
 from hpfunc.layout import PlanError, Stages
 from hpfunc.models.config import Qwen3Config
 from hpfunc.models.layers import rms_norm
+from hpfunc.models.attention_blocks import dense_attention
 from hpfunc.models.moe import balancing_loss_from_stats, expert_counts, routing_stats
 from hpfunc.models.qwen3 import model as _model
 from hpfunc.models.qwen3.hooks import context_split, cross_entropy, layout_hooks
@@ -130,12 +132,16 @@ def pipeline_stages(cfg: Qwen3Config, num_stages: int, *, layers: Sequence[int] 
         positions = torch.arange(tokens.shape[1], device=tokens.device) if positions is None else positions
         cos, sin = _model.rope_for(h, positions, cfg)
         counted = hk.get("counted")
+        attend = hk.get("attend")
+        if attend is None and mb.get("doc_ids") is not None:  # packed sequences on the pipeline's ranks
+            attend = functools.partial(dense_attention, causal=True,
+                                       doc_ids=_model.check_doc_ids(mb["doc_ids"], tokens.shape))
         a, b = bounds[s]
         for i in range(a, b):
             h, routing = _model.decoder_layer(params["layers"][i], h, cos, sin, cfg, moe_impl=moe_impl,
                                               gather_input=hk.get("gather_input"),
                                               reduce_partial=hk.get("reduce_partial"), dispatcher=dispatcher,
-                                              attend=hk.get("attend"))
+                                              attend=attend)
             if routing is not None:
                 if counted is not None:  # context parallelism's padding is not counted
                     keep = counted.reshape(-1)
