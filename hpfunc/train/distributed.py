@@ -320,10 +320,21 @@ def describe_plan(cfg: Config, model_cfg: Any) -> str:
     head = [
         f"mesh {pc.mesh_text} ({pc.size} processes), plan {_plan_text(pc)}",
         f"batch {cfg.train.batch_size} x {cfg.train.seq_len} split over {pc.data_axes or 'no axis'}: "
-        f"{per} x {cfg.train.seq_len} per data shard",
+        f"{per} x {cfg.train.seq_len} per data shard{_sequence_split_text(cfg)}",
         f"{'parameter':40s} {'shape':16s} storage -> compute | opt (optimizer state)",
     ]
     return "\n".join(head) + "\n" + plan.describe(qwen3.param_shapes(model_cfg), mesh)
+
+
+def _sequence_split_text(cfg: Config) -> str:
+    """``; each sequence over ('cp',): padded to 32, 16 tokens per cp rank`` under a ``cp`` entry, else ``""``."""
+    for e in cfg.parallel.plan:
+        if e.kind == "cp":
+            axes = (e.axes[0],) + ((e.options["ulysses_axis"],) if e.options["ulysses_axis"] else ())
+            n = functools.reduce(operator.mul, (cfg.parallel.mesh[a] for a in axes), 1)
+            padded = -(-cfg.train.seq_len // (2 * n)) * 2 * n
+            return f"; each sequence over {axes}: padded to {padded}, {padded // n} tokens per cp rank"
+    return ""
 
 
 def _plan_text(pc: ParallelConfig) -> str:

@@ -256,7 +256,8 @@ class Lowered:
     def __repr__(self) -> str:
         eng = self.engine
         mesh = ", ".join(f"{a}={self.mesh.axis_size(a)}" for a in self.mesh.axis_names)
-        plan = " + ".join(f"{lay.kind}({lay.axis!r})" for lay in self.plan.layers)
+        plan = " + ".join([f"{lay.kind}({lay.axis!r})" for lay in self.plan.layers]
+                          + ([self.plan.context.describe()] if self.plan.context is not None else []))
         head = (f"Lowered({mesh}; plan {plan}; batch {self.batch_spec!r}; {len(self.paths)} parameter"
                 f"{'s' if len(self.paths) != 1 else ''}, {self.n_state_leaves} state "
                 f"{'leaves' if self.n_state_leaves != 1 else 'leaf'}")
