@@ -8,9 +8,36 @@ from __future__ import annotations
 import pytest
 from _train_helpers import TINY, write_corpus
 
-import test_ep_train as E  # noqa: F401  (the same run helpers)
-
 pytestmark = pytest.mark.multirank
+
+
+def _raw(tmp_path, *, parallel, seq: int, steps: int = 2) -> dict:
+    """A tiny MoE run (load-balancing loss and expert-bias updates on) on the generated corpus."""
+    if not (tmp_path / "corpus").exists():
+        write_corpus(tmp_path / "corpus")
+    return {**TINY, "optimizer": {"name": "adamw", "lr": 1e-2}, "schedule": {"name": "constant", "warmup_steps": 0},
+            "data": {**TINY["data"], "paths": [str(tmp_path / "corpus" / "*.py")]},
+            "train": {**TINY["train"], "steps": steps, "seq_len": seq, "log_every": 1, "eval_every": 0,
+                      "eval_batches": 0, "expert_bias_rate": 1e-2, "aux_loss_coef": 0.1},
+            "output": {**TINY["output"], "dir": str(tmp_path / "out"), "progress": "none", "plot": False,
+                       "sample_tokens": 0},
+            "parallel": parallel}
+
+
+def train_in_rank(raw: dict) -> list[dict]:
+    """``hpfunc.train.run`` in this rank of the pool (the process group is the pool's)."""
+    from hpfunc.train.config import load_config_dict
+    from hpfunc.train.loop import run
+
+    return run(load_config_dict(raw), echo=False).records
+
+
+def _single(raw: dict, where) -> list[dict]:
+    from hpfunc.train.config import load_config_dict
+    from hpfunc.train.loop import run
+
+    return run(load_config_dict({**raw, "parallel": None, "output": {**raw["output"], "dir": str(where)}}),
+               echo=False).records
 
 
 @pytest.mark.parametrize("mesh,plan,seq", [
@@ -18,11 +45,13 @@ pytestmark = pytest.mark.multirank
     ({"fsdp": 2, "cp": 2}, ["fsdp", {"cp": {"impl": "ulysses"}}], 32),
 ])
 def test_cp_train_matches_parallel_null(pools, tmp_path, mesh, plan, seq):
-    raw = E._raw(tmp_path, parallel={"mesh": mesh, "plan": plan}, steps=3)
-    raw["train"] = {**raw["train"], "seq_len": seq}
-    par = pools(E._world(mesh)).run(E.train_in_rank, raw)[0]
-    want = E._single(raw, tmp_path / "single")
-    assert len(par) == len(want) == 3
+    raw = _raw(tmp_path, parallel={"mesh": mesh, "plan": plan}, seq=seq)
+    world = 1
+    for size in mesh.values():
+        world *= size
+    par = pools(world).run(train_in_rank, raw)[0]
+    want = _single(raw, tmp_path / "single")
+    assert len(par) == len(want) == 2
     for key in ("loss", "aux_loss"):
         assert [r[key] for r in par] == pytest.approx([r[key] for r in want], rel=1e-5), (mesh, key)
     assert [r["expert_load"] for r in par] == [r["expert_load"] for r in want], mesh
@@ -49,8 +78,7 @@ def test_cp_config_is_checked_before_launch(tmp_path, parallel, seq, expected):
     from hpfunc.train.config import ConfigError, load_config_dict
     from hpfunc.train.distributed import check_parallel
 
-    raw = E._raw(tmp_path, parallel=parallel)
-    raw["train"] = {**raw["train"], "seq_len": seq}
+    raw = _raw(tmp_path, parallel=parallel, seq=seq)
     with pytest.raises(ConfigError) as info:
         cfg = load_config_dict(raw)
         check_parallel(cfg, build_model_config(cfg.model))
