@@ -36,8 +36,8 @@ import attrs
 import torch
 
 from hpfunc import tree as _tree
-from hpfunc.layout import (ColwiseParallel, ContextParallel, LeafLayout, LeafSpec, PlanError, Replicate, RowwiseParallel,
-                           SequenceParallel, Style, VocabParallel, check_sequence)
+from hpfunc.layout import (ColwiseParallel, ContextParallel, LeafLayout, LeafSpec, PlanError, Replicate,
+                           RowwiseParallel, SequenceParallel, Style, VocabParallel, check_sequence)
 from hpfunc.mesh import Mesh
 from hpfunc.sharding import P, _rule_matches
 from hpfunc.transforms.context_parallel_plan import ContextParallelLayer

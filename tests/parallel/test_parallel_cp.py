@@ -39,7 +39,8 @@ def test_cp2_matches_single_device(pool2, impl, model, seq, seed, docs):
 # sequence-parallel norms and a vocabulary-parallel embedding and head too) and ep
 CASES_4 = [("cp4", "ring", {}), ("cp4", "allgather", {}), ("cp4", "ulysses", {"replicate_kv": True}),
            ("cp2x2_hybrid", "hybrid", {}), ("fsdp_cp", "ring", {}), ("fsdp_cp", "ulysses", {}),
-           ("cp_tp", "ring", {}), ("cp_tp", "allgather", {}), ("cp_tp_sp", "ring", {}), ("cp_tp_vocab", "allgather", {}),
+           ("cp_tp", "ring", {}), ("cp_tp", "allgather", {}), ("cp_tp_sp", "ring", {}),
+           ("cp_tp_vocab", "allgather", {}),
            ("ep_cp", "ring", {})]
 
 

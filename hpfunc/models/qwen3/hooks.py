@@ -54,27 +54,10 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, cfg: Qwen3Config) 
     """Mean cross-entropy over non-ignored targets, for logits that are this rank's sequence block
     (one scalar all-reduce of the summed losses) or this rank's vocabulary columns (three small
     all-reduces of [tokens]: a max, a sum of exponentials and the target logit)."""
-    axis = layout.tp_axis()
-    ignore = _model.IGNORE_INDEX
-    x = logits.float()
-    cols = x.shape[-1]
-    if x.shape[1] != labels.shape[1]:  # this rank's sequence block, full vocabulary
-        count = (labels != ignore).sum()
-        y = scatter_sequence(labels)
-        nll = F.cross_entropy(x.reshape(-1, cols), y.reshape(-1), ignore_index=ignore, reduction="sum")
-        return lax.psum(nll, axis) / count
-    x, y = x.reshape(-1, cols), labels.reshape(-1)
-    if cols == cfg.vocab_size:
-        return F.cross_entropy(x, y, ignore_index=ignore)
-    valid = y != ignore
-    # log-sum-exp is shift invariant: the max needs no gradient
-    m = lax.pmax(x.detach().amax(-1), axis)
-    sumexp = lax.psum(torch.exp(x - m[:, None]).sum(-1), axis)
-    local = y - lax.axis_index(axis) * cols
-    mine = (local >= 0) & (local < cols) & valid
-    target = lax.psum(x.gather(1, local.clamp(0, cols - 1)[:, None]).squeeze(1) * mine, axis)
-    nll = torch.log(sumexp) + m - target
-    return (nll * valid).sum() / valid.sum()
+    if logits.shape[1] == labels.shape[1] and logits.shape[-1] == cfg.vocab_size:  # whole sequence and vocabulary
+        return F.cross_entropy(logits.float().reshape(-1, cfg.vocab_size), labels.reshape(-1),
+                               ignore_index=_model.IGNORE_INDEX)
+    return _nll_sum(logits, labels, cfg) / (labels != _model.IGNORE_INDEX).sum()
 
 
 def layout_hooks(cfg: Qwen3Config, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -108,6 +91,7 @@ def _nll_sum(logits: torch.Tensor, labels: torch.Tensor, cfg: Qwen3Config) -> to
     if cols == cfg.vocab_size:
         return F.cross_entropy(x, y, ignore_index=ignore, reduction="sum")
     valid = y != ignore
+    # log-sum-exp is shift invariant: the max needs no gradient
     m = lax.pmax(x.detach().amax(-1), axis)
     sumexp = lax.psum(torch.exp(x - m[:, None]).sum(-1), axis)
     local = y - lax.axis_index(axis) * cols
@@ -151,10 +135,20 @@ def context_split(cfg: Qwen3Config, batch: dict[str, torch.Tensor]) -> tuple[dic
     :func:`qwen3.loss <hpfunc.models.qwen3.model.loss>` for them: their global ``positions`` (RoPE),
     ``attend`` (:func:`~hpfunc.models.context_attention.context_attention` by the bound strategy),
     ``counted`` (padding is left out of the MoE statistics) and ``cross_entropy`` (the mean over every
-    target of the whole sequences). ``batch["doc_ids"]`` (packed sequences) keeps attention within documents
-    of any length (no alignment with the chunks needed). The labels are made from the whole sequence first (``labels[s]`` is
-    ``tokens[s + 1]``), so the targets at the chunks' edges are the single-device ones. No communication;
-    a Ulysses degree the heads cannot take is an error here, before the step's first collective."""
+    target of the whole sequences). ``batch["doc_ids"]`` (packed sequences) keeps attention within
+    documents of any length (no alignment with the chunks needed). The labels are made from the whole
+    sequence first (``labels[s]`` is ``tokens[s + 1]``), so the targets at the chunks' edges are the
+    single-device ones. No communication; a Ulysses degree the heads cannot take is an error here,
+    before the step's first collective.
+
+    >>> import torch
+    >>> from hpfunc.models import qwen3
+    >>> from hpfunc import Mesh
+    >>> with Mesh({"cp": 1}), layout.context_parallel(layout.ContextParallel("cp")):
+    ...     local, hooks = context_split(qwen3.preset("qwen3-dense-tiny"), {"tokens": torch.arange(3)[None]})
+    >>> local["tokens"].tolist(), local["labels"].tolist(), hooks["positions"].tolist()
+    ([[0, 1, 2, 0]], [[1, 2, -100, -100]], [0, 1, 2, 3])
+    """
     cp = layout.cp_binding()
     tokens = batch["tokens"]
     labels = batch.get("labels")

@@ -230,7 +230,8 @@ def rope_for(h: torch.Tensor, positions: torch.Tensor, cfg: Qwen3Config) -> tupl
 def decoder_layer(layer: dict, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: Qwen3Config, *,
                   moe_impl: str = "auto", gather_input: Callable[[torch.Tensor], torch.Tensor] | None = None,
                   reduce_partial: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                  dispatcher: Any = None, attend: Callable[..., torch.Tensor] | None = None) -> tuple[torch.Tensor, Any]:
+                  dispatcher: Any = None,
+                  attend: Callable[..., torch.Tensor] | None = None) -> tuple[torch.Tensor, Any]:
     """One decoder layer (attention then MLP or MoE, pre-norm residuals): ``(h, routing)`` with the MoE
     routing (``None`` for a dense layer). :func:`apply`'s hooks, as there; ``dispatcher``: the MoE
     block's token dispatcher (:func:`hpfunc.models.moe.moe_block`; :func:`moe_dispatcher` of the config)."""
