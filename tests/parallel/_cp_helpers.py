@@ -49,10 +49,11 @@ def make(name, cfg, impl, **kw):
 
 
 def run_cp_parity(name: str, impl: str, model: str, seed: int, seq: int, batch: int = 2, steps: int = 2,
-                  bug: str | None = None, docs: bool = False, **kw) -> dict:
+                  bug: str | None = None, docs: bool = False, remat: str | None = None, **kw) -> dict:
     """``steps`` AdamW steps under plan ``name`` with the cp strategy ``impl`` against single-device autograd
     on the same global batches (sequence length ``seq``; with ``docs`` packed documents of random lengths,
-    ``batch["doc_ids"]``): loss, every reduced gradient, grad norm and the
+    ``batch["doc_ids"]``; with ``remat`` a policy name of :mod:`hpfunc.transforms.policies`, the whole
+    loss recomputed in the backward but what it saves): loss, every reduced gradient, grad norm and the
     update at the same parameters (rtol 1e-5), and the independent single-device trajectory.
 
     ``bug`` plants a deliberate error to show that the comparison can fail: ``"skip_rotation"`` (the ring's
@@ -70,6 +71,11 @@ def run_cp_parity(name: str, impl: str, model: str, seed: int, seq: int, batch: 
     mesh, plan = make(name, cfg, impl, **kw)
     key = hpfunc.random.key(seed)
     loss_fn = (lambda p, b: parallel_plan.loss(p, b, cfg)[0])
+    if remat is not None:
+        from hpfunc.transforms import policies
+        from hpfunc.transforms.remat import remat as _remat
+
+        loss_fn = _remat(loss_fn, policy=getattr(policies, remat))
     with _planted(bug):
         opt = optim.adamw(LR, eps=ADAM_EPS)
         step = parallel_train_step(loss_fn, opt, mesh, plan, return_grads=True)

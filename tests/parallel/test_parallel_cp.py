@@ -70,6 +70,13 @@ def test_pp_x_cp_matches_single_device(pool4, roles, kind, schedule, remat, seq)
               remat=remat)
 
 
+@pytest.mark.parametrize("impl,policy,docs", [("ring", "nothing_saveable", False), ("ulysses", "dots_saveable", True)])
+def test_cp_under_remat_matches_single_device(pool2, impl, policy, docs):
+    # the loss recomputed in the backward (hpfunc.remat inside the differentiated function): the recompute
+    # repeats the attention's collectives (the ring's posted transfers included) on every rank alike
+    pool2.run(C.run_cp_parity, "cp2", impl, "qwen3-moe-tiny", 5, 11, 2, 2, None, docs, policy)
+
+
 @pytest.mark.parametrize("pool_n,name,impl,bug,seq", [
     (2, "cp2", "ring", "skip_rotation", 8),
     (4, "cp4", "allgather", "causal_offset", 13),
