@@ -212,3 +212,32 @@ def run_cp_comm(name: str, impl: str, seq: int, batch: int = 2, **kw) -> dict:
                         if set(r.axes) <= set(axes)],
             "layers": cfg.num_hidden_layers, "P": mesh.axis_size(axes), "B": batch // n_data,
             "h": cfg.num_attention_heads * cfg.head_dim, "h_kv": cfg.num_key_value_heads * cfg.head_dim}
+
+
+def run_ring_transfers(policy: str | None) -> dict:
+    """The ring's transfers of one cp 2 step by phase, with the loss under ``hpfunc.remat(policy)`` or not."""
+    import hpfunc
+    from hpfunc import optim
+    from hpfunc.models import qwen3
+    from hpfunc.models.qwen3 import parallel_plan
+    from hpfunc.transforms import plans, policies
+    from hpfunc.transforms.parallelize import init_sharded, parallel_train_step
+    from hpfunc.transforms.remat import remat
+
+    cfg = qwen3.preset("qwen3-dense-tiny")
+    mesh, plan = hpfunc.Mesh({"cp": 2}), plans.cp("cp", impl="ring")
+    loss_fn = lambda p, b: parallel_plan.loss(p, b, cfg)[0]  # noqa: E731
+    if policy is not None:
+        loss_fn = remat(loss_fn, policy=getattr(policies, policy))
+    step = parallel_train_step(loss_fn, optim.adamw(LR), mesh, plan)
+    params = init_sharded(functools.partial(qwen3.init, cfg=cfg), mesh, plan, hpfunc.random.key(0),
+                          shapes=qwen3.param_shapes(cfg))
+    state = step.init_opt_state(params)
+    b = {"tokens": torch.randint(0, cfg.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))}
+    with hpfunc.comm_stats() as stats:
+        step(params, state, b)
+    out = {"layers": cfg.num_hidden_layers}
+    for r in stats.records:
+        if r.op == "ppermute":
+            out[r.phase] = out.get(r.phase, 0) + 1
+    return out

@@ -77,6 +77,15 @@ def test_cp_under_remat_matches_single_device(pool2, impl, policy, docs):
     pool2.run(C.run_cp_parity, "cp2", impl, "qwen3-moe-tiny", 5, 11, 2, 2, None, docs, policy)
 
 
+def test_remat_recomputes_the_ring_in_the_backward(pool2):
+    # without remat: L (P - 1) transfers forward and their transposes backward; with nothing_saveable the
+    # backward also repeats the forward's transfers (the recompute), so the parity above covers them
+    plain, again = pool2.run(C.run_ring_transfers, None)[0], pool2.run(C.run_ring_transfers, "nothing_saveable")[0]
+    L = plain["layers"]
+    assert (plain["forward"], plain["backward"]) == (L, L)
+    assert (again["forward"], again["backward"]) == (L, 2 * L)
+
+
 @pytest.mark.parametrize("pool_n,name,impl,bug,seq", [
     (2, "cp2", "ring", "skip_rotation", 8),
     (4, "cp4", "allgather", "causal_offset", 13),
