@@ -3,7 +3,7 @@
 This is hpfunc's extension point. ``hpfunc.parallelize(step, mesh, plan)`` runs ``step`` on every rank
 on this rank's blocks and binds, for the step, one immutable :class:`Binding` (a ``contextvars`` value)
 holding its :class:`StepLayout`, and another for the function it differentiates (data, tensor-,
-expert-parallel axes, the pipeline runner).
+expert-, context-parallel axes, the pipeline runner).
 Library code written for one device asks it the few questions that blocks change, and gives the
 single-device answer; outside a step every question answers for one device, so the same code runs
 unchanged on one device, in a notebook and on a mesh. The core (``autodiff``, ``microbatch``), the
@@ -24,6 +24,8 @@ What you can ask:
 :func:`global_sq_norm` (tree)        the squared norm of global tensors from their blocks
 :func:`donated`                      whether the step may write its new state into the old one's buffers
 :func:`ep_axis`                      the expert-parallel axis (:mod:`hpfunc.layout.expert_parallel`)
+:func:`cp_binding`                   the context-parallel binding: the axes each sequence is split
+                                     over and the attention strategy (:mod:`hpfunc.layout.context_parallel`)
 :func:`runner`, :class:`Stages`      the pipeline binding: a model split into stages runs through the
                                      bound runner (:mod:`hpfunc.layout.pipeline`)
 :func:`model_paths` (tree)           every parameter path of the model (a pipeline rank holds some)
@@ -39,7 +41,8 @@ use, reduced gradients); :func:`hpfunc.optim.global_norm` sums over shards; Muon
 matrix with :func:`gather_block` and cuts its update back with :func:`local_block`; the MoE
 expert-bias update cuts the global load to this rank's experts; Qwen3's parallel hooks
 (``hpfunc.models.qwen3.parallel_plan``) read the tensor-parallel binding; MoE blocks read the
-expert-parallel one and dispatch tokens to the ranks holding their experts.
+expert-parallel one and dispatch tokens to the ranks holding their experts; Qwen3's attention reads
+the context-parallel one and takes its tokens of each sequence.
 
 A new parallelism is a plan layer plus hooks that read this context; nothing else changes. A layer of
 your own does the same (the one-device run is the reference; ``docs/parallel.md`` runs it on a mesh):
@@ -62,6 +65,7 @@ from hpfunc.layout.step import (Accumulation, LeafLayout, LeafSpec, PlanError, S
                                 current, data_axes, data_parallel, donated, gather_block, global_sq_norm, leaf,
                                 local_block, varying_axes)
 from hpfunc.layout.expert_parallel import ep_axis, expert_parallel
+from hpfunc.layout.context_parallel import ContextParallel, context_parallel, cp_binding
 from hpfunc.layout.pipeline import PipelineRunner, Stages, model_parameter_paths, model_paths, pipeline, runner
 from hpfunc.layout.styles import ColwiseParallel, Replicate, RowwiseParallel, SequenceParallel, Style, VocabParallel
 from hpfunc.layout.tensor_parallel import (check_sequence, gather_sequence, reduce_partial, scatter_sequence,
@@ -73,6 +77,7 @@ __all__ = [
     "varying_axes", "local_block", "gather_block", "global_sq_norm", "blocks_sq_norm", "blocks_sq_sum",
     "tensor_parallel", "tp_axis", "sequence_parallel", "vocab_parallel", "scatter_sequence", "gather_sequence",
     "reduce_partial", "check_sequence", "expert_parallel", "ep_axis",
+    "ContextParallel", "context_parallel", "cp_binding",
     "Stages", "PipelineRunner", "pipeline", "runner", "model_paths", "model_parameter_paths",
     "Style", "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "VocabParallel", "Replicate",
     "Binding", "binding", "bound", "rebind",

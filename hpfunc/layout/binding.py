@@ -4,7 +4,7 @@ A parallelized step binds a :class:`Binding` for its body (the step's :class:`~h
 the model's parameter paths) and another for the function it differentiates (the data, tensor-,
 expert-parallel axes, the pipeline runner), each built once when the step is lowered; every query of
 :mod:`hpfunc.layout` reads the one bound value. The context managers ``bind``, ``data_parallel``,
-``tensor_parallel``, ``expert_parallel``, ``pipeline`` and ``model_parameter_paths`` each bind a copy
+``tensor_parallel``, ``expert_parallel``, ``context_parallel``, ``pipeline`` and ``model_parameter_paths`` each bind a copy
 of the current binding with their fields changed (for a test, or a layer run by hand).
 
     >>> bound().tp_axis, bound().step is None
@@ -35,7 +35,8 @@ class Binding:
     ``step``: the step's :class:`~hpfunc.layout.StepLayout` (``None`` outside a step and inside the
     function it differentiates); ``data_axes``: the mesh axes the batch is split over, for the
     differentiated function; ``tp_axis``, ``vocab_parallel``, ``sequence_parallel``: the tensor-parallel
-    binding; ``ep_axis``: the expert-parallel axis; ``pipeline``: the
+    binding; ``ep_axis``: the expert-parallel axis; ``context_parallel``: the
+    :class:`~hpfunc.layout.ContextParallel` of a ``cp`` plan layer; ``pipeline``: the
     :class:`~hpfunc.layout.PipelineRunner` of a pipelined differentiation; ``model_paths``: every
     parameter path of the model (a pipeline rank holds only some).
     """
@@ -46,6 +47,7 @@ class Binding:
     vocab_parallel: bool = False
     sequence_parallel: bool = False
     ep_axis: str | None = None
+    context_parallel: Any = None
     pipeline: Any = None
     model_paths: tuple[str, ...] | None = None
 

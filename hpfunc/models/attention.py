@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from typing import Callable
+
 from hpfunc.models.layers import rms_norm
 from hpfunc.models.rope import apply_rope
 
@@ -30,12 +32,15 @@ def gqa_attention(
     bk: torch.Tensor | None = None,
     bv: torch.Tensor | None = None,
     bo: torch.Tensor | None = None,
+    attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Causal GQA attention ``[B, S, H] -> [B, S, H_out]``.
 
     ``wq [Hq*D, H]``, ``wk/wv [Hkv*D, H]``, ``wo [H_out, Hq*D]`` (``[out, in]``); ``q_norm/k_norm [D]``
     are RMSNorm weights applied per head before RoPE; ``cos, sin`` are ``[S, D]`` or ``[B, S, D]`` tables.
-    Softmax scale ``D ** -0.5``; the causal mask is by sequence index.
+    Softmax scale ``D ** -0.5``; the causal mask is by sequence index. ``attend(q, k, v) -> out``
+    (``q [B, Hq, S, D]``, ``k, v [B, Hkv, S, D]`` after RoPE) replaces the causal attention core: context
+    parallelism passes :func:`hpfunc.models.context_attention.context_attention` over its ranks.
 
     >>> B, S, H, D = 1, 4, 16, 4
     >>> cos, sin = torch.ones(S, D), torch.zeros(S, D)
@@ -60,5 +65,8 @@ def gqa_attention(
     k = rms_norm(F.linear(x, wk, bk).view(B, S, hkv, D), k_norm, eps).transpose(1, 2)
     v = F.linear(x, wv, bv).view(B, S, hkv, D).transpose(1, 2)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=hq != hkv)
+    if attend is None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=hq != hkv)
+    else:
+        out = attend(q, k, v)
     return F.linear(out.transpose(1, 2).reshape(B, S, hq * D), wo, bo)

@@ -48,14 +48,13 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from hpfunc import lax
+from hpfunc.layout.context_parallel import IMPLS
 from hpfunc.models.attention_blocks import block_attention, dense_attention, merge_blocks
 from hpfunc.models.sequence_split import ContextParallelError, SequenceSplit
 
 __all__ = ["IMPLS", "context_attention", "allgather_attention", "ring_attention", "ulysses_attention",
            "hybrid_attention", "local_positions", "trace_ring", "SequenceSplit", "ContextParallelError",
            "dense_attention"]
-
-IMPLS = ("allgather", "ring", "ulysses", "hybrid")
 
 _TRACE: contextvars.ContextVar[list | None] = contextvars.ContextVar("hpfunc_cp_trace", default=None)
 

@@ -164,6 +164,9 @@ PLAN_KINDS: dict[str, tuple[int, dict[str, Any]]] = {
     "hsdp": (2, {"reshard_after_forward": True}),  # (replicate axis, shard axis)
     "tp": (1, {"vocab_parallel": False, "sequence_parallel": False}),
     "ep": (1, {"reshard_after_forward": True}),  # experts split; a data axis, the rest sharded as fsdp
+    # each sequence split over the axis (hybrid: Ulysses over ulysses_axis, a second mesh axis it takes)
+    "cp": (1, {"impl": "ring", "ulysses_axis": None, "balanced": True, "pad": True, "replicate_kv": False,
+               "overlap": True}),
     # pipeline stages over the axis (not a data axis): a schedule name or a torch-format CSV file
     "pp": (1, {"schedule": "1f1b", "microbatches": 1, "virtual_stages": None, "layers_per_stage": None,
                "remat": None, "max_resident": None}),
@@ -173,7 +176,9 @@ _OPTION_TYPES: dict[tuple[str, str], Any] = {("pp", "virtual_stages"): Union[int
                                              ("pp", "layers_per_stage"): Union[tuple[int, ...], None],
                                              # a policy name for every stage, or one per stage (null: none)
                                              ("pp", "remat"): Union[str, tuple[Union[str, None], ...], None],
-                                             ("pp", "max_resident"): Union[int, None]}
+                                             ("pp", "max_resident"): Union[int, None],
+                                             ("cp", "impl"): Literal["allgather", "ring", "ulysses", "hybrid"],
+                                             ("cp", "ulysses_axis"): Union[str, None]}
 _DATA_KINDS = ("ddp", "fsdp", "zero1", "zero2", "zero3", "hsdp", "ep")
 
 
@@ -638,7 +643,16 @@ def _parse_plan_entry(entry: Any, path: str) -> tuple[str, tuple[str, ...] | Non
 
 def _bind_axes(parsed: list, mesh: Mapping[str, int], path: str) -> tuple[PlanEntry, ...]:
     owner: dict[str, str] = {}
-    for i, (kind, axes, _, where) in enumerate(parsed):
+    for i, (kind, axes, options, where) in enumerate(parsed):
+        extra = options.get("ulysses_axis") if kind == "cp" else None  # hybrid cp takes a second axis
+        if extra is not None:
+            if extra not in mesh:
+                close = difflib.get_close_matches(extra, list(mesh), n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise ConfigError(f"{where}.ulysses_axis: {extra!r} is not an axis of {path}.mesh {_flow(mesh)}{hint}")
+            if extra in owner:
+                raise ConfigError(f"{where}.ulysses_axis: mesh axis {extra!r} is already used by {owner[extra]}")
+            owner[extra] = f"{path}.plan[{i}] ({kind})"
         for a in axes or ():
             key = f"{where}.{'axes' if len(axes) > 1 else 'axis'}"
             if a not in mesh:
@@ -666,7 +680,7 @@ def _bind_axes(parsed: list, mesh: Mapping[str, int], path: str) -> tuple[PlanEn
         if mesh[a] > 1:
             raise ConfigError(f"{path}.mesh.{a}: the axis has size {mesh[a]} but no entry of {path}.plan runs "
                               f"over it; add one (one entry per mesh axis, in mesh order) or set its size to 1")
-    for kind, what in (("tp", "tensor"), ("ep", "expert")):
+    for kind, what in (("tp", "tensor"), ("ep", "expert"), ("cp", "context")):
         found = [i for i, e in enumerate(entries) if e.kind == kind]
         if len(found) > 1:
             raise ConfigError(f"{path}.plan[{found[1]}]: a second {kind} entry; {what} parallelism runs over one "

@@ -104,6 +104,8 @@ def _entry_plan(e: PlanEntry, model_cfg: Any, mesh: Mapping[str, int]) -> Any:
     if e.kind == "tp":
         return plans.tp(e.axes[0], parallel_plan.tp_styles(model_cfg, vocab_parallel=o["vocab_parallel"],
                                                            sequence_parallel=o["sequence_parallel"]))
+    if e.kind == "cp":
+        return plans.cp(e.axes[0], **o)
     if e.kind == "ep":
         return plans.ep(e.axes[0], parallel_plan.ep_experts(model_cfg), reshard_after_forward=o["reshard_after_forward"])
     return getattr(plans, e.kind)(e.axes[0])  # ddp, zero1, zero2
@@ -181,6 +183,7 @@ def check_parallel(cfg: Config, model_cfg: Any) -> None:
             raise ConfigError(f"parallel.mesh.{axis}: expert parallelism over {n} ranks must divide the {E} experts of "
                               f"the model (model.num_experts); choose an ep size that divides {E}")
     _check_pipeline(cfg, model_cfg)
+    _check_context(cfg, model_cfg)
     plan = build_plan(pc, model_cfg)
     shapes = qwen3.param_shapes(model_cfg)
     try:
@@ -233,6 +236,46 @@ def _check_pipeline(cfg: Config, model_cfg: Any) -> None:
             raise ConfigError(f"{key}.{what}: {err}") from None
 
 
+def _check_context(cfg: Config, model_cfg: Any) -> None:
+    """A ``cp`` entry: a strategy that fits the heads (Ulysses over no more ranks than the key/value heads
+    left after tensor parallelism, unless replicate_kv), a sequence that splits into ``2 P`` chunks when
+    padding is off; errors name the config key."""
+    from hpfunc.transforms.plans import PlanError
+
+    pc = cfg.parallel
+    tp = _tp_entry(pc)
+    n_tp = 1 if tp is None else pc.mesh[tp[1].axes[0]]
+    for i, e in enumerate(pc.plan):
+        if e.kind != "cp":
+            continue
+        o, key = e.options, f"parallel.plan[{i}].cp"
+        try:
+            _entry_plan(e, model_cfg, pc.mesh)
+        except PlanError as err:
+            raise ConfigError(f"{key}.{'ulysses_axis' if 'ulysses_axis' in str(err) else 'impl'}: {err}") from None
+        axes = (e.axes[0],) + ((o["ulysses_axis"],) if o["ulysses_axis"] else ())
+        n = 1
+        for a in axes:
+            n *= pc.mesh[a]
+        if not o["pad"] and cfg.train.seq_len % (2 * n):
+            raise ConfigError(f"train.seq_len: context parallelism ({key}, pad: false) splits the sequence of "
+                              f"{cfg.train.seq_len} into 2 x {n} chunks over {n} ranks; use a multiple of {2 * n} "
+                              f"or {key}.pad: true")
+        heads_axis = {"ulysses": e.axes[0], "hybrid": o["ulysses_axis"]}.get(o["impl"])
+        if heads_axis is None:
+            continue
+        deg = pc.mesh[heads_axis]
+        hq, hkv = model_cfg.num_attention_heads // n_tp, model_cfg.num_key_value_heads // n_tp
+        after = f" per tensor-parallel rank ({n_tp} ranks)" if n_tp > 1 else ""
+        if hq % deg:
+            raise ConfigError(f"parallel.mesh.{heads_axis}: Ulysses ({key}.impl: {o['impl']}) over {deg} ranks must "
+                              f"divide the {hq} attention heads{after}; choose a size that divides {hq}")
+        if hkv % deg and not o["replicate_kv"]:
+            raise ConfigError(f"parallel.mesh.{heads_axis}: Ulysses ({key}.impl: {o['impl']}) over {deg} ranks is above "
+                              f"(or does not divide) the {hkv} key/value heads{after} (model.num_key_value_heads); "
+                              f"set {key}.replicate_kv: true, or impl: hybrid with a Ulysses axis that divides {hkv}")
+
+
 # What the entries that shard promise to shard over their axis (hsdp: over its second axis only).
 _SHARDS = {"fsdp": "parameters", "zero3": "parameters", "hsdp": "parameters", "zero1": "optimizer state",
            "zero2": "optimizer state and gradients", "tp": "parameters", "ep": "experts"}
@@ -277,10 +320,21 @@ def describe_plan(cfg: Config, model_cfg: Any) -> str:
     head = [
         f"mesh {pc.mesh_text} ({pc.size} processes), plan {_plan_text(pc)}",
         f"batch {cfg.train.batch_size} x {cfg.train.seq_len} split over {pc.data_axes or 'no axis'}: "
-        f"{per} x {cfg.train.seq_len} per data shard",
+        f"{per} x {cfg.train.seq_len} per data shard{_sequence_split_text(cfg)}",
         f"{'parameter':40s} {'shape':16s} storage -> compute | opt (optimizer state)",
     ]
     return "\n".join(head) + "\n" + plan.describe(qwen3.param_shapes(model_cfg), mesh)
+
+
+def _sequence_split_text(cfg: Config) -> str:
+    """``; each sequence over ('cp',): padded to 32, 16 tokens per cp rank`` under a ``cp`` entry, else ``""``."""
+    for e in cfg.parallel.plan:
+        if e.kind == "cp":
+            axes = (e.axes[0],) + ((e.options["ulysses_axis"],) if e.options["ulysses_axis"] else ())
+            n = functools.reduce(operator.mul, (cfg.parallel.mesh[a] for a in axes), 1)
+            padded = -(-cfg.train.seq_len // (2 * n)) * 2 * n
+            return f"; each sequence over {axes}: padded to {padded}, {padded // n} tokens per cp rank"
+    return ""
 
 
 def _plan_text(pc: ParallelConfig) -> str:

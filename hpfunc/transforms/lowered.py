@@ -123,7 +123,7 @@ class Lowered:
         self.inner_binding = layout.Binding(
             data_axes=self.engine.data_axes, tp_axis=plan.tp_axis, vocab_parallel=bool(plan.tp_vocab_parallel)
             and plan.tp_axis is not None, sequence_parallel=bool(plan.tp_sequence_parallel) and plan.tp_axis is not None,
-            ep_axis=plan.ep_axis, model_paths=model_paths)
+            ep_axis=plan.ep_axis, context_parallel=plan.cp_binding, model_paths=model_paths)
         # Found by the first run of each structure the step builds inside, replayed after:
         self.out_specs: dict = {}  # metrics structure and shapes -> FlatSpecs of (state, metrics)
         self.out_checks: dict = {}  # metrics structure -> FlatSpecs of the checks (a pp layer)
@@ -261,7 +261,8 @@ class Lowered:
     def __repr__(self) -> str:
         eng = self.engine
         mesh = ", ".join(f"{a}={self.mesh.axis_size(a)}" for a in self.mesh.axis_names)
-        plan = " + ".join(f"{lay.kind}({lay.axis!r})" for lay in self.plan.layers)
+        plan = " + ".join([f"{lay.kind}({lay.axis!r})" for lay in self.plan.layers]
+                          + ([self.plan.context.describe()] if self.plan.context is not None else []))
         head = (f"Lowered({mesh}; plan {plan}; batch {self.batch_spec!r}; {len(self.paths)} parameter"
                 f"{'s' if len(self.paths) != 1 else ''}, {self.n_state_leaves} state "
                 f"{'leaves' if self.n_state_leaves != 1 else 'leaf'}")

@@ -16,13 +16,15 @@ Plans are built from layers that compose left to right on N-D meshes::
     plan = hsdp("dp", "fsdp")                                   # = ddp("dp") + fsdp("fsdp")
     plan = zero2("dp")                                          # params replicated, grads/opt sharded
     plan = fsdp("fsdp") + ep("ep", qwen3.parallel_plan.ep_experts(cfg))  # experts split over ep
+    plan = fsdp("fsdp") + cp("cp", impl="ring")                 # each sequence split over cp
 
 and explicit rules on dotted paths (glob or ``re:``) that override the layers::
 
     plan = fsdp("fsdp").with_rules([("embed", LeafSpec(P("fsdp"), P(), P("fsdp")))])
 
 The batch is split along dimension 0 over the plan's data axes (every ``ddp``/``fsdp``/``zero``/``ep``
-axis, in mesh order). Errors are ``PlanError`` (a ``ValueError``) naming the path, axis or size.
+axis, in mesh order); a ``cp`` layer splits each sequence along its length inside the model
+(:mod:`hpfunc.transforms.context_parallel_plan`). Errors are ``PlanError`` (a ``ValueError``) naming the path, axis or size.
 """
 
 from __future__ import annotations
@@ -34,12 +36,14 @@ import attrs
 import torch
 
 from hpfunc import tree as _tree
-from hpfunc.layout import (ColwiseParallel, LeafLayout, LeafSpec, PlanError, Replicate, RowwiseParallel,
-                           SequenceParallel, Style, VocabParallel, check_sequence)
+from hpfunc.layout import (ColwiseParallel, ContextParallel, LeafLayout, LeafSpec, PlanError, Replicate,
+                           RowwiseParallel, SequenceParallel, Style, VocabParallel, check_sequence)
 from hpfunc.mesh import Mesh
 from hpfunc.sharding import P, _rule_matches
+from hpfunc.transforms.context_parallel_plan import ContextParallelLayer
 
 __all__ = ["PlanError", "LeafSpec", "LeafLayout", "Plan", "ddp", "fsdp", "zero1", "zero2", "zero3", "hsdp", "tp", "ep", "pp",
+           "cp",
            "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "VocabParallel", "Replicate", "Style"]
 
 
@@ -197,6 +201,7 @@ class Plan:
     gradient_scaling_factor: float | None = None
     pipeline: Any = None  # a PipelineLayer (hpfunc.transforms.pipeline_plan), from pp(...)
     sdc_check: str | None = None
+    context: Any = None  # a ContextParallelLayer (hpfunc.transforms.context_parallel_plan), from cp(...)
 
     def __add__(self, other: "Plan") -> "Plan":
         def one(name: str) -> Any:
@@ -208,10 +213,14 @@ class Plan:
         if self.pipeline is not None and other.pipeline is not None:
             raise PlanError(f"a plan takes one pipeline layer; found pp({self.pipeline.axis!r}) and "
                             f"pp({other.pipeline.axis!r})")
+        if self.context is not None and other.context is not None:
+            raise PlanError(f"a plan takes one context-parallel layer; found {self.context.describe()} and "
+                            f"{other.context.describe()} (for two axes use impl='hybrid' with ulysses_axis=)")
         return Plan(self.layers + other.layers, self.rules + other.rules,
                     self.reshard_after_forward and other.reshard_after_forward,
                     one("param_dtype"), one("reduce_dtype"), one("gradient_scaling_factor"),
-                    self.pipeline if self.pipeline is not None else other.pipeline, one("sdc_check"))
+                    self.pipeline if self.pipeline is not None else other.pipeline, one("sdc_check"),
+                    self.context if self.context is not None else other.context)
 
     def with_mixed_precision(self, param_dtype: torch.dtype | None = torch.bfloat16,
                              reduce_dtype: torch.dtype | None = torch.float32) -> "Plan":
@@ -263,6 +272,17 @@ class Plan:
         return tuple(dict.fromkeys(l.axis for l in self.layers if l.is_data))
 
     @property
+    def token_axes(self) -> tuple[str, ...]:
+        """Every axis the step's tokens are split over: the data axes (along the batch) and the
+        context-parallel axes (along the sequence). Batch statistics are pooled over them."""
+        return self.data_axes + (() if self.context is None else self.context.token_axes)
+
+    @property
+    def cp_binding(self) -> Any:
+        """The :class:`hpfunc.layout.ContextParallel` of the plan's ``cp`` layer, or ``None``."""
+        return None if self.context is None else self.context.binding
+
+    @property
     def tp_axis(self) -> str | None:
         axes = [l.axis for l in self.layers if l.kind == "tp"]
         return axes[0] if axes else None
@@ -311,7 +331,8 @@ class Plan:
         (the sequence) of every leaf of rank >= 2 over the tensor-parallel axis."""
         axes = self.batch_spec(mesh).dim_axes(0)
         n = mesh.axis_size(axes) if axes else 1
-        tp = self.tp_axis if self.tp_sequence_parallel else None
+        # under context parallelism the sequence-parallel axis splits each cp rank's tokens (checked by the cp layer)
+        tp = self.tp_axis if self.tp_sequence_parallel and self.context is None else None
         for path, x in _tree.leaves_with_paths(batch):
             if not isinstance(x, torch.Tensor):
                 continue
@@ -320,6 +341,8 @@ class Plan:
                                 f"over the data axes {axes} ({n} ranks)")
             if tp is not None:
                 check_sequence(x, path, tp, mesh.axis_size(tp))
+            if self.context is not None:
+                self.context.check_batch({path: x}, mesh, self.tp_axis if self.tp_sequence_parallel else None)
             m = 1 if self.pipeline is None else self.pipeline.microbatches
             if m > 1 and (x.shape[0] // n) % m:
                 raise PlanError(f"batch leaf {path!r} of shape {tuple(x.shape)}: each data shard's {x.shape[0] // n} "
@@ -362,6 +385,10 @@ class Plan:
             if l.axis in seen and seen[l.axis] != l.kind:
                 raise PlanError(f"mesh axis {l.axis!r} is used by both {seen[l.axis]} and {l.kind}")
             seen[l.axis] = l.kind
+        if self.context is not None:
+            if self.pipeline is not None:
+                seen.setdefault(self.pipeline.axis, "pp")
+            self.context.check_mesh(mesh, seen)
         for pat, ls in self.rules:
             for sp in (ls.storage, ls.compute, ls.opt):
                 for a in sp.axes:
@@ -600,6 +627,36 @@ def pp(axis: str, stages: Any, *, schedule: Any = "1f1b", microbatches: int, vir
     from hpfunc.transforms.pipeline_plan import PipelineLayer
 
     return Plan(pipeline=PipelineLayer(axis, stages, schedule, microbatches, virtual_stages, remat, max_resident))
+
+
+def cp(axis: str = "cp", *, impl: str = "ring", ulysses_axis: str | None = None, balanced: bool = True,
+       pad: bool = True, replicate_kv: bool = False, overlap: bool = True) -> Any:
+    """Context parallelism over ``axis``: every sequence of the batch split along its length.
+
+    Args:
+        axis: the mesh axis (for ``impl="hybrid"`` the ring's).
+        impl: ``"allgather"`` (K, V gathered, KV heads only), ``"ring"`` (K, V passed around the ring with
+            online softmax), ``"ulysses"`` (all-to-alls between sequence- and head-sharded q, k, v; the
+            degree must divide the KV heads left after tensor parallelism unless ``replicate_kv``) or
+            ``"hybrid"`` (Ulysses over ``ulysses_axis`` inside, the ring across ``axis``).
+        balanced: causal load balancing (rank ``r`` holds chunks ``r`` and ``2P - 1 - r``).
+        pad: pad sequences to a multiple of ``2 P`` (the padding is masked, its labels ignored); else such
+            a length is a :class:`PlanError` before any communication.
+        replicate_kv, overlap: see :class:`hpfunc.layout.ContextParallel`.
+
+    The batch is split along dimension 0 over the plan's data axes only; every cp rank gets its data shard's
+    whole sequences and the model takes its own tokens (no communication). Parameters are replicated over
+    the cp axes; the loss is the mean over every target of the data shard, counted across the cp axes.
+    Composes with ``fsdp`` / ``ddp`` / ``zero`` on other axes, ``tp`` (heads split by tp first) and ``ep``.
+
+    >>> from hpfunc.transforms import plans
+    >>> plan = plans.fsdp("fsdp") + plans.cp("cp", impl="ulysses")
+    >>> plan.data_axes, plan.token_axes, plan.cp_binding.impl
+    (('fsdp',), ('fsdp', 'cp'), 'ulysses')
+    """
+    return Plan(context=ContextParallelLayer(ContextParallel(axis, impl=impl, ulysses_axis=ulysses_axis,
+                                                             balanced=balanced, pad=pad, replicate_kv=replicate_kv,
+                                                             overlap=overlap)))
 
 
 def total_numel(resolved: Mapping[str, LeafLayout]) -> int:

@@ -25,7 +25,9 @@ def plan_of(cfg, mesh_shape: dict, roles: list[str], schedule: str, m: int, laye
         else:
             plan = plan + {"ep": lambda a: plans.ep(a, parallel_plan.ep_experts(cfg)),
                            "fsdp": lambda a: plans.fsdp(a), "ddp": lambda a: plans.ddp(a),
-                           "tp": lambda a: plans.tp(a, parallel_plan.tp_styles(cfg))}[role](axis)
+                           "tp": lambda a: plans.tp(a, parallel_plan.tp_styles(cfg)),
+                           "cp": lambda a: plans.cp(a, impl="ring"),
+                           "cp_ulysses": lambda a: plans.cp(a, impl="ulysses")}[role](axis)
     return plan
 
 

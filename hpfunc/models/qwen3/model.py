@@ -26,6 +26,7 @@ Parameter paths (``hpfunc.tree.path_str``), all linear weights ``[out, in]`` as 
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable, Sequence
 
@@ -36,6 +37,7 @@ from hpfunc import layout
 from hpfunc import random as _random
 from hpfunc import tree as _tree
 from hpfunc.models.attention import gqa_attention
+from hpfunc.models.attention_blocks import dense_attention
 from hpfunc.models.dispatch import AllToAll, PaddedAllToAll
 from hpfunc.models.config import ConfigError, Qwen3Config, RopeScaling, preset  # noqa: F401  (re-exported)
 from hpfunc.models.layers import rms_norm, swiglu_mlp
@@ -210,6 +212,14 @@ def check_tokens(tokens: torch.Tensor, vocab_size: int) -> None:
                          f"(vocab_size={vocab_size}; min id {lo}, max id {hi})")
 
 
+def check_doc_ids(doc_ids: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """``doc_ids`` checked against the tokens' ``[B, S]`` shape (an integer tensor of that shape)."""
+    if doc_ids.dtype.is_floating_point or doc_ids.dtype == torch.bool or tuple(doc_ids.shape) != tuple(shape):
+        raise ValueError(f"document ids (batch['doc_ids']): expected an integer tensor of the tokens' shape "
+                         f"{tuple(shape)}, found {doc_ids.dtype} {tuple(doc_ids.shape)}")
+    return doc_ids
+
+
 def rope_for(h: torch.Tensor, positions: torch.Tensor, cfg: Qwen3Config) -> tuple[torch.Tensor, torch.Tensor]:
     """The rotary tables ``(cos, sin)`` for ``positions`` in the hidden states' dtype."""
     inv_freq, rope_scale = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
@@ -220,7 +230,8 @@ def rope_for(h: torch.Tensor, positions: torch.Tensor, cfg: Qwen3Config) -> tupl
 def decoder_layer(layer: dict, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: Qwen3Config, *,
                   moe_impl: str = "auto", gather_input: Callable[[torch.Tensor], torch.Tensor] | None = None,
                   reduce_partial: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                  dispatcher: Any = None) -> tuple[torch.Tensor, Any]:
+                  dispatcher: Any = None,
+                  attend: Callable[..., torch.Tensor] | None = None) -> tuple[torch.Tensor, Any]:
     """One decoder layer (attention then MLP or MoE, pre-norm residuals): ``(h, routing)`` with the MoE
     routing (``None`` for a dense layer). :func:`apply`'s hooks, as there; ``dispatcher``: the MoE
     block's token dispatcher (:func:`hpfunc.models.moe.moe_block`; :func:`moe_dispatcher` of the config)."""
@@ -230,7 +241,7 @@ def decoder_layer(layer: dict, h: torch.Tensor, cos: torch.Tensor, sin: torch.Te
     out = gqa_attention(gather(rms_norm(h, layer["attn_norm"], eps)), a["wq"], a["wk"], a["wv"], a["wo"],
                         a["q_norm"], a["k_norm"], cos, sin, eps=eps,
                         bq=a.get("bq"), bk=a.get("bk"), bv=a.get("bv"),
-                        bo=a.get("bo") if reduce_partial is None else None)
+                        bo=a.get("bo") if reduce_partial is None else None, attend=attend)
     if reduce_partial is not None:
         out = reduce_partial(out)
         if "bo" in a:  # added once, after the reduction
@@ -254,7 +265,9 @@ def apply(params: dict, tokens: torch.Tensor, cfg: Qwen3Config, *, positions: to
           embed: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
           gather_input: Callable[[torch.Tensor], torch.Tensor] | None = None,
           reduce_partial: Callable[[torch.Tensor], torch.Tensor] | None = None,
-          head: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> Any:
+          head: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+          attend: Callable[..., torch.Tensor] | None = None, counted: torch.Tensor | None = None,
+          doc_ids: torch.Tensor | None = None) -> Any:
     """Logits ``[B, S, V]`` for ``tokens [B, S]`` (causal; ``positions`` ``[S]`` or ``[B, S]`` default
     ``arange(S)``).
 
@@ -280,7 +293,16 @@ def apply(params: dict, tokens: torch.Tensor, cfg: Qwen3Config, *, positions: to
                                     the residual add: with Megatron shards of the weights,
                                     ``lambda y: lax.psum(y, "tp")`` gives the full model;
     ``head(h, weight) -> logits``   the output projection of the final normalised hidden states
-                                    (default ``F.linear``).
+                                    (default ``F.linear``);
+    ``attend(q, k, v) -> out``      the causal attention core of every layer (default
+                                    ``scaled_dot_product_attention``; context parallelism attends
+                                    across the ranks that hold the sequence's other tokens);
+    ``counted``                     ``[B, S]`` bool: the tokens the MoE statistics count (load-balancing
+                                    loss, ``expert_load``); default all (context parallelism's padding
+                                    is not counted).
+
+    ``doc_ids`` ``[B, S]`` int (packed sequences): a token attends only to earlier tokens of its own
+    document (ignored when ``attend`` is given: that hook holds the documents itself).
 
     >>> from hpfunc.models import preset
     >>> cfg = preset("qwen3-dense-tiny")
@@ -292,7 +314,14 @@ def apply(params: dict, tokens: torch.Tensor, cfg: Qwen3Config, *, positions: to
         raise layout.PlanError(
             f"qwen3.apply: a tensor-parallel axis ({layout.tp_axis()!r}) is bound but no parallel hooks were given, "
             f"so row-parallel outputs would not be summed; use hpfunc.models.qwen3.parallel_plan.loss / .apply")
+    if attend is None and layout.cp_binding() is not None:
+        raise layout.PlanError(
+            f"qwen3.apply: a context-parallel layout ({layout.cp_binding().axes}) is bound but no attention hook was "
+            f"given, so each rank would attend only to its own tokens; use hpfunc.models.qwen3.parallel_plan.loss / "
+            f".apply")
     B, S = tokens.shape
+    if attend is None and doc_ids is not None:
+        attend = functools.partial(dense_attention, causal=True, doc_ids=check_doc_ids(doc_ids, tokens.shape))
     h = F.embedding(tokens, params["embed"]) if embed is None else embed(tokens, params["embed"])
     if positions is None:
         positions = torch.arange(S, device=tokens.device)
@@ -305,7 +334,7 @@ def apply(params: dict, tokens: torch.Tensor, cfg: Qwen3Config, *, positions: to
                          f"({moe_layers})")
     for layer in params["layers"]:
         h, routing = decoder_layer(layer, h, cos, sin, cfg, moe_impl=moe_impl, gather_input=gather_input,
-                                   reduce_partial=reduce_partial,
+                                   reduce_partial=reduce_partial, attend=attend,
                                    dispatcher=dispatcher if moe_dispatchers is None else moe_dispatchers[len(routings)])
         if routing is not None:
             routings.append(routing)
@@ -315,6 +344,9 @@ def apply(params: dict, tokens: torch.Tensor, cfg: Qwen3Config, *, positions: to
     logits = F.linear(h, w_out) if head is None else head(h, w_out)
     if not return_aux:
         return logits
+    if routings and counted is not None:  # statistics of the counted tokens only
+        keep = counted.reshape(-1)
+        routings = [r._replace(probs=r.probs[keep], indices=r.indices[keep]) for r in routings]
     if routings:
         E = routings[0].probs.shape[-1]
         aux_loss = load_balancing_loss(routings, E)
@@ -344,7 +376,8 @@ def loss(params: dict, batch: dict, cfg: Qwen3Config, *, moe_impl: str = "auto",
          reduce_partial: Callable[[torch.Tensor], torch.Tensor] | None = None,
          head: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
          cross_entropy: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-         ) -> tuple[torch.Tensor, dict]:
+         positions: torch.Tensor | None = None, attend: Callable[..., torch.Tensor] | None = None,
+         counted: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """Training loss ``ce + router_aux_loss_coef * aux_loss`` (the aux term only for MoE models).
 
     ``batch["tokens"]`` int64 ``[B, S]``; ``batch["labels"]`` (optional) ``[B, S]`` targets *aligned with
@@ -352,7 +385,9 @@ def loss(params: dict, batch: dict, cfg: Qwen3Config, *, moe_impl: str = "auto",
     :func:`shift_labels` of the tokens (equal to Hugging Face's ``labels=input_ids``). Cross-entropy is the
     mean over non-ignored targets, in float32.
 
-    ``moe_dispatchers, embed, gather_input, reduce_partial, head`` are :func:`apply`'s; ``cross_entropy(logits,
+    ``batch["doc_ids"]`` (optional) ``[B, S]``: the document of each token of packed sequences (attention
+    stays within a document). ``moe_dispatchers, embed, gather_input, reduce_partial, head, positions,
+    attend, counted`` are :func:`apply`'s; ``cross_entropy(logits,
     labels)`` (default ``F.cross_entropy`` in float32, mean over non-ignored targets) receives what
     ``head`` returned, e.g. a vocabulary or sequence block (see :mod:`hpfunc.models.qwen3.parallel_plan`).
 
@@ -374,7 +409,8 @@ def loss(params: dict, batch: dict, cfg: Qwen3Config, *, moe_impl: str = "auto",
                          f"found {tuple(labels.shape)}")
     logits, aux = apply(params, tokens, cfg, return_aux=True, moe_impl=moe_impl, moe_dispatchers=moe_dispatchers,
                         embed=embed,
-                        gather_input=gather_input, reduce_partial=reduce_partial, head=head)
+                        gather_input=gather_input, reduce_partial=reduce_partial, head=head, positions=positions,
+                        attend=attend, counted=counted, doc_ids=batch.get("doc_ids"))
     if cross_entropy is None:
         ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
                              ignore_index=IGNORE_INDEX)
@@ -390,5 +426,5 @@ def loss(params: dict, batch: dict, cfg: Qwen3Config, *, moe_impl: str = "auto",
 
 __all__ = ["Qwen3Config", "RopeScaling", "ConfigError", "preset", "param_shapes", "init", "apply", "loss",
            "shift_labels", "moe_dispatcher", "count_params", "active_params", "check_tokens", "update_expert_bias",
-           "is_expert_bias", "decoder_layer", "rope_for",
+           "is_expert_bias", "decoder_layer", "rope_for", "check_doc_ids",
            "IGNORE_INDEX"]

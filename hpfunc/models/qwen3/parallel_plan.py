@@ -54,7 +54,7 @@ from hpfunc import layout
 from hpfunc.layout import ColwiseParallel, RowwiseParallel, SequenceParallel, Style, VocabParallel
 from hpfunc.models.config import Qwen3Config
 from hpfunc.models.qwen3 import model as _model
-from hpfunc.models.qwen3.hooks import cross_entropy, layout_hooks
+from hpfunc.models.qwen3.hooks import context_split, cross_entropy, layout_hooks
 from hpfunc.models.qwen3.stages import layers_per_stage, pipeline_stages
 
 __all__ = ["tp_styles", "ep_experts", "pipeline_stages", "layers_per_stage", "apply", "loss", "adamw_when",
@@ -117,12 +117,18 @@ def apply(params: dict, tokens: torch.Tensor, cfg: Qwen3Config, *, return_aux: b
           moe_impl: str = "auto", moe_dispatchers: Any = None) -> Any:
     """:func:`qwen3.apply <hpfunc.models.qwen3.model.apply>` in the bound tensor-/sequence-parallel layout.
 
-    The logits are the full ``[B, S, V]`` under tensor parallelism; this rank's sequence block
+    The logits are the full ``[B, S, V]`` under tensor parallelism; under context parallelism those of
+    this rank's tokens (:func:`~hpfunc.models.qwen3.hooks.context_split`: ``SequenceSplit.local`` order); this rank's sequence block
     ``[B, S / n, V]`` under sequence parallelism; this rank's vocabulary columns ``[B, S, V / n]`` with a
     vocabulary-parallel head (with or without sequence parallelism). ``aux`` is the same on every rank.
     """
+    cp: dict[str, Any] = {}
+    if layout.cp_binding() is not None:
+        local, cp = context_split(cfg, {"tokens": tokens})
+        tokens = local["tokens"]
+        cp = {k: cp[k] for k in ("positions", "attend", "counted")}
     return _model.apply(params, tokens, cfg, return_aux=return_aux, moe_impl=moe_impl,
-                        moe_dispatchers=moe_dispatchers, **layout_hooks(cfg, {"tokens": tokens}))
+                        moe_dispatchers=moe_dispatchers, **layout_hooks(cfg, {"tokens": tokens}), **cp)
 
 
 def loss(params: dict, batch: dict, cfg: Qwen3Config, *, moe_impl: str = "auto",
@@ -136,9 +142,13 @@ def loss(params: dict, batch: dict, cfg: Qwen3Config, *, moe_impl: str = "auto",
             raise layout.PlanError("qwen3 parallel_plan.loss: moe_dispatchers are not passed to the pipeline's "
                                    "stages yet; under a pp plan layer the MoE blocks use their default dispatcher")
         return pipe.run(params, batch, owner=cfg)
+    cp: dict[str, Any] = {}
+    if layout.cp_binding() is not None:  # this rank's tokens of every sequence, attending across the cp ranks
+        batch, cp = context_split(cfg, batch)
     hooks = layout_hooks(cfg, batch)
     if hooks:
         hooks["cross_entropy"] = functools.partial(cross_entropy, cfg=cfg)
+    hooks.update(cp)
     return _model.loss(params, batch, cfg, moe_impl=moe_impl, moe_dispatchers=moe_dispatchers, **hooks)
 
 

@@ -25,19 +25,22 @@ microbatch, and the probability sums carry its gradient back to each stage's rou
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from hpfunc import layout
 from hpfunc import tree as _tree
 from hpfunc.layout import PlanError, Stages
 from hpfunc.models.config import Qwen3Config
 from hpfunc.models.layers import rms_norm
+from hpfunc.models.attention_blocks import dense_attention
 from hpfunc.models.moe import balancing_loss_from_stats, expert_counts, routing_stats
 from hpfunc.models.qwen3 import model as _model
-from hpfunc.models.qwen3.hooks import cross_entropy, layout_hooks
+from hpfunc.models.qwen3.hooks import context_split, cross_entropy, layout_hooks
 
 __all__ = ["pipeline_stages", "layers_per_stage"]
 
@@ -98,11 +101,18 @@ def pipeline_stages(cfg: Qwen3Config, num_stages: int, *, layers: Sequence[int] 
             return (last,)
         raise PlanError(f"qwen3 pipeline: no stage for parameter {path!r}")
 
-    def hooks(mb: dict) -> dict:
-        return layout_hooks(cfg, mb)
+    def hooks(mb: dict) -> tuple[dict, dict]:
+        """The microbatch as this rank sees it (its tokens of each sequence under context parallelism) and
+        the hooks of the bound layout for it."""
+        cp: dict = {}
+        if layout.cp_binding() is not None:
+            mb, cp = context_split(cfg, mb)
+        hk = layout_hooks(cfg, mb)
+        hk.update(cp)
+        return mb, hk
 
     def forward(s: int, params: Any, carry: Any, mb: dict) -> tuple:
-        hk = hooks(mb)
+        mb, hk = hooks(mb)
         tokens = mb["tokens"]
         if s == 0:
             _model.check_tokens(tokens, cfg.vocab_size)
@@ -118,13 +128,24 @@ def pipeline_stages(cfg: Qwen3Config, num_stages: int, *, layers: Sequence[int] 
                     stats += (torch.zeros(len(cfg.moe_layers), dtype=torch.int64, device=h.device),)
         else:
             h, stats = carry[0], (tuple(carry[1:]) if len(carry) > 1 else None)
-        cos, sin = _model.rope_for(h, torch.arange(tokens.shape[1], device=tokens.device), cfg)
+        positions = hk.get("positions")
+        positions = torch.arange(tokens.shape[1], device=tokens.device) if positions is None else positions
+        cos, sin = _model.rope_for(h, positions, cfg)
+        counted = hk.get("counted")
+        attend = hk.get("attend")
+        if attend is None and mb.get("doc_ids") is not None:  # packed sequences on the pipeline's ranks
+            attend = functools.partial(dense_attention, causal=True,
+                                       doc_ids=_model.check_doc_ids(mb["doc_ids"], tokens.shape))
         a, b = bounds[s]
         for i in range(a, b):
             h, routing = _model.decoder_layer(params["layers"][i], h, cos, sin, cfg, moe_impl=moe_impl,
                                               gather_input=hk.get("gather_input"),
-                                              reduce_partial=hk.get("reduce_partial"), dispatcher=dispatcher)
+                                              reduce_partial=hk.get("reduce_partial"), dispatcher=dispatcher,
+                                              attend=attend)
             if routing is not None:
+                if counted is not None:  # context parallelism's padding is not counted
+                    keep = counted.reshape(-1)
+                    routing = routing._replace(probs=routing.probs[keep], indices=routing.indices[keep])
                 counts, prob_sum, rows = routing_stats([routing], cfg.num_experts)
                 load = stats[3].clone()
                 load[moe_rows[i]] = expert_counts(routing.indices, cfg.num_experts)
@@ -137,13 +158,15 @@ def pipeline_stages(cfg: Qwen3Config, num_stages: int, *, layers: Sequence[int] 
         return (h,) if stats is None else (h, *stats)
 
     def loss(params: Any, carry: tuple, mb: dict) -> tuple[torch.Tensor, dict]:
-        hk = hooks(mb)
+        mb, hk = hooks(mb)
         tokens, labels = mb["tokens"], mb.get("labels")
         labels = _model.shift_labels(tokens) if labels is None else labels
         h = rms_norm(carry[0], params["final_norm"], cfg.rms_norm_eps)
         w_out = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
         logits = F.linear(h, w_out) if "head" not in hk else hk["head"](h, w_out)
-        if hk:
+        if "cross_entropy" in hk:  # context parallelism: the mean over the whole sequences' targets
+            ce = hk["cross_entropy"](logits, labels)
+        elif hk:
             ce = cross_entropy(logits, labels, cfg)
         else:
             ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),

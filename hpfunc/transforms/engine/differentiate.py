@@ -68,7 +68,9 @@ class EngineConfig:
         self.reshard = plan.reshard_after_forward
         n_data = math.prod(mesh.axis_size(a) for a in mesh.axis_names if a in plan.data_axes)
         self.seed_scale = self.seed(mesh.size, n_data, plan.gradient_scaling_factor)
-        self.data_axes = tuple(a for a in mesh.axis_names if a in plan.data_axes and mesh.axis_size(a) > 1)
+        # batch statistics (the loss's mean, aux counts) pool over every axis the tokens are split on; the
+        # seed above counts only the batch's: a context-parallel loss is the same on each of its ranks
+        self.data_axes = tuple(a for a in mesh.axis_names if a in plan.token_axes and mesh.axis_size(a) > 1)
         # the all-reduce buckets started during the backward (overlap.py); not under a pipeline (its
         # executor runs its own backward) nor an SDC check (it compares the reduction it runs itself)
         self.overlap_buckets = ([] if plan.pipeline is not None or plan.sdc_check is not None
