@@ -125,7 +125,9 @@ def init(key: torch.Tensor, cfg: Qwen3Config, dtype: torch.dtype = torch.float32
             return None  # no sharding given: a leaf this rank does not hold (another pipeline stage's)
         sharding = by_path.get(path)
         if name in _ONES or name in _ZEROS:
-            out = full(tuple(shape), 1.0 if name in _ONES else 0.0, dtype=leaf_dtype, sharding=sharding)
+            # unsharded: on the key's device, as the sampled leaves are (a cuda key inits on the GPU)
+            out = full(tuple(shape), 1.0 if name in _ONES else 0.0, dtype=leaf_dtype, sharding=sharding,
+                       device=None if sharding is not None else key.device)
         else:
             out = _random.normal(_random.fold_in(key, index[path]), tuple(shape), leaf_dtype,
                                  std=cfg.initializer_range, sharding=sharding)
