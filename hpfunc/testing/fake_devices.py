@@ -126,11 +126,15 @@ def _has_tag(func: Any, name: str) -> bool:
     return tag is not None and tag in getattr(func, "tags", ())
 
 
-def _integer_index(func: Any, args: tuple) -> bool:
-    """``aten.index`` with integer indices only: its output shape is the indices' (torch tags the op
-    data-dependent for its boolean-mask form, which does wait for the device)."""
-    return func is _aten.index.Tensor and all(
-        i is None or not (i.dtype == torch.bool or i.dtype == torch.uint8) for i in args[1])
+def _shape_given(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Ops torch tags data-dependent whose output size is known here without the values: ``aten.index``
+    with integer indices only (the indices' shape; the boolean-mask form does wait for the device) and
+    ``repeat_interleave`` given its ``output_size``."""
+    if func is _aten.index.Tensor:
+        return all(i is None or not (i.dtype == torch.bool or i.dtype == torch.uint8) for i in args[1])
+    if func is _aten.repeat_interleave.Tensor:
+        return kwargs.get("output_size") is not None
+    return False
 
 
 class DeviceRecorder(TorchDispatchMode):
@@ -163,7 +167,7 @@ class DeviceRecorder(TorchDispatchMode):
         on_device = any(t.device.type != "cpu" for t in _tensors(list(args)))
         if func is _aten._local_scalar_dense.default or _has_tag(func, "data_dependent_output"):
             return "scalar read" if on_device else "host read"
-        if on_device and _has_tag(func, "dynamic_output_shape") and not _integer_index(func, args):
+        if on_device and _has_tag(func, "dynamic_output_shape") and not _shape_given(func, args, kwargs):
             return "data-dependent shape"
         if func is _aten._to_copy.default:
             src, dev = args[0], kwargs.get("device")

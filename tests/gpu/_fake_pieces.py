@@ -110,7 +110,8 @@ def front_door_step(mesh, plan_name: str = "fsdp") -> dict:
 
 def trainer_steps(runs: list, *, steps: int = 2, preset: str = "qwen3-moe-tiny", device_type: str = "cuda") -> dict:
     """The trainer's parallel step (``make_train_step`` under ``hpfunc.parallelize``, the trainer's AdamW and
-    cosine schedule, bf16 compute over fp32 storage) for each ``(name, parallel section)`` of ``runs``, as
+    cosine schedule, bf16 compute over fp32 storage) for each ``(name, parallel section[, model section
+    overrides])`` of ``runs``, as
     this process's rank of the fake world; per run and step: the host syncs (answered with a stand-in),
     the tensors made off the device (op, source line), the metrics' shapes and devices.
 
@@ -118,6 +119,7 @@ def trainer_steps(runs: list, *, steps: int = 2, preset: str = "qwen3-moe-tiny",
     state is not part of a step. A run that raises reports its error instead of stopping the others.
     """
     import functools
+    import itertools
     import time
     import traceback
 
@@ -135,12 +137,12 @@ def trainer_steps(runs: list, *, steps: int = 2, preset: str = "qwen3-moe-tiny",
     from hpfunc.transforms.parallelize import init_sharded, parallelize
 
     out = {}
-    for name, parallel in runs:
+    for name, parallel, *model in runs:
         try:
             size = 1
             for n in parallel["mesh"].values():
                 size *= n
-            raw = {"model": {"preset": preset, "dtype": "float32"},
+            raw = {"model": {"preset": preset, "dtype": "float32", **(model[0] if model else {})},
                    "optimizer": {"name": "adamw", "lr": 1e-3, "weight_decay": 0.1, "clip_norm": 1.0},
                    "schedule": {"name": "cosine", "warmup_steps": 1},
                    "train": {"steps": 10, "batch_size": 2 * size, "seq_len": 16},
@@ -148,6 +150,12 @@ def trainer_steps(runs: list, *, steps: int = 2, preset: str = "qwen3-moe-tiny",
             cfg = load_config_dict(raw)
             with _disable_current_modes():  # a DeviceMesh is made of real rank tensors
                 mesh = Mesh(dict(parallel["mesh"]), device_type=device_type)
+                # and so are the groups of several axes, flattened at first use (host bookkeeping that
+                # would compute on fake rank tensors inside the step): made here
+                names = list(parallel["mesh"])
+                for r in range(2, len(names)):
+                    for axes in itertools.combinations(names, r):
+                        mesh.group(axes)
             model_cfg = build_model_config(cfg.model)
             optimizer, lr = build_optimizer(cfg.optimizer, build_schedule(cfg.schedule, cfg.train.steps))
             plan = build_plan(cfg.parallel, model_cfg).with_mixed_precision(torch.bfloat16)
@@ -174,7 +182,7 @@ def trainer_steps(runs: list, *, steps: int = 2, preset: str = "qwen3-moe-tiny",
                                  "seconds": time.perf_counter() - t0})
             out[name] = {"ok": True, "steps": per_step, "state_devices": sorted({x.device.type for x in _state_leaves(state)})}
         except Exception as e:  # noqa: BLE001 -- reported per run
-            out[name] = {"ok": False, "error": f"{type(e).__name__}: {e}", "tb": traceback.format_exc()[-3000:]}
+            out[name] = {"ok": False, "error": f"{type(e).__name__}: {e}", "tb": traceback.format_exc()}
     return out
 
 

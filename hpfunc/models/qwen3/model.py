@@ -215,7 +215,7 @@ def check_tokens(tokens: torch.Tensor, vocab_size: int) -> None:
 def rope_for(h: torch.Tensor, positions: torch.Tensor, cfg: Qwen3Config) -> tuple[torch.Tensor, torch.Tensor]:
     """The rotary tables ``(cos, sin)`` for ``positions`` in the hidden states' dtype."""
     inv_freq, rope_scale = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
-                                         max_position_embeddings=cfg.max_position_embeddings)
+                                         max_position_embeddings=cfg.max_position_embeddings, device=positions.device)
     return rope_tables(positions, inv_freq, rope_scale, dtype=h.dtype)
 
 
