@@ -58,15 +58,8 @@ def lax_collectives(mesh) -> tuple:
     return tuple(s.shape), tuple(g.shape), tuple(r.shape), r.device.type
 
 
-def lax_collectives_no_scatter(mesh) -> tuple:
-    """psum and tiled all_gather (psum_scatter indexes with ``x[:n]``: see docs/gpu.md)."""
-    from hpfunc import lax
-
-    x = torch.ones(8, 4, device=mesh.device_type)
-    with mesh:
-        s = lax.psum(x, "tp")
-        g = lax.all_gather(x, "fsdp", tiled=True)
-    return tuple(s.shape), tuple(g.shape), g.device.type
+def raise_boom() -> None:
+    raise ValueError("boom")
 
 
 def tiny_moe_forward_backward(mesh) -> tuple:
@@ -84,30 +77,6 @@ def tiny_moe_forward_backward(mesh) -> tuple:
     return loss.device.type, sum(g is not None for g in grads)
 
 
-def front_door_step(mesh, plan_name: str = "fsdp") -> dict:
-    """The trainer's step of the tiny MoE under ``hpfunc.parallelize`` (AdamW) on the mesh: what the front
-    door does on fake devices today (used by the lead's probe, and by docs/gpu.md's status)."""
-    import functools
-
-    from hpfunc import optim, random
-    from hpfunc.models import preset, qwen3
-    from hpfunc.train.step import init_train_state, make_train_step
-    from hpfunc.transforms import plans
-    from hpfunc.transforms.parallelize import init_sharded, parallelize
-
-    cfg = preset("qwen3-moe-tiny")
-    plan = {"fsdp": plans.fsdp("fsdp")}[plan_name]
-    tx = optim.adamw(1e-3, weight_decay=0.1)
-    step = make_train_step(cfg, tx, loss_fn=qwen3.parallel_plan.loss)
-    train_step = parallelize(step, mesh, plan, params="params")
-    key = random.key(0, device=mesh.device_type)
-    params = init_sharded(functools.partial(qwen3.init, cfg=cfg), mesh, plan, key, shapes=qwen3.param_shapes(cfg))
-    state = train_step.init_state(lambda p: init_train_state(p, tx), params)
-    tokens = random.randint(random.fold_in(key, 1), (mesh.size * 2, 16), 0, cfg.vocab_size)
-    state, metrics = train_step(state, {"tokens": tokens})
-    return {k: (tuple(v.shape), v.device.type) for k, v in metrics.items()}
-
-
 def trainer_steps(runs: list, *, steps: int = 2, preset: str = "qwen3-moe-tiny", device_type: str = "cuda") -> dict:
     """The trainer's parallel step (``make_train_step`` under ``hpfunc.parallelize``, the trainer's AdamW and
     cosine schedule, bf16 compute over fp32 storage) for each ``(name, parallel section[, model section
@@ -120,6 +89,7 @@ def trainer_steps(runs: list, *, steps: int = 2, preset: str = "qwen3-moe-tiny",
     """
     import functools
     import itertools
+    import os
     import time
     import traceback
 
@@ -136,6 +106,9 @@ def trainer_steps(runs: list, *, steps: int = 2, preset: str = "qwen3-moe-tiny",
     from hpfunc.train.step import init_train_state, make_train_step
     from hpfunc.transforms.parallelize import init_sharded, parallelize
 
+    # The production default: parallelize's outputs unchecked (the suite's exact replication check reads
+    # values, which fake tensors do not have). This runs in the isolated child process only.
+    os.environ.pop("HPFUNC_CHECK_REP", None)
     out = {}
     for name, parallel, *model in runs:
         try:
