@@ -51,9 +51,9 @@ PIPELINE_PLANS = {
 STEP_SYNCS = [("scalar read", "_local_scalar_dense", "hpfunc/optim/scale.py", "update"),
               ("scalar read", "_local_scalar_dense", "hpfunc/train/step.py", "train_step")]
 # The only tensors a step makes off the device: host literals lifted to it (torch.tensor(x, device=...):
-# the routing statistics' row count, the lr metric, a norm's zero), and views of the device mesh's rank
-# table (a host tensor of rank ids) when a process group is looked up.
-LIFTED = {"hpfunc/models/moe.py", "hpfunc/train/step.py", "hpfunc/layout/step.py"}
+# the routing statistics' row count, the lr metric, a norm's zero, the pipeline's shape header), and
+# views of the device mesh's rank table (a host tensor of rank ids) when a process group is looked up.
+LIFTED = {"hpfunc/models/moe.py", "hpfunc/train/step.py", "hpfunc/layout/step.py", "hpfunc/transforms/pipeline.py"}
 MESH_TABLE = "hpfunc/mesh.py"
 
 
