@@ -47,9 +47,11 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
+
+from hpfunc import forward_context
 
 __all__ = ["Layer", "Outer", "layer", "layers", "recompute_region", "in_recompute_region"]
 
@@ -139,6 +141,28 @@ def _unpack(packed: Any) -> torch.Tensor:
     return packed
 
 
+class _InContext:
+    """A packed value with the context it was packed in (see :func:`_in_forward_context`)."""
+
+    __slots__ = ("captured", "payload")
+
+    def __init__(self, captured: forward_context.Captured, payload: Any):
+        self.captured, self.payload = captured, payload
+
+
+def _in_forward_context(pack: Callable, unpack: Callable) -> tuple[Callable, Callable]:
+    """The hooks with each unpack run in the context its pack ran in: on CUDA the autograd engine unpacks
+    on its device thread, where the layers' context variables (the mesh of an FSDP re-gather) are unset."""
+
+    def pack_here(t: torch.Tensor) -> _InContext:
+        return _InContext(forward_context.capture(), pack(t))
+
+    def unpack_there(p: _InContext) -> torch.Tensor:
+        return forward_context.run(p.captured, unpack, p.payload)
+
+    return pack_here, unpack_there
+
+
 _STACK: contextvars.ContextVar[tuple[Layer, ...]] = contextvars.ContextVar("hpfunc_saved_tensor_layers", default=())
 _RECOMPUTE: contextvars.ContextVar[str | None] = contextvars.ContextVar("hpfunc_recompute_region", default=None)
 
@@ -165,7 +189,7 @@ def layer(lay: Layer) -> Iterator[Layer]:
                 hooks = (lambda t: lay.pack(t, outer), lambda p: lay.unpack(p, outer))
             else:
                 hooks = (_pack_with(chain), _unpack)
-            with torch.autograd.graph.saved_tensors_hooks(*hooks):
+            with torch.autograd.graph.saved_tensors_hooks(*_in_forward_context(*hooks)):
                 yield lay
         else:
             yield lay

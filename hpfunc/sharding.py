@@ -275,15 +275,15 @@ def from_local(local: torch.Tensor, sharding: NamedSharding, *, global_shape: Se
 
 
 def full(shape: Sequence[int], fill_value: float, *, dtype: torch.dtype = torch.float32,
-         sharding: NamedSharding | None = None) -> torch.Tensor:
-    """``torch.full(shape, fill_value)``, or with ``sharding`` a DTensor of that global value in which
-    every rank allocates only its own block (no communication).
+         sharding: NamedSharding | None = None, device: torch.device | str | None = None) -> torch.Tensor:
+    """``torch.full(shape, fill_value, device=device)``, or with ``sharding`` a DTensor of that global
+    value in which every rank allocates only its own block on the mesh's device (no communication).
 
     >>> full((2, 3), 1.0).tolist()
     [[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]]
     """
     if sharding is None:
-        return torch.full(tuple(shape), fill_value, dtype=dtype)
+        return torch.full(tuple(shape), fill_value, dtype=dtype, device=device)
     _, sizes = local_block(tuple(shape), sharding.mesh, sharding.spec, sharding.mesh.coordinate())
     # allocated on the mesh's device (a block made on the host would be copied there)
     local = torch.full(sizes, fill_value, dtype=dtype, device=sharding.mesh.device_type)

@@ -44,7 +44,8 @@ import torch
 from hpfunc import lax
 from hpfunc.layout import PlanError
 
-__all__ = ["AllToAll", "Dispatched", "PaddedAllToAll", "PaddedDispatched", "inverse_permutation", "sum_pairs", "trace_exchange"]
+__all__ = ["AllToAll", "Dispatched", "PaddedAllToAll", "PaddedDispatched", "count_ids", "inverse_permutation", "sum_pairs",
+           "trace_exchange"]
 
 
 def _split_experts(num_experts: int, axis: str | None) -> tuple[int, int]:
@@ -54,6 +55,24 @@ def _split_experts(num_experts: int, axis: str | None) -> tuple[int, int]:
         raise PlanError(f"expert parallelism over {axis!r}: {num_experts} experts do not split over {n} ranks; "
                         f"the number of experts must be a multiple of the axis size")
     return n, num_experts // n
+
+
+def count_ids(flat: torch.Tensor, n: int) -> torch.Tensor:
+    """How often each id in ``[0, n)`` occurs in ``flat``: ``[n]`` int64.
+
+    ``bincount``'s output size depends on the largest id, so on a GPU it waits for the device (a host
+    sync) and under FakeTensor it has no shape; ``scatter_add`` into ``n`` slots does neither. bincount is
+    kept on the CPU, where it is cheaper.
+
+    >>> count_ids(torch.tensor([0, 2, 2, 1]), 4).tolist()
+    [1, 1, 2, 0]
+    """
+    from torch._subclasses.fake_tensor import is_fake
+
+    if flat.device.type == "cpu" and not is_fake(flat):
+        return torch.bincount(flat, minlength=n)
+    return torch.zeros(n, dtype=torch.int64, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat, dtype=torch.int64))
 
 
 def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
@@ -182,7 +201,7 @@ class AllToAll:
         flat = indices.reshape(-1)
         with torch.no_grad():
             order = torch.argsort(flat, stable=True)
-            counts = torch.bincount(flat, minlength=num_experts)
+            counts = count_ids(flat, num_experts)
             dropped = None
             if self.capacity_factor is not None:  # keep the first C pairs of each expert (token order)
                 cap = math.ceil(self.capacity_factor * T * k / num_experts)
@@ -197,7 +216,9 @@ class AllToAll:
             recv = lax.all_to_all(counts, axis, 0, 0) if n > 1 else counts
             sizes = torch.cat((counts.sum(1), recv.sum(1))).tolist()  # the layer's one host read
             send_sizes, recv_sizes = tuple(sizes[:n]), tuple(sizes[n:])
-            expert_of = torch.repeat_interleave(torch.arange(local, device=x.device).repeat(n), recv.reshape(-1))
+            # output_size from the sizes already on the host: without it the op would read the device again
+            expert_of = torch.repeat_interleave(torch.arange(local, device=x.device).repeat(n), recv.reshape(-1),
+                                                output_size=sum(recv_sizes))
             regroup = torch.argsort(expert_of, stable=True)
             position = torch.full((T * k,), order.numel(), dtype=torch.int64, device=x.device)
             position[order] = torch.arange(order.numel(), device=x.device)
@@ -267,7 +288,7 @@ def _chunked_exchange(x: torch.Tensor, indices: torch.Tensor, weights: torch.Ten
         for a, b in zip(edges, edges[1:]):
             flat = indices[a:b].reshape(-1)
             orders.append(torch.argsort(flat, stable=True))
-            counts.append(torch.bincount(flat, minlength=E).view(n, local))
+            counts.append(count_ids(flat, E).view(n, local))
         # one count exchange for every chunk: block d = what this rank sends rank d, per chunk and expert
         sending = torch.stack(counts, 1).contiguous()  # [n, chunks, local]
         recv = lax.all_to_all(sending, axis, 0, 0)      # [n (source), chunks, local]
@@ -276,7 +297,8 @@ def _chunked_exchange(x: torch.Tensor, indices: torch.Tensor, weights: torch.Ten
         for i, order in enumerate(orders):
             send_sizes, recv_sizes = [sizes[d][i] for d in range(n)], [sizes[n + j][i] for j in range(n)]
             r = recv[:, i]
-            expert_of = torch.repeat_interleave(torch.arange(local, device=x.device).repeat(n), r.reshape(-1))
+            expert_of = torch.repeat_interleave(torch.arange(local, device=x.device).repeat(n), r.reshape(-1),
+                                                output_size=sum(recv_sizes))
             regroup = torch.argsort(expert_of, stable=True)
             plans.append((order, send_sizes, recv_sizes, r.sum(0), regroup, inverse_permutation(order)))
     dispatched: list[Any] = [None] * chunks

@@ -380,7 +380,8 @@ class ReplicatedAllToAll:
             sizes = torch.cat((send, recv.sum(1), own)).tolist()  # the layer's one host read
             send_sizes, recv_sizes, own_rows = tuple(sizes[:n]), tuple(sizes[n:2 * n]), sizes[-1]
             local = slots.per_rank[me]
-            slot_of = torch.repeat_interleave(torch.arange(local, device=x.device).repeat(n), recv.reshape(-1))
+            slot_of = torch.repeat_interleave(torch.arange(local, device=x.device).repeat(n), recv.reshape(-1),
+                                              output_size=sum(recv_sizes))  # no second read of the device
             regroup = torch.argsort(slot_of, stable=True)
         rows = x[order // k]
         if n > 1:

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from hpfunc import lax, layout
 from hpfunc import tree as _tree
-from hpfunc.models.dispatch import AllToAll, inverse_permutation, sum_pairs
+from hpfunc.models.dispatch import AllToAll, count_ids, inverse_permutation, sum_pairs
 from hpfunc.models.layers import swiglu_mlp
 from hpfunc.models.swiglu import swiglu
 
@@ -86,12 +86,7 @@ def expert_counts(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
     >>> expert_counts(torch.tensor([[0, 2], [2, 1]]), 4).tolist()
     [1, 1, 2, 0]
     """
-    # Under FakeTensor (dry runs) bincount's output shape would depend on values: use scatter_add.
-    flat = indices.reshape(-1)
-    if not _is_fake(flat):
-        return torch.bincount(flat, minlength=num_experts)  # cheaper than scatter_add_ on CPU
-    return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
-        0, flat, torch.ones_like(flat, dtype=torch.int64))
+    return count_ids(indices.reshape(-1), num_experts)  # no host sync on a GPU (bincount's is one)
 
 
 def grouped_experts(

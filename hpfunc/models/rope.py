@@ -14,7 +14,8 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "yarn")
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: Any = None, *,
-                  max_position_embeddings: int | None = None) -> tuple[torch.Tensor, float]:
+                  max_position_embeddings: int | None = None,
+                  device: torch.device | str | None = None) -> tuple[torch.Tensor, float]:
     """Inverse frequencies ``[head_dim // 2]`` (float32) and the cos/sin magnitude factor.
 
     Args:
@@ -24,6 +25,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Any = None, *,
         ``factor`` and, for yarn, ``original_max_position_embeddings``, ``beta_fast``, ``beta_slow``,
         ``attention_factor``, ``mscale``, ``mscale_all_dim``, ``truncate``.
       max_position_embeddings: yarn's ``original_max_position_embeddings`` when the scaling omits it.
+      device: where the frequencies are computed (the positions' device: no copy per step).
 
     >>> inv, scale = rope_inv_freq(8, 10000.0)
     >>> inv.shape, scale
@@ -32,7 +34,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Any = None, *,
     get = (lambda k, d=None: scaling.get(k, d)) if isinstance(scaling, dict) else (
         lambda k, d=None: getattr(scaling, k, d))
     rope_type = "default" if scaling is None else (get("rope_type") or "default")
-    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
     pos_freqs = theta ** exponent
     inv_freq = 1.0 / pos_freqs
     if rope_type == "default":
@@ -69,7 +71,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Any = None, *,
         low, high = max(low, 0), min(high, head_dim - 1)
         if low == high:
             high += 0.001  # avoid a zero-width ramp
-        ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+        ramp = ((torch.arange(head_dim // 2, dtype=torch.float32, device=device) - low) / (high - low)).clamp(0, 1)
         extrapolation_weight = 1 - ramp
         inv_freq = (inv_freq / factor) * (1 - extrapolation_weight) + inv_freq * extrapolation_weight
         return inv_freq, float(attention_factor)

@@ -8,7 +8,7 @@ foreach form batches them, which matters for models with hundreds of parameter t
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -79,6 +79,23 @@ def adam_moments(
     new_m = [torch.lerp(a, x, 1.0 - b1) for a, x in zip(m, g)]
     new_v = [torch.addcmul(b * b2, x, x, value=1.0 - b2) for b, x in zip(v, g)]
     return new_m, new_v
+
+
+def bias_corrections(count: torch.Tensor, b1: float, b2: float) -> tuple[Any, Any]:
+    """Adam's ``(1 - b1^t, 1 - b2^t)`` for the step count ``t``.
+
+    A count on the host (``optim.base.new_count``) is read at no cost: Python floats. A count on a
+    device (a parallel step's state on a GPU mesh holds it there, replicated) is never read: 0-dim
+    float64 tensors on its device, computed there (reading it would wait for the device every step).
+
+    >>> bias_corrections(torch.tensor(2), 0.5, 0.75)
+    (0.75, 0.4375)
+    """
+    if count.device.type == "cpu":
+        t = int(count)
+        return 1.0 - b1**t, 1.0 - b2**t
+    t = count.to(torch.float64)
+    return 1.0 - torch.pow(b1, t), 1.0 - torch.pow(b2, t)
 
 
 def adam_denominator(v: Sequence[torch.Tensor], *, bias_correction2: float, eps: float,

@@ -17,7 +17,7 @@ class ScaleByAdamState(NamedTuple):
     """State of :func:`scale_by_adam`.
 
     Attributes:
-      count: number of updates done, an int64 scalar tensor on the CPU.
+      count: number of updates done, an int64 scalar tensor (on the CPU as made by ``init``).
       mu: first moments, a tree shaped like the params, fp32 (fp64 for fp64 params).
       nu: second moments, same shape and dtype as ``mu``.
     """
@@ -78,12 +78,10 @@ def scale_by_adam(
             [updates, state.mu, state.nu], ["updates", "state.mu", "state.nu"], "scale_by_adam"
         )
         count = state.count + 1
-        t = int(count)
+        bc1, bc2 = _ops.bias_corrections(count, b1, b2)  # no host read of a count that lives on a device
         _tree.check_shapes(g_leaves, m_leaves, updates, "updates", "state.mu", "scale_by_adam")
         mu, nu = _ops.adam_moments(m_leaves, v_leaves, _ops.cast(g_leaves, m_leaves), b1, b2)
-        out = _ops.adam_direction(
-            mu, nu, bias_correction1=1.0 - b1**t, bias_correction2=1.0 - b2**t, eps=eps, eps_root=eps_root
-        )
+        out = _ops.adam_direction(mu, nu, bias_correction1=bc1, bias_correction2=bc2, eps=eps, eps_root=eps_root)
         new_state = ScaleByAdamState(
             count=count, mu=_tree.unflatten(spec, mu), nu=_tree.unflatten(spec, nu)
         )

@@ -126,6 +126,17 @@ def _has_tag(func: Any, name: str) -> bool:
     return tag is not None and tag in getattr(func, "tags", ())
 
 
+def _shape_given(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Ops torch tags data-dependent whose output size is known here without the values: ``aten.index``
+    with integer indices only (the indices' shape; the boolean-mask form does wait for the device) and
+    ``repeat_interleave`` given its ``output_size``."""
+    if func is _aten.index.Tensor:
+        return all(i is None or not (i.dtype == torch.bool or i.dtype == torch.uint8) for i in args[1])
+    if func is _aten.repeat_interleave.Tensor:
+        return kwargs.get("output_size") is not None
+    return False
+
+
 class DeviceRecorder(TorchDispatchMode):
     """A dispatch mode that records where every tensor is created and every host sync (see the module).
 
@@ -156,7 +167,7 @@ class DeviceRecorder(TorchDispatchMode):
         on_device = any(t.device.type != "cpu" for t in _tensors(list(args)))
         if func is _aten._local_scalar_dense.default or _has_tag(func, "data_dependent_output"):
             return "scalar read" if on_device else "host read"
-        if on_device and _has_tag(func, "dynamic_output_shape"):
+        if on_device and _has_tag(func, "dynamic_output_shape") and not _shape_given(func, args, kwargs):
             return "data-dependent shape"
         if func is _aten._to_copy.default:
             src, dev = args[0], kwargs.get("device")
@@ -271,32 +282,50 @@ def run_on_fake_devices(fn: Callable, *args: Any, world_size: int, rank: int = 0
         return FakeRun(result, recorder)
 
 
-def _child(conn: Any, fn: Callable, args: tuple, kwargs: dict, options: dict) -> None:
+# The child interpreter: loads the fake CUDA runtime (when given) before anything imports torch, then
+# reads (sys.path, fn, args, kwargs, options) from stdin and writes its answer to the file in argv[2].
+_BOOT = (
+    "import sys, ctypes, pickle\n"
+    "if sys.argv[1]:\n"
+    "    assert ctypes.CDLL(sys.argv[1]).hpfunc_fake_cuda_on() == 0\n"
+    "sys.path[:] = pickle.load(sys.stdin.buffer)\n"
+    "from hpfunc.testing.fake_devices import _child_main\n"
+    "_child_main(sys.stdin.buffer, sys.argv[2])\n"
+)
+
+
+def _child_main(stdin: Any, answer: str) -> None:
+    import pickle
+
     try:
+        fn, args, kwargs, options = pickle.load(stdin)
         run = run_on_fake_devices(fn, *args, **options, **kwargs)
         rec = run.record
-        conn.send(("ok", (run.result, rec.device_type, rec.devices, rec.off_device, rec.host_syncs, rec.host_reads)))
+        out = ("ok", (run.result, rec.device_type, rec.devices, rec.off_device, rec.host_syncs, rec.host_reads))
     except BaseException as e:  # noqa: BLE001 -- sent to the parent, which raises it
-        conn.send(("error", (type(e).__name__, str(e), traceback.format_exc())))
-    finally:
-        conn.close()
+        out = ("error", (type(e).__name__, str(e), traceback.format_exc()))
+    with open(answer, "wb") as f:
+        pickle.dump(out, f)
 
 
 def _run_isolated(fn: Callable, args: tuple, kwargs: dict, options: dict) -> FakeRun:
-    import multiprocessing as mp
+    import pickle
+    import subprocess
+    import tempfile
 
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_child, args=(child, fn, args, kwargs, options))
-    proc.start()
-    child.close()
-    try:
-        status, payload = parent.recv()
-    except EOFError:
-        proc.join()
-        raise RuntimeError(f"run_on_fake_devices(isolated=True): the child process died (exit code "
-                           f"{proc.exitcode}) before answering") from None
-    proc.join()
+    from hpfunc.testing import fake_cuda
+
+    lib = fake_cuda.build() if fake_cuda.needed(options["device_type"]) else ""
+    with tempfile.TemporaryDirectory() as tmp:
+        answer = os.path.join(tmp, "answer.pickle")
+        payload = pickle.dumps(list(sys.path)) + pickle.dumps((fn, args, kwargs, options))
+        proc = subprocess.run([sys.executable, "-c", _BOOT, lib, answer], input=payload, capture_output=True)
+        if not os.path.exists(answer):
+            raise RuntimeError(f"run_on_fake_devices(isolated=True): the child process died (exit code "
+                               f"{proc.returncode}) before answering; its stderr:\n"
+                               f"{proc.stderr.decode(errors='replace')[-4000:]}")
+        with open(answer, "rb") as f:
+            status, payload = pickle.load(f)
     if status == "error":
         name, msg, tb = payload
         cls = HostSyncError if name == "HostSyncError" else RuntimeError

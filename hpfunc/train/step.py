@@ -195,8 +195,10 @@ def make_train_step(
             "ce_loss": torch.as_tensor(aux.get("ce_loss", loss)).detach(),
             "aux_loss": torch.as_tensor(aux.get("aux_loss", 0.0)).detach(),
             "grad_norm": global_norm(grads).detach(),
+            # the schedule is a Python function of the step: reading a step held on a GPU is a host sync
+            # (docs/gpu.md); the metric itself lives beside the step
             "lr": torch.tensor(float("nan") if lr_schedule is None else float(lr_schedule(int(state.step))),
-                               dtype=torch.float64),
+                               dtype=torch.float64, device=state.step.device),
         }
         if load is not None:
             metrics["expert_load"] = load.detach()

@@ -250,7 +250,7 @@ class _PendingRecv:
             for j in range(h[0]):
                 base = 1 + j * (2 + _MAX_NDIM)
                 nd = h[base + 1]
-                bufs.append(torch.empty(tuple(h[base + 2: base + 2 + nd]), dtype=_DTYPES[h[base]]))
+                bufs.append(torch.empty(tuple(h[base + 2: base + 2 + nd]), dtype=_DTYPES[h[base]], device=self.step.device))
             self.post_payload(bufs)
             for w in self.works:
                 w.wait()
@@ -312,6 +312,7 @@ class PipelineStep:
         self.schedule = schedule
         self.stage_fns = stage_fns
         self.mesh = mesh
+        self.device = torch.device(mesh.device_type)  # headers and received buffers live there (NCCL)
         self.axis = axis
         self.loss_fn = loss_fn
         self.data_axis = data_axis
@@ -383,7 +384,7 @@ class PipelineStep:
                 fields[base] = _DTYPES.index(t.dtype)
                 fields[base + 1] = t.dim()
                 fields[base + 2: base + 2 + t.dim()] = t.shape
-            h = torch.tensor(fields, dtype=torch.int64)
+            h = torch.tensor(fields, dtype=torch.int64, device=self.device)  # on the device: NCCL sends no host tensor
             ops.append(dist.P2POp(dist.isend, h, peer, self._pp_group, self._tag(action.kind, action.stage, action.microbatch, 0)))
         for j, t in enumerate(tensors):
             ops.append(dist.P2POp(dist.isend, t.contiguous(), peer, self._pp_group,
@@ -412,15 +413,15 @@ class PipelineStep:
         kind, s, i = action.kind, action.stage, action.microbatch
         pending = _PendingRecv(self, action, peer)
         if like is None:
-            pending.header = torch.empty(_HEADER, dtype=torch.int64)
+            pending.header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
             pending.works = dist.batch_isend_irecv(
                 [dist.P2POp(dist.irecv, pending.header, peer, self._pp_group, self._tag(kind, s, i, 0))])
         else:
             if header and self.with_microbatch and kind is K.RECV_F:  # the sender's header still comes: take it too
-                pending.header = torch.empty(_HEADER, dtype=torch.int64)
+                pending.header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
                 pending.header_ops = [dist.P2POp(dist.irecv, pending.header, peer, self._pp_group,
                                                  self._tag(kind, s, i, 0))]
-            pending.post_payload([torch.empty_like(t) if isinstance(t, torch.Tensor) else torch.empty(t[0], dtype=t[1])
+            pending.post_payload([torch.empty_like(t) if isinstance(t, torch.Tensor) else torch.empty(t[0], dtype=t[1], device=self.device)
                                   for t in like])
         _event("post", action)
         return pending
@@ -455,7 +456,7 @@ class PipelineStep:
         losses, _, out = self.execute(params, batch)
         # The loss lives on the last stage's rank; every rank returns it.
         sched = self.schedule
-        loss = torch.stack(losses).mean() if losses else torch.zeros((), dtype=torch.float32)
+        loss = torch.stack(losses).mean() if losses else torch.zeros((), dtype=torch.float32, device=self.device)
         loss = loss.detach().to(torch.float32).clone()
         holder = sched.stage_to_rank[sched.num_stages - 1]
         dist.broadcast(loss, src=self._global(holder), group=self._pp_group)

@@ -58,15 +58,8 @@ def lax_collectives(mesh) -> tuple:
     return tuple(s.shape), tuple(g.shape), tuple(r.shape), r.device.type
 
 
-def lax_collectives_no_scatter(mesh) -> tuple:
-    """psum and tiled all_gather (psum_scatter indexes with ``x[:n]``: see docs/gpu.md)."""
-    from hpfunc import lax
-
-    x = torch.ones(8, 4, device=mesh.device_type)
-    with mesh:
-        s = lax.psum(x, "tp")
-        g = lax.all_gather(x, "fsdp", tiled=True)
-    return tuple(s.shape), tuple(g.shape), g.device.type
+def raise_boom() -> None:
+    raise ValueError("boom")
 
 
 def tiny_moe_forward_backward(mesh) -> tuple:
@@ -84,25 +77,89 @@ def tiny_moe_forward_backward(mesh) -> tuple:
     return loss.device.type, sum(g is not None for g in grads)
 
 
-def front_door_step(mesh, plan_name: str = "fsdp") -> dict:
-    """The trainer's step of the tiny MoE under ``hpfunc.parallelize`` (AdamW) on the mesh: what the front
-    door does on fake devices today (used by the lead's probe, and by docs/gpu.md's status)."""
-    import functools
+def trainer_steps(runs: list, *, steps: int = 2, preset: str = "qwen3-moe-tiny", device_type: str = "cuda") -> dict:
+    """The trainer's parallel step (``make_train_step`` under ``hpfunc.parallelize``, the trainer's AdamW and
+    cosine schedule, bf16 compute over fp32 storage) for each ``(name, parallel section[, model section
+    overrides])`` of ``runs``, as
+    this process's rank of the fake world; per run and step: the host syncs (answered with a stand-in),
+    the tensors made off the device (op, source line), the metrics' shapes and devices.
 
-    from hpfunc import optim, random
-    from hpfunc.models import preset, qwen3
+    Each step is recorded by its own :class:`DeviceRecorder` (inside the caller's): making the first
+    state is not part of a step. A run that raises reports its error instead of stopping the others.
+    """
+    import functools
+    import itertools
+    import os
+    import time
+    import traceback
+
+    import torch
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from hpfunc import random
+    from hpfunc.mesh import Mesh
+    from hpfunc.models import qwen3
+    from hpfunc.testing.fake_devices import DeviceRecorder, answer_host_syncs
+    from hpfunc.train.build import build_model_config, build_optimizer, build_schedule, model_dtype
+    from hpfunc.train.config import load_config_dict
+    from hpfunc.train.distributed import build_plan
     from hpfunc.train.step import init_train_state, make_train_step
-    from hpfunc.transforms import plans
     from hpfunc.transforms.parallelize import init_sharded, parallelize
 
-    cfg = preset("qwen3-moe-tiny")
-    plan = {"fsdp": plans.fsdp("fsdp")}[plan_name]
-    tx = optim.adamw(1e-3, weight_decay=0.1)
-    step = make_train_step(cfg, tx, loss_fn=qwen3.parallel_plan.loss)
-    train_step = parallelize(step, mesh, plan, params="params")
-    key = random.key(0, device=mesh.device_type)
-    params = init_sharded(functools.partial(qwen3.init, cfg=cfg), mesh, plan, key, shapes=qwen3.param_shapes(cfg))
-    state = train_step.init_state(lambda p: init_train_state(p, tx), params)
-    tokens = random.randint(random.fold_in(key, 1), (mesh.size * 2, 16), 0, cfg.vocab_size)
-    state, metrics = train_step(state, {"tokens": tokens})
-    return {k: (tuple(v.shape), v.device.type) for k, v in metrics.items()}
+    # The production default: parallelize's outputs unchecked (the suite's exact replication check reads
+    # values, which fake tensors do not have). This runs in the isolated child process only.
+    os.environ.pop("HPFUNC_CHECK_REP", None)
+    out = {}
+    for name, parallel, *model in runs:
+        try:
+            size = 1
+            for n in parallel["mesh"].values():
+                size *= n
+            raw = {"model": {"preset": preset, "dtype": "float32", **(model[0] if model else {})},
+                   "optimizer": {"name": "adamw", "lr": 1e-3, "weight_decay": 0.1, "clip_norm": 1.0},
+                   "schedule": {"name": "cosine", "warmup_steps": 1},
+                   "train": {"steps": 10, "batch_size": 2 * size, "seq_len": 16},
+                   "parallel": {**parallel, "device": "cpu"}}  # cpu: the config's check of this machine
+            cfg = load_config_dict(raw)
+            with _disable_current_modes():  # a DeviceMesh is made of real rank tensors
+                mesh = Mesh(dict(parallel["mesh"]), device_type=device_type)
+                # and so are the groups of several axes, flattened at first use (host bookkeeping that
+                # would compute on fake rank tensors inside the step): made here
+                names = list(parallel["mesh"])
+                for r in range(2, len(names)):
+                    for axes in itertools.combinations(names, r):
+                        mesh.group(axes)
+            model_cfg = build_model_config(cfg.model)
+            optimizer, lr = build_optimizer(cfg.optimizer, build_schedule(cfg.schedule, cfg.train.steps))
+            plan = build_plan(cfg.parallel, model_cfg).with_mixed_precision(torch.bfloat16)
+            step = make_train_step(model_cfg, optimizer, expert_bias_rate=cfg.train.expert_bias_rate,
+                                   lr_schedule=lr, loss_fn=qwen3.parallel_plan.loss,
+                                   num_microbatches=cfg.train.microbatches)
+            train_step = parallelize(step, mesh, plan, params="params")
+            key = random.key(0, device=device_type)
+            init = functools.partial(qwen3.init, cfg=model_cfg, dtype=model_dtype(cfg.model))
+            params = init_sharded(init, mesh, plan, key, shapes=qwen3.param_shapes(model_cfg))
+            state = train_step.init_state(lambda p: init_train_state(p, optimizer), params)
+            per_step = []
+            for i in range(steps):
+                tokens = random.randint(random.fold_in(key, 100 + i), (cfg.train.batch_size, cfg.train.seq_len + 1),
+                                        0, model_cfg.vocab_size)
+                rec = DeviceRecorder(device_type, on_host_sync=answer_host_syncs(1))
+                t0 = time.perf_counter()
+                with rec:
+                    state, metrics = train_step(state, {"tokens": tokens})
+                per_step.append({"host_syncs": [(s.kind, s.op, s.where) for s in rec.host_syncs],
+                                 "off_device": sorted({(c.op, c.where) for c in rec.off_device}),
+                                 "metrics": {k: (tuple(v.shape), v.device.type) for k, v in metrics.items()},
+                                 "on_device": rec.devices.get(device_type, 0),
+                                 "seconds": time.perf_counter() - t0})
+            out[name] = {"ok": True, "steps": per_step, "state_devices": sorted({x.device.type for x in _state_leaves(state)})}
+        except Exception as e:  # noqa: BLE001 -- reported per run
+            out[name] = {"ok": False, "error": f"{type(e).__name__}: {e}", "tb": traceback.format_exc()}
+    return out
+
+
+def _state_leaves(state):
+    from hpfunc import tree
+
+    return [x for x in tree.leaves(state) if hasattr(x, "device")]

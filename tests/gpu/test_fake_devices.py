@@ -75,7 +75,8 @@ def test_adamw_update_on_fake_cuda_keeps_tensors_on_the_device_and_syncs_nothing
                               on_host_sync=answer_host_syncs(1))
     assert run.result == {"w": ((64, 32), "cuda"), "b": ((32,), "cuda")}
     assert run.record.host_syncs == []
-    assert [r.where.split(":")[0] for r in run.record.host_reads] == ["hpfunc/optim/adam.py"]
+    # the bias corrections, from the host count
+    assert {r.where.split(":")[0] for r in run.record.host_reads} == {"hpfunc/optim/_ops.py"}
     assert {(c.shape, c.dtype) for c in run.record.off_device if c.op != "lift_fresh"} == {((), torch.int64)}
 
 
@@ -89,12 +90,16 @@ def test_a_scalar_read_of_a_host_tensor_is_no_sync():
 
 
 def test_lax_collectives_on_the_fake_process_group():
-    run = run_on_fake_devices(fp.lax_collectives_no_scatter, world_size=256, rank=77, mesh={"fsdp": 32, "tp": 8},
-                              isolated=True)
-    assert run.result == ((8, 4), (256, 4), "cuda")
+    run = run_on_fake_devices(fp.lax_collectives, world_size=256, rank=77, mesh={"fsdp": 32, "tp": 8}, isolated=True)
+    assert run.result == ((8, 4), (256, 4), (8, 4), "cuda")
     assert run.record.host_syncs == [] and run.record.off_device == []
 
 
-def test_isolated_errors_come_back_with_the_child_traceback():
-    with pytest.raises(RuntimeError, match="not linked with support for cuda"):
-        run_on_fake_devices(fp.tiny_moe_forward_backward, world_size=8, rank=3, mesh=MESH, isolated=True)
+def test_forward_and_backward_on_fake_cuda_and_errors_come_back():
+    # Python indexing and autograd on fake CUDA need the shape-only CUDA runtime (hpfunc.testing.fake_cuda),
+    # which the isolated process loads before torch: the tiny MoE's loss and gradient run there.
+    run = run_on_fake_devices(fp.tiny_moe_forward_backward, world_size=8, rank=3, mesh=MESH, isolated=True)
+    assert run.result == ("cuda", 27)
+    assert run.record.host_syncs == []
+    with pytest.raises(RuntimeError, match=r"boom(.|\n)*isolated fake-device process(.|\n)*raise_boom"):
+        run_on_fake_devices(fp.raise_boom, world_size=8, rank=3, isolated=True)

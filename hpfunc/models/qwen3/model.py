@@ -127,7 +127,9 @@ def init(key: torch.Tensor, cfg: Qwen3Config, dtype: torch.dtype = torch.float32
             return None  # no sharding given: a leaf this rank does not hold (another pipeline stage's)
         sharding = by_path.get(path)
         if name in _ONES or name in _ZEROS:
-            out = full(tuple(shape), 1.0 if name in _ONES else 0.0, dtype=leaf_dtype, sharding=sharding)
+            # unsharded: on the key's device, as the sampled leaves are (a cuda key inits on the GPU)
+            out = full(tuple(shape), 1.0 if name in _ONES else 0.0, dtype=leaf_dtype, sharding=sharding,
+                       device=None if sharding is not None else key.device)
         else:
             out = _random.normal(_random.fold_in(key, index[path]), tuple(shape), leaf_dtype,
                                  std=cfg.initializer_range, sharding=sharding)
@@ -223,7 +225,7 @@ def check_doc_ids(doc_ids: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor
 def rope_for(h: torch.Tensor, positions: torch.Tensor, cfg: Qwen3Config) -> tuple[torch.Tensor, torch.Tensor]:
     """The rotary tables ``(cos, sin)`` for ``positions`` in the hidden states' dtype."""
     inv_freq, rope_scale = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
-                                         max_position_embeddings=cfg.max_position_embeddings)
+                                         max_position_embeddings=cfg.max_position_embeddings, device=positions.device)
     return rope_tables(positions, inv_freq, rope_scale, dtype=h.dtype)
 
 

@@ -186,11 +186,12 @@ def pipeline_stages(cfg: Qwen3Config, num_stages: int, *, layers: Sequence[int] 
 
     def aux_template(mb: dict) -> dict:
         n, E = (len(cfg.moe_layers), cfg.num_experts) if cfg.moe_layers else (0, 0)
-        z = torch.zeros((), dtype=torch.float32)
-        out = {"ce_loss": z, "aux_loss": z.clone(), "expert_load": torch.zeros(n, E, dtype=torch.int64),
-               "tokens": torch.zeros((), dtype=torch.int64)}
+        dev = next((x.device for x in mb.values() if isinstance(x, torch.Tensor)), None)  # the batch's device
+        z = torch.zeros((), dtype=torch.float32, device=dev)
+        out = {"ce_loss": z, "aux_loss": z.clone(), "expert_load": torch.zeros(n, E, dtype=torch.int64, device=dev),
+               "tokens": torch.zeros((), dtype=torch.int64, device=dev)}
         if drops:
-            out["dropped_pairs"] = torch.zeros(n, dtype=torch.int64)
+            out["dropped_pairs"] = torch.zeros(n, dtype=torch.int64, device=dev)
         return out
 
     return Stages(num_stages=num_stages, paths=paths, stage_of=stage_of, forward=forward, loss=loss,

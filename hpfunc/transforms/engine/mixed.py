@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from hpfunc import lax
+from hpfunc import forward_context, lax
 
 __all__ = ["MixedGather", "all_gather", "cast_for_use", "axis_arg"]
 
@@ -44,9 +44,14 @@ class MixedGather(torch.autograd.Function):
     def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
         x, steps, _, reduce_dtype = inputs
         ctx.steps, ctx.reduce_dtype, ctx.dtype = steps, reduce_dtype, x.dtype
+        ctx.forward = forward_context.capture()  # the mesh, for a backward on CUDA's autograd thread
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor):
+        return forward_context.run(ctx.forward, MixedGather._transpose, ctx, g)
+
+    @staticmethod
+    def _transpose(ctx: Any, g: torch.Tensor) -> tuple:
         g = g.to(ctx.reduce_dtype)
         for d, axes, tiled in reversed(ctx.steps):
             g = lax.psum_scatter(g, axis_arg(axes), scatter_dimension=d, tiled=tiled)

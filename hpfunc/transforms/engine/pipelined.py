@@ -182,7 +182,8 @@ class StagePipeline:
         grads = [by_leaf.get(k) for k in wants]
         with torch.no_grad():
             # only the last stage's rank has the losses
-            value = torch.stack(losses).mean().float() if losses else torch.zeros((), dtype=torch.float32)
+            value = (torch.stack(losses).mean().float() if losses
+                     else torch.zeros((), dtype=torch.float32, device=self.executor.device))
             # this rank's part of the gradients' global norm (each of its blocks held here alone), as
             # layout.blocks_sq_norm sums it, reduced in the loss's collective
             sq = None
