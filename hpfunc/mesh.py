@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextvars
 import datetime
+import itertools
 import math
 import os
 from typing import Any, Callable, Iterable, Mapping, Sequence
@@ -232,7 +233,7 @@ class Mesh:
             return dist.group.WORLD
         # the sizes belong in the key: meshes (2, 4, 1) and (2, 2, 2) over the same ranks and names
         # flatten ('x', 'z') to different groups
-        key = (id(dist.group.WORLD), self._names, self._sizes, tuple(self._dm.mesh.flatten().tolist()), names)
+        key = (id(dist.group.WORLD), self._names, self._sizes, self._rank_list(), names)
         group = _GROUP_CACHE.get(key)
         if group is None:
             # A group of this rank's slice, NOT DeviceMesh._flatten: once a flattened mesh over these
@@ -240,15 +241,42 @@ class Mesh:
             # on it, which is wrong when the split is uneven (torch 2.13: a (5,) tensor split over
             # y then z of a 2x2x2 mesh reads back [0, 1, 2, 0, 3]); without one it gathers axis by axis,
             # which is right. Only the slice's ranks take part in creating it.
-            dims = [self._dim(a) for a in names]
-            rest = [d for d in range(len(self._names)) if d not in dims]
-            rows = self._dm.mesh.permute(*rest, *dims).reshape(-1, math.prod(self._sizes[d] for d in dims))
-            me = dist.get_rank()
-            ranks = next(r for r in rows.tolist() if me in r)
+            ranks = self._slice_ranks(dist.get_rank(), [self._dim(a) for a in names])
             group = dist.new_group(ranks, use_local_synchronization=True)
             _same_timeout_as_world(group)
             _GROUP_CACHE[key] = group
         return group
+
+    def _rank_list(self) -> tuple[int, ...]:
+        """The mesh's ranks in row-major order, read with ``tolist`` and Python alone: no tensor op, so
+        a fake-tensor mode (a dry run) sees nothing and the answer is the real table."""
+        ranks = self._memo.get("ranks")
+        if ranks is None:
+            flat: list[int] = []
+            pending = [self._dm.mesh.tolist()]
+            while pending:
+                v = pending.pop()
+                if isinstance(v, list):
+                    pending.extend(reversed(v))
+                else:
+                    flat.append(int(v))
+            ranks = self._memo["ranks"] = tuple(flat)
+        return ranks
+
+    def _slice_ranks(self, rank: int, dims: Sequence[int]) -> list[int]:
+        """The ranks that share ``rank``'s coordinates on every mesh dimension but ``dims``, in
+        row-major order over ``dims``: the members of ``rank``'s group over those axes."""
+        table = self._rank_list()
+        strides = [math.prod(self._sizes[d + 1:]) for d in range(len(self._sizes))]
+        where = table.index(rank)
+        coords = [(where // strides[d]) % self._sizes[d] for d in range(len(self._sizes))]
+        out = []
+        for var in itertools.product(*(range(self._sizes[d]) for d in dims)):
+            c = list(coords)
+            for d, i in zip(dims, var):
+                c[d] = i
+            out.append(table[sum(ci * st for ci, st in zip(c, strides))])
+        return out
 
     def _dim(self, axis: str) -> int:
         try:
@@ -279,7 +307,7 @@ class Mesh:
     def __hash__(self) -> int:
         h = self._memo.get("hash")
         if h is None:  # the rank layout never changes; reading it from the tensor costs ~0.2 ms
-            h = self._memo["hash"] = hash((self._names, self._sizes, tuple(self._dm.mesh.flatten().tolist())))
+            h = self._memo["hash"] = hash((self._names, self._sizes, self._rank_list()))
         return h
 
     def _cached(self, key: Any, make: Callable[[], Any]) -> Any:
