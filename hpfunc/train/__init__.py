@@ -1,7 +1,7 @@
 """Training from a strict YAML config, on one process or on a mesh of processes it launches itself:
 token data, a pure ``train_step`` and the loop.
 
-    hpfunc train examples/configs/qwen3_moe_tiny.yaml       # the command line
+    hpfunc train examples/configs/<a config>.yaml           # the command line
     >>> from hpfunc import train                             # the same pieces from Python
     >>> cfg = train.load_config_dict({"train": {"steps": 5}}, ["optimizer.lr=1e-3"])
     >>> cfg.train.steps, cfg.optimizer.lr

@@ -6,7 +6,7 @@ Every key is checked. An unknown key, a value of the wrong type or an unknown ch
     optimizer.lr_warmup: unknown key; did you mean 'warmup_steps' (in schedule)? expected one of ...
 
 Example:
-    >>> cfg = load_config_dict({"train": {"steps": 10}, "model": {"preset": "qwen3-moe-tiny"}})
+    >>> cfg = load_config_dict({"train": {"steps": 10}, "model": {"hidden_size": 32}})
     >>> cfg.train.steps, cfg.optimizer.name
     (10, 'adamw')
     >>> try:
@@ -28,6 +28,7 @@ import attrs
 import yaml
 
 from hpfunc.faults import DEFAULT_TIMEOUT_S
+from hpfunc.models.registry import DEFAULT_PRESET
 
 __all__ = [
     "ConfigError",
@@ -59,13 +60,16 @@ class ConfigError(ValueError):
 
 @attrs.frozen
 class ModelConfig:
-    """Which model: a preset name from ``hpfunc.models.qwen3`` plus field overrides.
+    """Which model: a registered model (or a spec's import path), one of its presets, field overrides.
 
-    Any other key under ``model:`` is an override of a ``Qwen3Config`` field (``hidden_size: 64``);
-    such keys are checked against the config class when the model is built.
+    ``name``: a name of :data:`hpfunc.models.registry.BUILTIN` or the import path
+    ``package.module:SPEC`` of a :class:`hpfunc.models.spec.ModelSpec`; null: the registered model
+    that has ``preset``. Any other key under ``model:`` is an override of a field of the model's
+    config class (``hidden_size: 64``); such keys are checked against it when the model is built.
     """
 
-    preset: str = "qwen3-moe-tiny"
+    name: Union[str, None] = None
+    preset: str = DEFAULT_PRESET
     dtype: Literal["float32", "bfloat16", "float64"] = "float32"
     # a Hugging Face folder (config.json + safetensors) to start from: its config.json is the model (the
     # overrides apply on top, the preset is not used) and each rank reads its blocks of the weights

@@ -280,8 +280,9 @@ def _first_nonfinite_grad(check_step: Callable, state: Any, batch: Any, *, on_me
 
 def _train(cfg: Config, model_cfg: Any, out: pathlib.Path, folder: RunFolder | None, *, stream: TextIO | None,
            echo: bool, mesh: Any, plan: ResumePlan) -> RunResult:
-    from hpfunc.models import qwen3
+    from hpfunc.train.build import model_spec
 
+    spec = model_spec(cfg.model)
     main = folder is not None  # the rank that prints and writes
     progress_mode = cfg.output.progress if main else "none"
     quiet = not echo or progress_mode == "none"
@@ -294,38 +295,34 @@ def _train(cfg: Config, model_cfg: Any, out: pathlib.Path, folder: RunFolder | N
     tc = cfg.train
     cc = cfg.checkpoint
 
-    if tc.aux_loss_coef is not None:
-        model_cfg = attrs.evolve(model_cfg, router_aux_loss_coef=tc.aux_loss_coef)
+    if tc.aux_loss_coef is not None and spec.with_aux_loss_coef is not None:
+        model_cfg = spec.with_aux_loss_coef(model_cfg, tc.aux_loss_coef)
     factor = build_schedule(cfg.schedule, tc.steps)
-    optimizer, lr = build_optimizer(cfg.optimizer, factor)
+    optimizer, lr = build_optimizer(cfg.optimizer, factor, spec)
 
     t0 = time.perf_counter()
     data = load_data(cfg.data)
-    check_data(data, cfg, model_cfg.vocab_size)  # before the first write: a bad corpus leaves the folder alone
+    check_data(data, cfg, spec.vocab_size(model_cfg))  # before the first write: a bad corpus leaves the folder alone
     say(f"data: {data.description} ({data.train.numel():,} train / {data.val.numel():,} val) "
         f"in {time.perf_counter() - t0:.1f} s")
 
     init_key, train_key, val_key = data_keys(cfg.seed)
-    n_params, active = qwen3.count_params(model_cfg), qwen3.active_params(model_cfg)
-    moe = f", {model_cfg.num_experts} experts top-{model_cfg.num_experts_per_tok}" if model_cfg.is_moe else ""
-    act = f" ({active:,} active)" if active != n_params else ""
-    say(f"model: {cfg.model.preset}, {model_cfg.num_hidden_layers} layers, hidden {model_cfg.hidden_size}"
-        f"{moe}: {n_params:,} params{act}")
+    n_params = spec.count_params(model_cfg)
+    say(f"model: {cfg.model.preset}, {spec.describe(model_cfg)}")
     say(f"train: {tc.steps} steps of {tc.batch_size} x {tc.seq_len} tokens, {cfg.optimizer.name}, "
         f"{cfg.schedule.name} schedule")
 
     if mesh is None:
         if cfg.model.pretrained is not None:  # the Hugging Face folder's weights, checked against the config
-            from hpfunc.models.qwen3.hf import load_params
-
-            params = load_params(cfg.model.pretrained, model_cfg, dtype=model_dtype(cfg.model))
+            params = spec.hf.load_params(cfg.model.pretrained, model_cfg, dtype=model_dtype(cfg.model))
         else:
-            params = qwen3.init(init_key, model_cfg, dtype=model_dtype(cfg.model))
+            params = spec.init(init_key, model_cfg, dtype=model_dtype(cfg.model))
         state = init_train_state(params, optimizer)
         train_step = make_train_step(model_cfg, optimizer, expert_bias_rate=tc.expert_bias_rate, lr_schedule=lr,
-                                     num_microbatches=tc.microbatches)
+                                     num_microbatches=tc.microbatches, loss_fn=spec.loss)
         full_params: Callable[[Any], Any] = lambda p: p  # noqa: E731
-        check_step = functools.partial(make_grad_check_step, model_cfg, num_microbatches=tc.microbatches)
+        check_step = functools.partial(make_grad_check_step, model_cfg, num_microbatches=tc.microbatches,
+                                       loss_fn=spec.loss)
     else:
         from hpfunc.train.distributed import build_grad_check_step, build_parallel_step, parallel_summary
 
@@ -334,7 +331,7 @@ def _train(cfg: Config, model_cfg: Any, out: pathlib.Path, folder: RunFolder | N
                                                 model_dtype(cfg.model))
         full_params = train_step.full_params  # a collective (a pipeline's stages come from their ranks)
         check_step = functools.partial(build_grad_check_step, cfg, model_cfg, mesh)
-    eval_step = make_eval_step(model_cfg)
+    eval_step = make_eval_step(model_cfg, loss_fn=spec.loss)
 
     # where the run starts: step 0, or a checkpoint loaded into this run's layout (resharded)
     start = 0
@@ -415,7 +412,8 @@ def _train(cfg: Config, model_cfg: Any, out: pathlib.Path, folder: RunFolder | N
                 StopSignals() if use_words or mesh is None else contextlib.nullcontext() as signals:
             for step in range(start, tc.steps):
                 hooks.maybe_kill(step + 1, rank=rank, attempt=plan.restart)
-                batch = hooks.batch(step + 1, sample_batch(data.train, train_key, step, tc.batch_size, tc.seq_len))
+                batch = hooks.batch(step + 1, sample_batch(data.train, train_key, step, tc.batch_size, tc.seq_len),
+                                    spec.ignore_index)
                 t = time.perf_counter()
                 try:
                     new_state, metrics = train_step(state, batch)  # pure: `state` stays the last completed step's
@@ -593,7 +591,8 @@ def _train(cfg: Config, model_cfg: Any, out: pathlib.Path, folder: RunFolder | N
         from hpfunc.train.sample import sample_text
 
         text = sample_text(final_params, model_cfg, oc.sample_prompt, oc.sample_tokens,
-                           random.fold_in(random.key(cfg.seed), 3), temperature=oc.sample_temperature)
+                           random.fold_in(random.key(cfg.seed), 3), temperature=oc.sample_temperature,
+                           apply=spec.apply)
         folder.write_text("sample.txt", text)
         summary["sample"] = text
         say(f"sample (temperature {oc.sample_temperature}):\n{'-' * 60}\n{text}\n{'-' * 60}")
