@@ -13,7 +13,9 @@ optimizer), ``data`` (corpora, tokenising, seeded batches), ``step`` (``make_tra
 checked against the model; the sharded step inside the ranks), ``launch`` (starting the ranks through
 ``torch.distributed.run``), ``checkpointing`` (what a run saves, ``--resume``, config compatibility),
 ``last_words`` (the save on SIGTERM / SIGINT / a failed step), ``fault_hooks`` (test hooks that
-inject faults), ``cli`` (``hpfunc train``).
+inject faults), ``trainer`` (:class:`Trainer`: a run as an object), ``callbacks`` (what runs beside the
+loop: metrics log, MoE monitor, per-layer norms, checkpoint log, TensorBoard, your own), ``cli``
+(``hpfunc train``). The model comes from its :class:`~hpfunc.models.spec.ModelSpec` (``model.name``).
 See ``docs/train.md``.
 """
 
@@ -31,6 +33,7 @@ from hpfunc.train.config import (
 from hpfunc.train.data import DataError, TokenData, load_data, sample_batch, stdlib_files
 from hpfunc.train.loop import RunResult, run
 from hpfunc.train.output import read_metrics
+from hpfunc.train.trainer import Trainer
 from hpfunc.train.step import TrainState, init_train_state, make_eval_step, make_train_step, merge_params, split_params
 
 __all__ = [
@@ -58,5 +61,6 @@ __all__ = [
     "merge_params",
     "RunResult",
     "run",
+    "Trainer",
     "read_metrics",
 ]

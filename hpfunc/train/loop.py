@@ -183,8 +183,10 @@ def run(
     inputs: Sequence[tuple[str, str | pathlib.Path]] = (),
     lock_token: str | None = None,
     resume: str = "never",
+    callbacks: Sequence[Any] = (),
 ) -> RunResult:
-    """Train for ``cfg.train.steps`` steps and write the outputs.
+    """Train for ``cfg.train.steps`` steps and write the outputs: ``Trainer(cfg, ...).run()``
+    (:class:`hpfunc.train.trainer.Trainer`).
 
     With a ``parallel.mesh`` of more than one process this must run in every rank of a launch
     (``hpfunc train CONFIG`` starts them); rank 0 prints and writes, the others only compute.
@@ -203,7 +205,20 @@ def run(
       resume: ``"never"`` (start from step 0), ``"auto"`` (the newest complete checkpoint of the run's
         ``checkpoint.dir``, if any) or the path of a checkpoint (:mod:`hpfunc.train.checkpointing`).
         A restarted attempt of an elastic launch always resumes ``auto``.
+      callbacks: callback objects run after those of ``cfg.callbacks`` (:mod:`hpfunc.train.callbacks`).
     """
+    from hpfunc.train.trainer import Trainer
+
+    return Trainer(cfg, out_dir=out_dir, stream=stream, echo=echo, overwrite=overwrite, inputs=inputs,
+                   lock_token=lock_token, resume=resume, callbacks=callbacks).run()
+
+
+def execute(trainer: Any) -> RunResult:
+    """The run of a :class:`~hpfunc.train.trainer.Trainer` (its config and options), in this process (one
+    rank of a launch, or the only process)."""
+    cfg, o = trainer.cfg, trainer.options
+    out_dir, stream, echo = o["out_dir"], o["stream"], o["echo"]
+    overwrite, inputs, lock_token, resume = o["overwrite"], o["inputs"], o["lock_token"], o["resume"]
     threads = torch.get_num_threads()
     if cfg.train.num_threads is not None:
         # Process-wide in torch; restored on exit. On a shared or small machine one thread is often
@@ -212,11 +227,11 @@ def run(
     try:
         claim = {"overwrite": overwrite, "inputs": inputs, "lock_token": lock_token, "resume": resume}
         if not is_distributed(cfg.parallel):
-            return _run(cfg, out_dir=out_dir, stream=stream, echo=echo, claim=claim)
+            return _run(cfg, out_dir=out_dir, stream=stream, echo=echo, claim=claim, trainer=trainer)
         from hpfunc.train.distributed import start_mesh
 
         with start_mesh(cfg.parallel) as mesh:
-            return _run(cfg, out_dir=out_dir, stream=stream, echo=echo, mesh=mesh, claim=claim)
+            return _run(cfg, out_dir=out_dir, stream=stream, echo=echo, mesh=mesh, claim=claim, trainer=trainer)
     finally:
         torch.set_num_threads(threads)
 
@@ -240,7 +255,7 @@ def _plan_on_rank0(cfg: Config, out: pathlib.Path, claim: dict[str, Any], mesh: 
 
 
 def _run(cfg: Config, *, out_dir: str | pathlib.Path | None, stream: TextIO | None, echo: bool,
-         mesh: Any = None, claim: dict[str, Any]) -> RunResult:
+         mesh: Any = None, claim: dict[str, Any], trainer: Any) -> RunResult:
     main = mesh is None or torch.distributed.get_rank() == 0  # the rank that prints and writes
     model_cfg = check_buildable(cfg)  # config errors first: nothing is created for a config that cannot run
     out = pathlib.Path(cfg.output.dir if out_dir is None else out_dir)
@@ -249,14 +264,14 @@ def _run(cfg: Config, *, out_dir: str | pathlib.Path | None, stream: TextIO | No
         for line in plan.skipped:  # damaged newer checkpoints, renamed: said once, before the run starts
             print(f"hpfunc train: {line}", file=sys.stderr, flush=True)
     if not main:
-        return _train(cfg, model_cfg, out, None, stream=stream, echo=echo, mesh=mesh, plan=plan)
+        return _train(cfg, model_cfg, out, None, stream=stream, echo=echo, mesh=mesh, plan=plan, trainer=trainer)
     hint = ("; or continue it from its newest checkpoint with --resume auto"
             if latest(checkpoint_root(cfg, out)) is not None else "")
     folder = RunFolder(out, overwrite=claim["overwrite"] and not plan.restart,
                        inputs=[*claim["inputs"], *data_inputs(cfg.data)], inherited=claim["lock_token"],
                        resume=plan.resume, hint=hint)
     with folder:  # held to the last write; a second run into the folder is refused meanwhile
-        return _train(cfg, model_cfg, out, folder, stream=stream, echo=echo, mesh=mesh, plan=plan)
+        return _train(cfg, model_cfg, out, folder, stream=stream, echo=echo, mesh=mesh, plan=plan, trainer=trainer)
 
 
 def _first_nonfinite_grad(check_step: Callable, state: Any, batch: Any, *, on_mesh: bool) -> str:
@@ -279,11 +294,12 @@ def _first_nonfinite_grad(check_step: Callable, state: Any, batch: Any, *, on_me
 
 
 def _train(cfg: Config, model_cfg: Any, out: pathlib.Path, folder: RunFolder | None, *, stream: TextIO | None,
-           echo: bool, mesh: Any, plan: ResumePlan) -> RunResult:
-    from hpfunc.train.build import model_spec
+           echo: bool, mesh: Any, plan: ResumePlan, trainer: Any) -> RunResult:
+    from hpfunc.train.callbacks import CallbackList
 
-    spec = model_spec(cfg.model)
+    spec = trainer.spec
     main = folder is not None  # the rank that prints and writes
+    calls = CallbackList(trainer.callbacks, main=main)
     progress_mode = cfg.output.progress if main else "none"
     quiet = not echo or progress_mode == "none"
     out_stream = sys.stdout if stream is None else stream
@@ -370,9 +386,12 @@ def _train(cfg: Config, model_cfg: Any, out: pathlib.Path, folder: RunFolder | N
     use_words = ckpts is not None and cc.last_words
     hooks = FaultHooks.from_env()
     rank = torch.distributed.get_rank() if mesh is not None else 0
+    trainer._bind_run(state=state, model_cfg=model_cfg, out_dir=out, main=main, rank=rank, mesh=mesh,
+                      checkpoint_root=root, folder=folder, start_step=start, checkpoints=ckpts)
 
     ep_size = next((cfg.parallel.mesh[e.axes[0]] for e in cfg.parallel.plan if e.kind == "ep"), 1)
     records: list[dict[str, Any]] = list(kept)
+    trainer.records = records
     losses: list[float] = list(loop.get("recent", []))  # the last ones before a resume: the summary's mean
     first_loss = loop.get("first_loss")
     min_loss = loop.get("min_loss")
@@ -408,6 +427,7 @@ def _train(cfg: Config, model_cfg: Any, out: pathlib.Path, folder: RunFolder | N
     done = start
     finished = False  # an error of the checkpoints' closing must not hide the error that ends the run
     try:
+        calls.train_start(trainer)
         with MetricsWriter(folder.file("metrics.jsonl")) if main else _NoWriter() as writer, \
                 StopSignals() if use_words or mesh is None else contextlib.nullcontext() as signals:
             for step in range(start, tc.steps):
@@ -485,6 +505,8 @@ def _train(cfg: Config, model_cfg: Any, out: pathlib.Path, folder: RunFolder | N
                     writer.write(record)
                     records.append(record)
                     window, window_time, window_parts = [], 0.0, {}
+                trainer.state, trainer.record = state, record
+                calls.step_end(trainer, done, metrics)
                 if tc.eval_every and done % tc.eval_every == 0 and done != tc.steps and val_batches:
                     full = full_params(state.params)  # a collective: every rank
                     val = _evaluate(eval_step, full, val_batches) if main else None
@@ -494,10 +516,12 @@ def _train(cfg: Config, model_cfg: Any, out: pathlib.Path, folder: RunFolder | N
                         writer.write(vrec)
                         records.append(vrec)
                         progress.message(f"step {done}: validation loss {val:.4f}")
+                        calls.eval(trainer, done, val)
                 progress.update(done, record)
                 if ckpts is not None and ckpts.due(done) and done != tc.steps:
                     with _save_errors(root, done):
                         ckpts.save(state, done, loop_state())
+                    calls.save(trainer, done, root)
                 save_failed = ckpts is not None and ckpts.failed()  # an async save: known at the next step
                 if signals is not None:
                     hooks.maybe_term(done, handled=signals.signum is None and signals.installed)
@@ -527,6 +551,7 @@ def _train(cfg: Config, model_cfg: Any, out: pathlib.Path, folder: RunFolder | N
                 with _save_errors(root, done):
                     ckpts.save(state, done, loop_state())  # the last step's state: a run can be extended from it
                     ckpts.wait()
+                calls.save(trainer, done, root)
             final_params = full_params(state.params)  # a collective: every rank
             bad = _first_nonfinite(final_params)  # the last update has no later loss to show it
             if bad is not None:
@@ -542,7 +567,11 @@ def _train(cfg: Config, model_cfg: Any, out: pathlib.Path, folder: RunFolder | N
                 vrec = {"step": tc.steps, "val_loss": val}
                 writer.write(vrec)
                 records.append(vrec)
+                calls.eval(trainer, tc.steps, val)
         finished = True
+    except BaseException as e:
+        calls.exception(trainer, e)
+        raise
     finally:
         progress.close()
         if ckpts is not None:
@@ -583,7 +612,9 @@ def _train(cfg: Config, model_cfg: Any, out: pathlib.Path, folder: RunFolder | N
     if mesh is not None:
         summary["processes"] = cfg.parallel.size
         summary["mesh"] = dict(cfg.parallel.mesh)
+    trainer.state, trainer.summary = state, summary
     if not main:
+        calls.train_end(trainer, summary)  # the callbacks that run on every rank
         return RunResult(state=state, records=records, summary=summary, out_dir=out)
     oc = cfg.output
     byte_level = cfg.data.source != "ids" and not cfg.data.tokenizer
@@ -605,6 +636,7 @@ def _train(cfg: Config, model_cfg: Any, out: pathlib.Path, folder: RunFolder | N
         if mesh is not None:
             title += "\nmesh " + " x ".join(f"{a} {n}" for a, n in cfg.parallel.mesh.items())
         plot_losses(records, folder.file("loss.png"), title=title)
+    calls.train_end(trainer, summary)  # a failing callback leaves no summary.json: the run did not finish
     folder.write_json("summary.json", summary)  # last: its presence means the run finished
     say(format_summary(summary))
     return RunResult(state=state, records=records, summary=summary, out_dir=out)
