@@ -238,7 +238,8 @@ def build_optimizer(oc: OptimizerConfig, factor: Callable[[int], float],
 
 def check_buildable(cfg: Config) -> Any:
     """Build what can be built without data (model config, schedule) and check the parallel plan
-    against the model, so errors come before any work (and before any rank starts). Also checked:
+    against the model and the ``callbacks:`` entries (names, import paths, options), so errors come
+    before any work (and before any rank starts). Also checked:
     ``train.seq_len`` fits in the model's longest sequence (its spec's ``positions_field``).
 
     Returns the model config.
@@ -258,4 +259,7 @@ def check_buildable(cfg: Config) -> Any:
         )
     build_schedule(cfg.schedule, cfg.train.steps)
     check_parallel(cfg, model_cfg)
+    from hpfunc.train.callbacks import build_callbacks
+
+    build_callbacks(cfg)  # names, import paths and option types: errors before any rank starts
     return model_cfg
