@@ -31,9 +31,9 @@ from hpfunc.train.config import (
     load_config_dict,
 )
 from hpfunc.train.data import DataError, TokenData, load_data, sample_batch, stdlib_files
-from hpfunc.train.loop import RunResult, run
+from hpfunc.train.loop import RunResult
 from hpfunc.train.output import read_metrics
-from hpfunc.train.trainer import Trainer
+from hpfunc.train.trainer import Trainer, run
 from hpfunc.train.step import TrainState, init_train_state, make_eval_step, make_train_step, merge_params, split_params
 
 __all__ = [

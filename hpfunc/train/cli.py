@@ -183,7 +183,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                 raise SystemExit(status)
             return
         from hpfunc.checkpoint import CheckpointError
-        from hpfunc.train.loop import Stopped, TrainingDiverged, run
+        from hpfunc.train.loop import Stopped, TrainingDiverged
+        from hpfunc.train.trainer import run
         from hpfunc.train.output import OutputWriteError
 
         try:

@@ -157,7 +157,7 @@ def check_parallel(cfg: Config, model_cfg: Any) -> None:
     pc = cfg.parallel
     if not pc.plan:
         return
-    from hpfunc.train.build import model_spec
+    from hpfunc.train.model_spec import model_spec
     from hpfunc.transforms.plans import PlanError
 
     spec = model_spec(cfg.model)
@@ -293,7 +293,7 @@ def _check_axes_shard(pc: ParallelConfig, layouts: Mapping[str, Any]) -> None:
 def describe_plan(cfg: Config, model_cfg: Any) -> str:
     """The resolved plan, one line per parameter (``path shape storage -> compute | opt``), after a
     header naming the mesh, the plan and the batch split."""
-    from hpfunc.train.build import model_spec
+    from hpfunc.train.model_spec import model_spec
 
     pc = cfg.parallel
     spec = model_spec(cfg.model)
@@ -384,7 +384,7 @@ def build_parallel_step(cfg: Config, model_cfg: Any, optimizer: Any, lr: Callabl
     the model's parallel-aware loss, :meth:`ModelSpec.step_loss <hpfunc.models.spec.ModelSpec.step_loss>`)
     under ``hpfunc.parallelize``, and its first state, the parameters (of ``dtype``) created sharded
     with the plan's storage specs."""
-    from hpfunc.train.build import model_spec
+    from hpfunc.train.model_spec import model_spec
     from hpfunc.train.step import init_train_state, make_train_step
     from hpfunc.transforms.parallelize import init_sharded, parallelize
 
@@ -408,7 +408,7 @@ def build_grad_check_step(cfg: Config, model_cfg: Any, mesh: Any) -> Callable:
     """The train step's gradient under the same plan, not applied, as per-parameter counts of
     non-finite values (:func:`hpfunc.train.step.make_grad_check_step`): run after a non-finite step to
     name the parameter. Built on demand, so a run that stays finite never pays for it."""
-    from hpfunc.train.build import model_spec
+    from hpfunc.train.model_spec import model_spec
     from hpfunc.train.step import make_grad_check_step
     from hpfunc.transforms.parallelize import parallelize
 

@@ -1,6 +1,6 @@
 """The training loop: config -> data, model, optimizer -> steps -> outputs.
 
-``run(cfg)`` does, in order: build and check the model config, claim the output folder
+:func:`execute` (what :meth:`hpfunc.train.Trainer.run` and :func:`hpfunc.train.run` call) does, in order: build and check the model config, claim the output folder
 (:class:`hpfunc.train.output.RunFolder`: a lock held for the run; a folder holding another run is
 refused unless ``overwrite``), read and check the data, ``init`` the params from ``key(seed)``, build
 the optimizer, then for each step sample a batch (a pure function of seed and step), call the pure
@@ -10,7 +10,7 @@ and, last, ``summary.json``. A non-finite loss or gradient norm, a non-finite va
 non-finite parameters after the last update stop the run with :class:`TrainingDiverged` naming the
 step (no ``summary.json`` is written: the run did not finish).
 
-With a ``parallel.mesh`` of more than one process, ``run`` is called in every rank of a launch
+With a ``parallel.mesh`` of more than one process, it runs in every rank of a launch
 (``hpfunc train`` starts them): each rank builds the same global batch, the step is
 ``hpfunc.parallelize(train_step, mesh, plan)`` on parameters created sharded
 (:mod:`hpfunc.train.distributed`), and only rank 0 prints and writes. Evaluation and sampling gather
@@ -22,7 +22,8 @@ Example:
     >>> cfg = load_config_dict({"train": {"steps": 2, "batch_size": 1, "seq_len": 8, "num_threads": 1},
     ...                         "data": {"max_bytes": 20000}, "output": {"progress": "none", "plot": False,
     ...                         "dir": __import__("tempfile").mkdtemp()}})
-    >>> result = run(cfg, echo=False)
+    >>> from hpfunc.train.trainer import Trainer
+    >>> result = execute(Trainer(cfg, echo=False))
     >>> result.summary["steps"]
     2
 """
@@ -55,7 +56,7 @@ from hpfunc.train.fault_hooks import FaultHooks
 from hpfunc.train.last_words import LastWords, StopSignals, Stopped, stop_message
 from hpfunc.train.step import TrainState, init_train_state, make_eval_step, make_grad_check_step, make_train_step
 
-__all__ = ["RunResult", "TrainingDiverged", "Stopped", "run", "data_keys"]
+__all__ = ["RunResult", "TrainingDiverged", "Stopped", "execute", "data_keys"]
 
 
 class TrainingDiverged(RuntimeError):
@@ -171,46 +172,6 @@ def _local_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
     from torch.distributed.tensor import DTensor
 
     return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in metrics.items()}
-
-
-def run(
-    cfg: Config,
-    *,
-    out_dir: str | pathlib.Path | None = None,
-    stream: TextIO | None = None,
-    echo: bool = True,
-    overwrite: bool = False,
-    inputs: Sequence[tuple[str, str | pathlib.Path]] = (),
-    lock_token: str | None = None,
-    resume: str = "never",
-    callbacks: Sequence[Any] = (),
-) -> RunResult:
-    """Train for ``cfg.train.steps`` steps and write the outputs: ``Trainer(cfg, ...).run()``
-    (:class:`hpfunc.train.trainer.Trainer`).
-
-    With a ``parallel.mesh`` of more than one process this must run in every rank of a launch
-    (``hpfunc train CONFIG`` starts them); rank 0 prints and writes, the others only compute.
-
-    Args:
-      cfg: a checked config (:func:`hpfunc.train.config.load_config`).
-      out_dir: overrides ``cfg.output.dir``.
-      stream: where progress and the summary are printed (stdout by default).
-      echo: print the start lines and the final summary.
-      overwrite: replace a previous run's files in the output folder (otherwise such a folder is
-        refused with :class:`hpfunc.train.output.OutputError`).
-      inputs: ``(what, path)`` of input files besides the data (``hpfunc train`` passes its config
-        file): the run refuses to write over any of them.
-      lock_token: the token of the output folder's lock when the launching process holds it
-        (``hpfunc train`` on a mesh claims the folder before it starts the ranks).
-      resume: ``"never"`` (start from step 0), ``"auto"`` (the newest complete checkpoint of the run's
-        ``checkpoint.dir``, if any) or the path of a checkpoint (:mod:`hpfunc.train.checkpointing`).
-        A restarted attempt of an elastic launch always resumes ``auto``.
-      callbacks: callback objects run after those of ``cfg.callbacks`` (:mod:`hpfunc.train.callbacks`).
-    """
-    from hpfunc.train.trainer import Trainer
-
-    return Trainer(cfg, out_dir=out_dir, stream=stream, echo=echo, overwrite=overwrite, inputs=inputs,
-                   lock_token=lock_token, resume=resume, callbacks=callbacks).run()
 
 
 def execute(trainer: Any) -> RunResult:

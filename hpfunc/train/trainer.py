@@ -31,9 +31,11 @@ from __future__ import annotations
 import pathlib
 from typing import Any, Mapping, Sequence, TextIO
 
-from hpfunc.train.config import Config, load_config, load_config_dict
 
-__all__ = ["Trainer"]
+from hpfunc.train.config import Config, load_config, load_config_dict
+from hpfunc.train.loop import RunResult, execute
+
+__all__ = ["Trainer", "run"]
 
 
 def _as_config(config: Any, overrides: Sequence[str]) -> Config:
@@ -98,8 +100,6 @@ class Trainer:
 
     def run(self) -> Any:
         """Train for ``train.steps`` steps; return the :class:`~hpfunc.train.loop.RunResult`."""
-        from hpfunc.train.loop import execute
-
         self.result = execute(self)
         return self.result
 
@@ -107,9 +107,61 @@ class Trainer:
         """The path of ``name`` in the run's output folder (for a callback's own file, on rank 0)."""
         return self.out_dir / name
 
+    def open_lines(self, name: str) -> Any:
+        """A :class:`~hpfunc.train.output.MetricsWriter` on ``name`` in the run's folder for a callback's own
+        JSON lines: a run from step 0 starts it afresh (a previous run's file is replaced), a resumed run
+        keeps the lines up to its checkpoint's step (no step twice), as metrics.jsonl."""
+        from hpfunc.train.checkpointing import truncate_metrics
+        from hpfunc.train.output import MetricsWriter
+
+        path = self.output_file(name)
+        if self.start_step == 0:
+            path.unlink(missing_ok=True)
+        elif path.exists():
+            truncate_metrics(path, self.start_step)
+        return MetricsWriter(path)
+
     def _bind_run(self, *, state: Any, model_cfg: Any, out_dir: pathlib.Path, main: bool, rank: int, mesh: Any,
                   checkpoint_root: pathlib.Path, folder: Any, start_step: int, checkpoints: Any) -> None:
         """Called by the loop once the run's state is built: what the callbacks read."""
         self.state, self.model_cfg, self.out_dir = state, model_cfg, out_dir
         self.start_step, self.checkpoints = start_step, checkpoints
         self.main, self.rank, self.mesh, self.checkpoint_root, self.folder = main, rank, mesh, checkpoint_root, folder
+
+
+def run(
+    cfg: Config,
+    *,
+    out_dir: str | pathlib.Path | None = None,
+    stream: TextIO | None = None,
+    echo: bool = True,
+    overwrite: bool = False,
+    inputs: Sequence[tuple[str, str | pathlib.Path]] = (),
+    lock_token: str | None = None,
+    resume: str = "never",
+    callbacks: Sequence[Any] = (),
+) -> RunResult:
+    """Train for ``cfg.train.steps`` steps and write the outputs: ``Trainer(cfg, ...).run()``
+    (:class:`hpfunc.train.trainer.Trainer`).
+
+    With a ``parallel.mesh`` of more than one process this must run in every rank of a launch
+    (``hpfunc train CONFIG`` starts them); rank 0 prints and writes, the others only compute.
+
+    Args:
+      cfg: a checked config (:func:`hpfunc.train.config.load_config`).
+      out_dir: overrides ``cfg.output.dir``.
+      stream: where progress and the summary are printed (stdout by default).
+      echo: print the start lines and the final summary.
+      overwrite: replace a previous run's files in the output folder (otherwise such a folder is
+        refused with :class:`hpfunc.train.output.OutputError`).
+      inputs: ``(what, path)`` of input files besides the data (``hpfunc train`` passes its config
+        file): the run refuses to write over any of them.
+      lock_token: the token of the output folder's lock when the launching process holds it
+        (``hpfunc train`` on a mesh claims the folder before it starts the ranks).
+      resume: ``"never"`` (start from step 0), ``"auto"`` (the newest complete checkpoint of the run's
+        ``checkpoint.dir``, if any) or the path of a checkpoint (:mod:`hpfunc.train.checkpointing`).
+        A restarted attempt of an elastic launch always resumes ``auto``.
+      callbacks: callback objects run after those of ``cfg.callbacks`` (:mod:`hpfunc.train.callbacks`).
+    """
+    return Trainer(cfg, out_dir=out_dir, stream=stream, echo=echo, overwrite=overwrite, inputs=inputs,
+                   lock_token=lock_token, resume=resume, callbacks=callbacks).run()

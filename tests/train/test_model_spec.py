@@ -54,7 +54,7 @@ def _env():
 
 @pytest.mark.slow
 def test_a_second_model_trains_through_hpfunc_train_on_a_2x2_mesh_equal_to_one_process(tmp_path):
-    from hpfunc.train.loop import run
+    from hpfunc.train.trainer import run
 
     steps = 4
     path = _config(tmp_path, parallel={"mesh": {"fsdp": 2, "tp": 2}, "plan": ["fsdp", "tp"]},

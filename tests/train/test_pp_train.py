@@ -50,7 +50,7 @@ KEYS = ("loss", "grad_norm", "aux_loss", "expert_load")  # the last two of a MoE
 def train_in_rank(raw: dict) -> list[dict]:
     """``hpfunc.train.loop.run`` in this rank of the pool: the :data:`KEYS` of every step's record."""
     from hpfunc.train.config import load_config_dict
-    from hpfunc.train.loop import run
+    from hpfunc.train.trainer import run
 
     return [{k: r[k] for k in KEYS if k in r} for r in run(load_config_dict(raw), echo=False).records if "loss" in r]
 

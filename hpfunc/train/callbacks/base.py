@@ -48,18 +48,10 @@ __all__ = ["Callback", "CallbackError", "CallbackList", "open_lines", "scalars"]
 
 
 def open_lines(trainer: Any, name: str) -> Any:
-    """A :class:`~hpfunc.train.output.MetricsWriter` on ``name`` in the run's folder for a callback's own
-    JSON lines: a run from step 0 starts it afresh (a previous run's file is replaced), a resumed run
-    keeps the lines up to its checkpoint's step (no step twice), as metrics.jsonl."""
-    from hpfunc.train.checkpointing import truncate_metrics
-    from hpfunc.train.output import MetricsWriter
-
-    path = trainer.output_file(name)
-    if trainer.start_step == 0:
-        path.unlink(missing_ok=True)
-    elif path.exists():
-        truncate_metrics(path, trainer.start_step)
-    return MetricsWriter(path)
+    """A writer of whole JSON lines on ``name`` in the run's folder, for a callback's own file
+    (:meth:`hpfunc.train.trainer.Trainer.open_lines`: afresh from step 0, cut back to the checkpoint's
+    step on a resume)."""
+    return trainer.open_lines(name)
 
 
 def scalars(metrics: dict[str, Any]) -> dict[str, float]:
