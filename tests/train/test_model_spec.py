@@ -58,7 +58,8 @@ def test_a_second_model_trains_through_hpfunc_train_on_a_2x2_mesh_equal_to_one_p
 
     steps = 4
     path = _config(tmp_path, parallel={"mesh": {"fsdp": 2, "tp": 2}, "plan": ["fsdp", "tp"]},
-                   train={**TINY["train"], "steps": steps, "log_every": 1, "eval_every": 0})
+                   train={**TINY["train"], "steps": steps, "log_every": 1, "eval_every": 0},
+                   callbacks=[{"layer_norms": {"every": 2}}])
     proc = subprocess.run([sys.executable, "-m", "hpfunc.cli", "train", str(path)], capture_output=True, text=True,
                           env=_env(), timeout=240, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -72,6 +73,15 @@ def test_a_second_model_trains_through_hpfunc_train_on_a_2x2_mesh_equal_to_one_p
     assert got == pytest.approx(want, rel=1e-5)
     assert want[-1] < want[0]  # it trains
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["params"] == 10240
+    # the per-layer norms, each rank summing the squares of its blocks (sharded over fsdp, tp or both, or
+    # replicated over tp) and one all-reduce, equal one device's
+    got = read_metrics(tmp_path / "out" / "norms.jsonl")
+    want = read_metrics(tmp_path / "single" / "norms.jsonl")
+    assert [r["step"] for r in got] == [r["step"] for r in want] == [2, 4]
+    for g, w in zip(got, want):
+        assert set(g["param_norm"]) == {"embed", "layers.0", "layers.1", "head"}
+        assert g["param_norm"] == pytest.approx(w["param_norm"], rel=1e-5)
+        assert g["total"] == pytest.approx(w["total"], rel=1e-5)
 
 
 def test_a_model_by_import_path_builds_and_checks_its_plan():
