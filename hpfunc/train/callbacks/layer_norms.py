@@ -1,10 +1,10 @@
 """``layer_norms``: the norm of each layer's parameters, computed where they live.
 
-Every rank sums the squares of the blocks it holds, grouped by layer (``layers.<i>`` for a path under
-``layers.<i>.``, otherwise the path's first component: ``embed``, ``final_norm``, ...); a block that is
-replicated over some mesh axes is counted by the replica at coordinate 0 of those axes only; then one
-``all_reduce`` of the vector of group sums over the mesh gives every group's global squared norm. No
-parameter is gathered, and no partial value is written as a global one. The squares sum to the
+Every rank sums the squares of the blocks it holds; one ``all_reduce`` of a small table (per leaf: the
+squares, the number of ranks holding it, its number of distinct blocks) gives each leaf's global
+squared norm (a block replicated on ``k`` ranks is counted ``k`` times and divided by ``k``), grouped by
+layer (``layers.<i>`` for a path under ``layers.<i>.``, otherwise the path's first component: ``embed``,
+``final_norm``, ...). No parameter is gathered, and no partial value is written as a global one. The squares sum to the
 squared global norm (``total``).
 
 Each ``every``-th step, a line of ``norms.jsonl`` (rank 0 writes):
@@ -40,37 +40,51 @@ def group_of(path: str) -> str:
     return m.group(1) if m else path.split(".", 1)[0]
 
 
-def _local_sq(x: Any) -> torch.Tensor:
-    """This rank's contribution to ``x``'s squared norm: its block's, or 0 on a replica that does not count."""
+def _local_sq(x: Any) -> tuple[torch.Tensor, int]:
+    """``(squares of this rank's block, number of distinct blocks of the leaf)``: for a DTensor, the product
+    of the mesh sizes of its sharded dimensions; a plain tensor is one block."""
     from torch.distributed.tensor import DTensor
 
+    shards = 1
     if isinstance(x, DTensor):
-        coord = x.device_mesh.get_coordinate()
-        if coord is None:  # this rank is not in the tensor's mesh
-            return torch.zeros((), dtype=torch.float64)
         for dim, placement in enumerate(x.placements):
-            if placement.is_replicate() and coord[dim] != 0:
-                return torch.zeros((), dtype=torch.float64)
+            if placement.is_shard():
+                shards *= x.device_mesh.size(dim)
         x = x.to_local()
-    return x.detach().to(torch.float64).pow(2).sum()
+    return x.detach().to(torch.float64).pow(2).sum(), shards
 
 
 def group_sq_norms(params: Any, *, reduce: bool = False) -> dict[str, float]:
     """The squared norm of every group's parameters; ``reduce``: summed over the process group (every rank
-    must call it, with the same tree structure; leaves this rank does not hold may be ``None``)."""
+    must call it, with the same tree structure; leaves this rank does not hold may be ``None``).
+
+    Every rank that holds a leaf adds its block's squares, the count 1 and the leaf's number of distinct
+    blocks, in one vector of three entries per leaf; one ``all_reduce`` of it gives each leaf's
+    squares summed over its holders, which hold each block ``holders / blocks`` times (replicas), so
+    the leaf's squared norm is ``squares * blocks / holders``, whatever the layout (sharded, replicated,
+    or held by one pipeline stage's ranks only).
+    """
     from hpfunc import tree
 
-    groups: dict[str, list[Any]] = {}
     pairs = tree.leaves(tree.map_with_path(lambda p, x: (p, x), params, none_is_leaf=True),
                         is_leaf=lambda x: isinstance(x, tuple))
-    for path, x in pairs:
-        groups.setdefault(group_of(path), []).append(x)
-    names = sorted(groups, key=_order)
-    sums = torch.stack([sum((_local_sq(x) for x in groups[g] if x is not None),
-                            torch.zeros((), dtype=torch.float64)) for g in names])
+    rows = []
+    for _, x in pairs:
+        if x is None:
+            rows.append(torch.zeros(3, dtype=torch.float64))
+        else:
+            sq, shards = _local_sq(x)
+            rows.append(torch.stack([sq, torch.tensor(1.0, dtype=torch.float64),
+                                     torch.tensor(float(shards), dtype=torch.float64)]))
+    table = torch.stack(rows) if rows else torch.zeros(0, 3, dtype=torch.float64)
     if reduce:
-        torch.distributed.all_reduce(sums)  # the one reduction: every group at once
-    return dict(zip(names, sums.tolist()))
+        torch.distributed.all_reduce(table)  # the one reduction: every leaf's squares, holders and blocks
+    sq = table[:, 0] * (table[:, 2] / table[:, 1].clamp_min(1)) / table[:, 1].clamp_min(1)
+    # table[:, 2] / holders is the leaf's number of blocks (each holder added it); squares * blocks / holders
+    out: dict[str, float] = {}
+    for (path, _), v in zip(pairs, sq.tolist()):
+        out[group_of(path)] = out.get(group_of(path), 0.0) + v
+    return {g: out[g] for g in sorted(out, key=_order)}
 
 
 def _order(name: str) -> tuple:
