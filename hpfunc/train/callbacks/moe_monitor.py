@@ -108,17 +108,16 @@ def plot_heatmap(shares: list[tuple[int, torch.Tensor]], path: Any) -> Any:
     tokens; written atomically."""
     import io
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    # a bare Figure renders with the Agg canvas and leaves pyplot's backend (a notebook's inline one) alone
+    from matplotlib.figure import Figure
 
     from hpfunc.train.output import write_atomic
 
     steps = [s for s, _ in shares]
     grid = torch.stack([x for _, x in shares])  # [steps, layers, E]
     n_layers = grid.shape[1]
-    fig, axes = plt.subplots(n_layers, 1, figsize=(8, 1.2 + 1.6 * n_layers), squeeze=False)
+    fig = Figure(figsize=(8, 1.2 + 1.6 * n_layers), dpi=80)
+    axes = fig.subplots(n_layers, 1, squeeze=False)
     for i in range(n_layers):
         ax = axes[i][0]
         im = ax.imshow(grid[:, i, :].T.numpy(), aspect="auto", origin="lower", cmap="viridis",
@@ -128,6 +127,5 @@ def plot_heatmap(shares: list[tuple[int, torch.Tensor]], path: Any) -> Any:
     axes[-1][0].set_xlabel("step")
     fig.tight_layout()
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=80)
-    plt.close(fig)
+    fig.savefig(buf, format="png")
     return write_atomic(path, buf.getvalue())
