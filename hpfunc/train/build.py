@@ -82,7 +82,8 @@ def _read_pretrained_config(folder: str, load_config: Callable[[str], Any], mode
     >>> import json, pathlib, tempfile
     >>> d = pathlib.Path(tempfile.mkdtemp()); _ = (d / "config.json").write_text('{"model_type": "x",')
     >>> from hpfunc.models.registry import DEFAULT_PRESET, resolve
-    >>> _read_pretrained_config(str(d), resolve(None, preset=DEFAULT_PRESET).hf.load_config, ValueError)  # doctest: +ELLIPSIS
+    >>> load = resolve(None, preset=DEFAULT_PRESET).hf.load_config
+    >>> _read_pretrained_config(str(d), load, ValueError)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
     hpfunc.train.config.ConfigError: model.pretrained: .../config.json is not valid JSON (line 1 column 20: ...

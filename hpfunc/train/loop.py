@@ -1,8 +1,8 @@
 """The training loop: config -> data, model, optimizer -> steps -> outputs.
 
-:func:`execute` (what :meth:`hpfunc.train.Trainer.run` and :func:`hpfunc.train.run` call) does, in order: build and check the model config, claim the output folder
-(:class:`hpfunc.train.output.RunFolder`: a lock held for the run; a folder holding another run is
-refused unless ``overwrite``), read and check the data, ``init`` the params from ``key(seed)``, build
+:func:`execute` (what :meth:`hpfunc.train.Trainer.run` and :func:`hpfunc.train.run` call) does, in order:
+build and check the model config, claim the output folder (:class:`hpfunc.train.output.RunFolder`: a lock
+held for the run; a folder holding another run is refused unless ``overwrite``), read and check the data, ``init`` the params from ``key(seed)``, build
 the optimizer, then for each step sample a batch (a pure function of seed and step), call the pure
 ``train_step`` and log. It writes into ``output.dir`` (each file atomically, ``metrics.jsonl`` a whole
 line at a time): ``config.yaml`` (the resolved config), ``metrics.jsonl``, ``sample.txt``, ``loss.png``
