@@ -1,7 +1,7 @@
 """Training from a strict YAML config, on one process or on a mesh of processes it launches itself:
 token data, a pure ``train_step`` and the loop.
 
-    hpfunc train examples/configs/qwen3_moe_tiny.yaml       # the command line
+    hpfunc train examples/configs/<a config>.yaml           # the command line
     >>> from hpfunc import train                             # the same pieces from Python
     >>> cfg = train.load_config_dict({"train": {"steps": 5}}, ["optimizer.lr=1e-3"])
     >>> cfg.train.steps, cfg.optimizer.lr
@@ -13,7 +13,9 @@ optimizer), ``data`` (corpora, tokenising, seeded batches), ``step`` (``make_tra
 checked against the model; the sharded step inside the ranks), ``launch`` (starting the ranks through
 ``torch.distributed.run``), ``checkpointing`` (what a run saves, ``--resume``, config compatibility),
 ``last_words`` (the save on SIGTERM / SIGINT / a failed step), ``fault_hooks`` (test hooks that
-inject faults), ``cli`` (``hpfunc train``).
+inject faults), ``trainer`` (:class:`Trainer`: a run as an object), ``callbacks`` (what runs beside the
+loop: metrics log, MoE monitor, per-layer norms, checkpoint log, TensorBoard, your own), ``cli``
+(``hpfunc train``). The model comes from its :class:`~hpfunc.models.spec.ModelSpec` (``model.name``).
 See ``docs/train.md``.
 """
 
@@ -29,8 +31,9 @@ from hpfunc.train.config import (
     load_config_dict,
 )
 from hpfunc.train.data import DataError, TokenData, load_data, sample_batch, stdlib_files
-from hpfunc.train.loop import RunResult, run
+from hpfunc.train.loop import RunResult
 from hpfunc.train.output import read_metrics
+from hpfunc.train.trainer import Trainer, run
 from hpfunc.train.step import TrainState, init_train_state, make_eval_step, make_train_step, merge_params, split_params
 
 __all__ = [
@@ -58,5 +61,6 @@ __all__ = [
     "merge_params",
     "RunResult",
     "run",
+    "Trainer",
     "read_metrics",
 ]

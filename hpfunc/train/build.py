@@ -2,7 +2,7 @@
 
 Example:
     >>> from hpfunc.train.config import load_config_dict
-    >>> cfg = load_config_dict({"model": {"preset": "qwen3-moe-tiny", "num_hidden_layers": 1},
+    >>> cfg = load_config_dict({"model": {"num_hidden_layers": 1},
     ...                         "schedule": {"name": "constant"}})
     >>> build_model_config(cfg.model).num_hidden_layers
     1
@@ -19,13 +19,13 @@ from typing import Any, Callable
 import attrs
 import torch
 
+from hpfunc.models.spec import ModelSpec
 from hpfunc.train.config import Config, ConfigError, ModelConfig, OptimizerConfig, ScheduleConfig, _convert
+from hpfunc.train.model_spec import model_spec
 
-__all__ = ["build_model_config", "build_schedule", "build_optimizer", "model_dtype", "check_buildable"]
+__all__ = ["model_spec", "build_model_config", "build_schedule", "build_optimizer", "model_dtype", "check_buildable"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
-# Nested config objects are not settable from YAML yet (the preset's value is used).
-_NOT_OVERRIDABLE = {"rope_scaling"}
 
 
 def model_dtype(mc: ModelConfig) -> torch.dtype:
@@ -33,39 +33,46 @@ def model_dtype(mc: ModelConfig) -> torch.dtype:
 
 
 def build_model_config(mc: ModelConfig) -> Any:
-    """The ``Qwen3Config`` of ``model.preset`` with the ``model.<field>`` overrides applied.
+    """The model config of ``model.preset`` (of the model ``model.name``) with the ``model.<field>``
+    overrides applied.
 
-    Unknown presets, unknown fields and values of the wrong type raise :class:`ConfigError` naming
-    ``model.preset`` / ``model.<field>``.
+    Unknown models and presets, unknown fields and values of the wrong type raise :class:`ConfigError`
+    naming ``model.name`` / ``model.preset`` / ``model.<field>``.
     """
-    from hpfunc.models import config as qcfg
-
+    spec = model_spec(mc)
     if mc.pretrained is not None:
-        return _pretrained_config(mc)
-    if mc.preset not in qcfg.PRESETS:
-        close = difflib.get_close_matches(mc.preset, qcfg.PRESETS, n=1)
+        return _pretrained_config(mc, spec)
+    if mc.preset not in spec.presets:
+        close = difflib.get_close_matches(mc.preset, spec.presets, n=1)
         hint = f"did you mean {close[0]!r}? " if close else ""
-        raise ConfigError(f"model.preset: unknown preset {mc.preset!r}; {hint}available: {', '.join(qcfg.PRESETS)}")
-    hints = typing.get_type_hints(qcfg.Qwen3Config)
-    fields = [f.name for f in attrs.fields(qcfg.Qwen3Config) if f.name not in _NOT_OVERRIDABLE]
+        raise ConfigError(f"model.preset: unknown preset {mc.preset!r} of model {spec.name!r}; {hint}available: "
+                          f"{', '.join(spec.presets)}")
+    overrides = _overrides(mc, spec, ["name", "preset", "dtype", "pretrained"])
+    try:
+        return spec.preset(mc.preset, **overrides)
+    except spec.config_error as e:
+        # the config class names its own field (``Config.head_dim``); say where it came from: the YAML key
+        # when the field is one the config sets.
+        msg = str(e)
+        prefix = f"{spec.config_class.__name__}."
+        field = msg[len(prefix):].split(":", 1)[0] if msg.startswith(prefix) else None
+        where = f"model.{field}: " if field in overrides else ""
+        raise ConfigError(f"{where}model (preset {mc.preset!r} with overrides {overrides}): {e}") from None
+
+
+def _overrides(mc: ModelConfig, spec: ModelSpec, own_keys: list[str]) -> dict[str, Any]:
+    """``model.<field>`` keys checked against the spec's config class and converted to its field types."""
+    from hpfunc.train.config import _unknown_key_message
+
+    hints = typing.get_type_hints(spec.config_class)
+    fields = [f.name for f in attrs.fields(spec.config_class) if f.name not in spec.not_overridable]
     overrides = {}
     for key, value in mc.overrides.items():
         if key not in fields:
-            from hpfunc.train.config import _unknown_key_message
-
-            allowed = ["preset", "dtype", *fields]
-            raise ConfigError(_unknown_key_message("model", key, allowed))
+            raise ConfigError(_unknown_key_message("model", key, [*own_keys, *fields]))
         tp = hints[key]
         overrides[key] = value if tp is Any else _convert(value, tp, f"model.{key}")
-    try:
-        return qcfg.preset(mc.preset, **overrides)
-    except qcfg.ConfigError as e:
-        # Qwen3Config names its own field (Qwen3Config.head_dim); say where it came from: the YAML key
-        # when the field is one the config sets.
-        msg = str(e)
-        field = msg[len("Qwen3Config."):].split(":", 1)[0] if msg.startswith("Qwen3Config.") else None
-        where = f"model.{field}: " if field in overrides else ""
-        raise ConfigError(f"{where}model (preset {mc.preset!r} with overrides {overrides}): {e}") from None
+    return overrides
 
 
 def _read_pretrained_config(folder: str, load_config: Callable[[str], Any], model_error: type) -> Any:
@@ -73,12 +80,13 @@ def _read_pretrained_config(folder: str, load_config: Callable[[str], Any], mode
     a key is a :class:`ConfigError` naming ``model.pretrained``, the file and the line or the key.
 
     >>> import json, pathlib, tempfile
-    >>> d = pathlib.Path(tempfile.mkdtemp()); _ = (d / "config.json").write_text('{"model_type": "qwen3",')
-    >>> from hpfunc.models.qwen3.hf import load_config
-    >>> _read_pretrained_config(str(d), load_config, ValueError)  # doctest: +ELLIPSIS
+    >>> d = pathlib.Path(tempfile.mkdtemp()); _ = (d / "config.json").write_text('{"model_type": "x",')
+    >>> from hpfunc.models.registry import DEFAULT_PRESET, resolve
+    >>> load = resolve(None, preset=DEFAULT_PRESET).hf.load_config
+    >>> _read_pretrained_config(str(d), load, ValueError)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    hpfunc.train.config.ConfigError: model.pretrained: .../config.json is not valid JSON (line 1 column 24: ...
+    hpfunc.train.config.ConfigError: model.pretrained: .../config.json is not valid JSON (line 1 column 20: ...
     """
     import json
     import os
@@ -107,30 +115,22 @@ def _read_pretrained_config(folder: str, load_config: Callable[[str], Any], mode
                           f"sizes, as Hugging Face's config.json of the model has them") from None
 
 
-def _pretrained_config(mc: ModelConfig) -> Any:
+def _pretrained_config(mc: ModelConfig, spec: ModelSpec) -> Any:
     """``model.pretrained``'s ``config.json`` with the ``model.<field>`` overrides applied."""
     import os
 
-    from hpfunc.models import config as qcfg
-    from hpfunc.models.qwen3.hf import load_config
-
+    if spec.hf is None:
+        raise ConfigError(f"model.pretrained: the model {spec.name!r} has no Hugging Face import (its ModelSpec.hf "
+                          f"is None); remove model.pretrained or give the spec an HFSupport")
     if not os.path.isfile(os.path.join(mc.pretrained, "config.json")):
         raise ConfigError(f"model.pretrained: {mc.pretrained!r} holds no config.json; expected a Hugging Face folder "
                           f"(config.json and *.safetensors, e.g. from save_pretrained or hpfunc convert --to hf)")
-    base = _read_pretrained_config(mc.pretrained, load_config, qcfg.ConfigError)
+    base = _read_pretrained_config(mc.pretrained, spec.hf.load_config, spec.hf.config_error)
     if not any(os.path.isfile(os.path.join(mc.pretrained, n))
                for n in ("model.safetensors", "model.safetensors.index.json")):
         raise ConfigError(f"model.pretrained: {mc.pretrained!r} holds config.json but no weights (model.safetensors "
                           f"or model.safetensors.index.json); copy the whole Hugging Face folder")
-    hints = typing.get_type_hints(qcfg.Qwen3Config)
-    fields = {f.name for f in attrs.fields(qcfg.Qwen3Config)} - _NOT_OVERRIDABLE
-    overrides = {}
-    for key, value in mc.overrides.items():
-        if key not in fields:
-            from hpfunc.train.config import _unknown_key_message
-
-            raise ConfigError(_unknown_key_message("model", key, ["preset", "dtype", "pretrained", *sorted(fields)]))
-        overrides[key] = value if hints[key] is Any else _convert(value, hints[key], f"model.{key}")
+    overrides = _overrides(mc, spec, ["name", "preset", "dtype", "pretrained"])
     return attrs.evolve(base, **overrides) if overrides else base
 
 
@@ -170,13 +170,15 @@ def _scaled(peak: float, factor: Callable[[int], float]) -> Callable[[int], floa
     return lr
 
 
-def build_optimizer(oc: OptimizerConfig, factor: Callable[[int], float]) -> tuple[Any, Callable[[int], float]]:
+def build_optimizer(oc: OptimizerConfig, factor: Callable[[int], float],
+                    spec: ModelSpec | None = None) -> tuple[Any, Callable[[int], float]]:
     """``(optimizer, lr)``: the gradient transformation and the (AdamW) learning-rate schedule it uses.
 
     The schedule ``factor`` multiplies each peak rate (``lr``, and ``muon_lr`` for ``muon_adamw``);
     ``clip_norm`` chains a global-norm clip in front. The model's knowledge of its parameters comes
-    from its plan module (:mod:`hpfunc.models.qwen3.parallel_plan`): ``adamw`` decays only the leaves
-    of its ``decay_mask``; ``muon_adamw`` routes by its ``adamw_when`` and decays every leaf.
+    from its spec (``spec``, by default the registered model of the default preset): ``adamw`` decays
+    only the leaves of its ``decay_mask`` (every leaf when it has none); ``muon_adamw`` routes by its
+    ``adamw_when`` (Muon's default when it has none) and decays every leaf.
 
     >>> from hpfunc.train.config import load_config_dict
     >>> tx, lr = build_optimizer(load_config_dict({"optimizer": {"lr": 0.01}}).optimizer, lambda s: 0.5)
@@ -189,12 +191,13 @@ def build_optimizer(oc: OptimizerConfig, factor: Callable[[int], float]) -> tupl
     ['layers.0.attn.wq']
     """
     from hpfunc import optim
-    from hpfunc.models.qwen3 import parallel_plan
+    from hpfunc.models import registry
 
+    spec = registry.resolve(None, preset=registry.DEFAULT_PRESET) if spec is None else spec
     lr = _scaled(oc.lr, factor)
     b1, b2 = oc.betas
     if oc.name == "adamw":
-        tx = optim.adamw(lr, b1, b2, oc.eps, weight_decay=oc.weight_decay, mask=parallel_plan.decay_mask)
+        tx = optim.adamw(lr, b1, b2, oc.eps, weight_decay=oc.weight_decay, mask=spec.decay_mask)
     else:
         tx = optim.muon_adamw(
             _scaled(oc.muon_lr, factor),
@@ -204,7 +207,7 @@ def build_optimizer(oc: OptimizerConfig, factor: Callable[[int], float]) -> tupl
             adam_b1=b1,
             adam_b2=b2,
             adam_eps=oc.eps,
-            adamw_when=parallel_plan.adamw_when,
+            **({} if spec.adamw_when is None else {"adamw_when": spec.adamw_when}),
         )
     if oc.clip_norm is not None:
         tx = optim.chain(optim.clip_by_global_norm(oc.clip_norm), tx)
@@ -213,21 +216,28 @@ def build_optimizer(oc: OptimizerConfig, factor: Callable[[int], float]) -> tupl
 
 def check_buildable(cfg: Config) -> Any:
     """Build what can be built without data (model config, schedule) and check the parallel plan
-    against the model, so errors come before any work (and before any rank starts). Also checked:
-    ``train.seq_len`` fits in ``model.max_position_embeddings``.
+    against the model and the ``callbacks:`` entries (names, import paths, options), so errors come
+    before any work (and before any rank starts). Also checked:
+    ``train.seq_len`` fits in the model's longest sequence (its spec's ``positions_field``).
 
     Returns the model config.
     """
     from hpfunc.train.distributed import check_parallel
 
+    spec = model_spec(cfg.model)
     model_cfg = build_model_config(cfg.model)
-    if cfg.train.seq_len > model_cfg.max_position_embeddings:
-        # the rotary embedding would run past the positions the model is made for, without a word
+    field = spec.positions_field
+    limit = None if field is None else getattr(model_cfg, field)
+    if limit is not None and cfg.train.seq_len > limit:
+        # the positional embedding would run past the positions the model is made for, without a word
         raise ConfigError(
-            f"train.seq_len: {cfg.train.seq_len} is longer than the model's model.max_position_embeddings "
-            f"({model_cfg.max_position_embeddings}, preset {cfg.model.preset!r}); use train.seq_len <= "
-            f"{model_cfg.max_position_embeddings} or set model.max_position_embeddings: {cfg.train.seq_len} (or more)"
+            f"train.seq_len: {cfg.train.seq_len} is longer than the model's model.{field} "
+            f"({limit}, preset {cfg.model.preset!r}); use train.seq_len <= "
+            f"{limit} or set model.{field}: {cfg.train.seq_len} (or more)"
         )
     build_schedule(cfg.schedule, cfg.train.steps)
     check_parallel(cfg, model_cfg)
+    from hpfunc.train.callbacks import build_callbacks
+
+    build_callbacks(cfg)  # names, import paths and option types: errors before any rank starts
     return model_cfg

@@ -116,7 +116,7 @@ def check_compatible(saved: dict, cfg: Config, where: str) -> list[str]:
     ``parallel``, ``output`` and ``checkpoint`` keys may differ silently (a new mesh is a resharded load);
     any other differing key (a learning rate, the number of steps) is returned, for the run to print.
     """
-    from hpfunc.train.build import build_model_config
+    from hpfunc.train.build import build_model_config, model_spec
     from hpfunc.train.config import load_config_dict
 
     try:
@@ -124,6 +124,10 @@ def check_compatible(saved: dict, cfg: Config, where: str) -> list[str]:
     except ConfigError as e:
         raise ConfigError(f"--resume: the config saved in the checkpoint {where} does not load here ({e}); resume "
                           f"with the hpfunc version that wrote it, or start a new run") from None
+    old_name, new_name = model_spec(old_cfg.model).name, model_spec(cfg.model).name
+    if old_name != new_name:
+        raise ConfigError(f"model.name: the checkpoint {where} was saved with the model {old_name!r}, this run trains "
+                          f"{new_name!r}; resume with --set model.name={old_name}, or start a new run")
     old_model, new_model = build_model_config(old_cfg.model), build_model_config(cfg.model)
     pairs = [(f"model.{f.name}", getattr(old_model, f.name), getattr(new_model, f.name))
              for f in attrs.fields(type(new_model))]
@@ -198,11 +202,11 @@ class TrainCheckpoints:
 
     def metadata(self, loop: dict[str, Any]) -> dict[str, Any]:
         # "model": the built model as a Hugging Face config.json dict, so that a reader without the
-        # trainer (``hpfunc convert``) knows the model (``hpfunc.models.qwen3.convert.checkpoint_model_config``)
+        # trainer (``hpfunc convert``) knows the model (the model's ``convert.checkpoint_model_config``)
         if self._model is None:
-            from hpfunc.train.build import build_model_config
+            from hpfunc.train.build import build_model_config, model_spec
 
-            self._model = build_model_config(self.cfg.model).to_hf_dict()
+            self._model = model_spec(self.cfg.model).to_dict(build_model_config(self.cfg.model))
         return {"config": config_to_dict(self.cfg), "model": self._model, "loop": loop}
 
     def due(self, done: int) -> bool:

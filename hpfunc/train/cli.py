@@ -34,7 +34,7 @@ summary.json into the output folder, which the run owns (locked) while it runs. 
 N > 1 processes starts N ranks (torch.distributed.run; gloo, or NCCL with parallel.device cuda)
 running this same command.
 
-  CONFIG.yaml             the run's config (see docs/train.md; example: examples/configs/qwen3_moe_tiny.yaml)
+  CONFIG.yaml             the run's config (see docs/train.md; examples in examples/configs/)
   --set key.path=value    override one config key, e.g. --set train.steps=50 --set optimizer.lr=1e-3
                           (repeatable; values are YAML: 3, 0.1, null, [0.9, 0.95])
   --out DIR               output folder (same as --set output.dir=DIR)
@@ -117,12 +117,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         if args.check:
             from hpfunc.train.data import check_data, load_data
 
+            from hpfunc.train.build import model_spec
+
+            spec = model_spec(cfg.model)
             data = load_data(cfg.data)
-            check_data(data, cfg, model_cfg.vocab_size)
+            check_data(data, cfg, spec.vocab_size(model_cfg))
             print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), end="")
             # YAML comments: the output still loads as the resolved config
             print(f"# data: {data.description} ({data.train.numel():,} train / {data.val.numel():,} val), "
-                  f"token ids < {data.vocab_size} (model.vocab_size {model_cfg.vocab_size}), windows of "
+                  f"token ids < {data.vocab_size} (model.{spec.vocab_field} {spec.vocab_size(model_cfg)}), windows of "
                   f"train.seq_len + 1 = {cfg.train.seq_len + 1}")
             if cfg.parallel.plan:
                 from hpfunc.train.distributed import describe_plan
@@ -180,7 +183,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                 raise SystemExit(status)
             return
         from hpfunc.checkpoint import CheckpointError
-        from hpfunc.train.loop import Stopped, TrainingDiverged, run
+        from hpfunc.train.loop import Stopped, TrainingDiverged
+        from hpfunc.train.trainer import run
         from hpfunc.train.output import OutputWriteError
 
         try:

@@ -6,7 +6,7 @@ Every key is checked. An unknown key, a value of the wrong type or an unknown ch
     optimizer.lr_warmup: unknown key; did you mean 'warmup_steps' (in schedule)? expected one of ...
 
 Example:
-    >>> cfg = load_config_dict({"train": {"steps": 10}, "model": {"preset": "qwen3-moe-tiny"}})
+    >>> cfg = load_config_dict({"train": {"steps": 10}, "model": {"hidden_size": 32}})
     >>> cfg.train.steps, cfg.optimizer.name
     (10, 'adamw')
     >>> try:
@@ -29,6 +29,7 @@ import attrs
 import yaml
 
 from hpfunc.faults import DEFAULT_TIMEOUT_S
+from hpfunc.models.registry import DEFAULT_PRESET
 
 __all__ = [
     "ConfigError",
@@ -42,6 +43,7 @@ __all__ = [
     "PlanEntry",
     "ParallelConfig",
     "PLAN_KINDS",
+    "CallbackEntry",
     "Config",
     "load_config",
     "load_config_dict",
@@ -60,13 +62,16 @@ class ConfigError(ValueError):
 
 @attrs.frozen
 class ModelConfig:
-    """Which model: a preset name from ``hpfunc.models.qwen3`` plus field overrides.
+    """Which model: a registered model (or a spec's import path), one of its presets, field overrides.
 
-    Any other key under ``model:`` is an override of a ``Qwen3Config`` field (``hidden_size: 64``);
-    such keys are checked against the config class when the model is built.
+    ``name``: a name of :data:`hpfunc.models.registry.BUILTIN` or the import path
+    ``package.module:SPEC`` of a :class:`hpfunc.models.spec.ModelSpec`; null: the registered model
+    that has ``preset``. Any other key under ``model:`` is an override of a field of the model's
+    config class (``hidden_size: 64``); such keys are checked against it when the model is built.
     """
 
-    preset: str = "qwen3-moe-tiny"
+    name: Union[str, None] = None
+    preset: str = DEFAULT_PRESET
     dtype: Literal["float32", "bfloat16", "float64"] = "float32"
     # a Hugging Face folder (config.json + safetensors) to start from: its config.json is the model (the
     # overrides apply on top, the preset is not used) and each rank reads its blocks of the weights
@@ -256,6 +261,19 @@ class ParallelConfig:
 
 
 @attrs.frozen
+class CallbackEntry:
+    """One entry of ``callbacks:``: a built-in name (``moe_monitor``) or an import path
+    (``my_pkg.module:MyCallback``), and its options (checked against the callback's signature when the
+    callbacks are built, :func:`hpfunc.train.callbacks.build_callbacks`)."""
+
+    name: str
+    options: dict = attrs.field(factory=dict)
+
+    def to_data(self) -> Any:
+        return {self.name: dict(self.options)} if self.options else self.name
+
+
+@attrs.frozen
 class Config:
     """A whole training run."""
 
@@ -268,6 +286,7 @@ class Config:
     output: OutputConfig = attrs.field(factory=OutputConfig)
     checkpoint: CheckpointConfig = attrs.field(factory=CheckpointConfig)
     parallel: ParallelConfig = attrs.field(factory=ParallelConfig)
+    callbacks: tuple = ()  # of CallbackEntry: what runs beside the loop (hpfunc.train.callbacks)
 
 
 # Sections whose unknown keys are collected rather than rejected (checked later against the model).
@@ -389,6 +408,8 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
     origin = typing.get_origin(tp)
     if tp is ParallelConfig:
         return _parse_parallel(value, path)
+    if path == "callbacks":
+        return _parse_callbacks(value, path)
     if attrs.has(tp):
         return _from_mapping(tp, value, path)
     if origin in (Union, types.UnionType):
@@ -504,6 +525,38 @@ def _check_ranges(cfg: Config) -> None:
         raise ConfigError(f"data.paths: data.source is {cfg.data.source!r}, which needs file paths (globs); found none")
     if cfg.data.source == "ids" and cfg.data.tokenizer is not None:
         raise ConfigError("data.tokenizer: pre-tokenised ids (data.source: ids) take no tokenizer; remove it")
+
+
+def _parse_callbacks(data: Any, path: str) -> tuple:
+    """``[name, {name: {option: value}}, ...]`` -> a tuple of :class:`CallbackEntry` (syntax only)."""
+    if data is None:
+        return ()
+    if isinstance(data, (str, Mapping)):
+        data = [data]
+    if not isinstance(data, (list, tuple)):
+        raise ConfigError(f"{path}: expected a list of callbacks (e.g. [moe_monitor, {{tensorboard: {{every: 10}}}}]), "
+                          f"found {_found(data)}")
+    out = []
+    for i, item in enumerate(data):
+        where = f"{path}[{i}]"
+        if isinstance(item, str):
+            out.append(CallbackEntry(item))
+            continue
+        if not isinstance(item, Mapping) or len(item) != 1:
+            raise ConfigError(f"{where}: expected a callback name or a mapping of one name to its options "
+                              f"({{moe_monitor: {{every: 5}}}}), found {_found(item)}")
+        (name, options), = item.items()
+        if not isinstance(name, str):
+            raise ConfigError(f"{where}: the callback's name must be a string, found {_found(name)}")
+        if options is None:
+            options = {}
+        if not isinstance(options, Mapping):
+            raise ConfigError(f"{where}.{name}: expected a mapping of options, found {_found(options)}")
+        for key in options:
+            if not isinstance(key, str):
+                raise ConfigError(f"{where}.{name}: option names must be strings, found {_found(key)}")
+        out.append(CallbackEntry(name, dict(options)))
+    return tuple(out)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -828,4 +881,8 @@ def config_to_dict(cfg: Config) -> dict[str, Any]:
     model.update(overrides)
     d["optimizer"]["betas"] = list(d["optimizer"]["betas"])
     d["parallel"] = cfg.parallel.to_data()
+    if cfg.callbacks:
+        d["callbacks"] = [e.to_data() for e in cfg.callbacks]
+    else:
+        del d["callbacks"]  # a config without callbacks reads as before
     return d

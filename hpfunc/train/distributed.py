@@ -2,18 +2,18 @@
 
 Inside the ranks (:func:`hpfunc.train.run` with such a config): :func:`start_mesh` joins the gloo (or NCCL)
 process group and builds the :class:`hpfunc.Mesh`; :func:`build_parallel_step` creates the parameters
-directly sharded (``init_sharded``, the same values as ``qwen3.init``) and wraps the single-device
+directly sharded (``init_sharded``, the same values as the model's ``init``) and wraps the single-device
 ``make_train_step`` with ``hpfunc.parallelize``; the step's ``full_params`` makes full tensors again
 for evaluation and sampling (under ``pp`` each stage's from its rank).
 
 The config's ``parallel.plan`` entries map one to one onto the factories of
 :mod:`hpfunc.transforms.plans`, composed in mesh-axis order; a ``tp`` entry takes the model's own
-tensor-parallel table (:func:`hpfunc.models.qwen3.parallel_plan.tp_styles`)::
+tensor-parallel table (its :class:`~hpfunc.models.spec.ModelSpec`'s ``tp_styles``)::
 
     parallel:
       mesh: {fsdp: 2, tp: 2}
       plan: [fsdp, {tp: {vocab_parallel: true}}]
-      # plans.fsdp("fsdp") + plans.tp("tp", parallel_plan.tp_styles(model_cfg, vocab_parallel=True))
+      # plans.fsdp("fsdp") + plans.tp("tp", spec.tp_styles(model_cfg, vocab_parallel=True))
 
 Everything that can be checked without processes is checked here, in the launching process, so a
 mistake costs no rank start-up: the plan against the model's parameter shapes (tensor parallelism
@@ -22,9 +22,9 @@ An :class:`AbstractMesh` (axis names and sizes, no process group) stands in for 
 
 Example:
     >>> from hpfunc.train.config import load_config_dict
-    >>> from hpfunc.train.build import build_model_config
+    >>> from hpfunc.train.build import build_model_config, model_spec
     >>> cfg = load_config_dict({"parallel": {"mesh": {"fsdp": 2, "tp": 2}, "plan": ["fsdp", "tp"]}})
-    >>> plan = build_plan(cfg.parallel, build_model_config(cfg.model))
+    >>> plan = build_plan(cfg.parallel, build_model_config(cfg.model), model_spec(cfg.model))
     >>> plan.data_axes, plan.tp_axis
     (('fsdp',), 'tp')
     >>> check_parallel(cfg, build_model_config(cfg.model))  # fits: no error
@@ -37,6 +37,7 @@ import functools
 import operator
 from typing import Any, Callable, Iterator, Mapping
 
+from hpfunc.models.registry import DEFAULT_PRESET
 from hpfunc.train.config import Config, ConfigError, ParallelConfig, PlanEntry
 
 __all__ = [
@@ -85,8 +86,17 @@ def is_distributed(pc: ParallelConfig) -> bool:
     return pc.size > 1
 
 
-def _entry_plan(e: PlanEntry, model_cfg: Any, mesh: Mapping[str, int]) -> Any:
-    from hpfunc.models.qwen3 import parallel_plan
+def _model_piece(spec: Any, piece: str, e: PlanEntry) -> Callable:
+    """The spec's ``piece`` (``tp_styles``, ``ep_experts``, ``pipeline_stages``) a plan entry needs; a model
+    without it is a config error naming the entry."""
+    fn = getattr(spec, piece)
+    if fn is None:
+        raise ConfigError(f"parallel.plan: {e.kind} over {e.axes[0]!r} needs the model's {piece}, and the model "
+                          f"{spec.name!r} has none (its ModelSpec.{piece} is None); use fsdp or ddp for this axis")
+    return fn
+
+
+def _entry_plan(e: PlanEntry, model_cfg: Any, mesh: Mapping[str, int], spec: Any) -> Any:
     from hpfunc.transforms import plans
 
     o = e.options
@@ -94,7 +104,7 @@ def _entry_plan(e: PlanEntry, model_cfg: Any, mesh: Mapping[str, int]) -> Any:
         from hpfunc.transforms.pipeline_plan import stages_per_rank
 
         n = mesh[e.axes[0]] * stages_per_rank(o["schedule"], o["virtual_stages"])
-        stages = parallel_plan.pipeline_stages(model_cfg, n, layers=o["layers_per_stage"])
+        stages = _model_piece(spec, "pipeline_stages", e)(model_cfg, n, layers=o["layers_per_stage"])
         return plans.pp(e.axes[0], stages, schedule=o["schedule"], microbatches=o["microbatches"],
                         virtual_stages=o["virtual_stages"], remat=o["remat"], max_resident=o["max_resident"])
     if e.kind in ("fsdp", "zero3"):
@@ -102,25 +112,31 @@ def _entry_plan(e: PlanEntry, model_cfg: Any, mesh: Mapping[str, int]) -> Any:
     if e.kind == "hsdp":
         return plans.hsdp(e.axes[0], e.axes[1], reshard_after_forward=o["reshard_after_forward"])
     if e.kind == "tp":
-        return plans.tp(e.axes[0], parallel_plan.tp_styles(model_cfg, vocab_parallel=o["vocab_parallel"],
-                                                           sequence_parallel=o["sequence_parallel"]))
+        return plans.tp(e.axes[0], _model_piece(spec, "tp_styles", e)(
+            model_cfg, vocab_parallel=o["vocab_parallel"], sequence_parallel=o["sequence_parallel"]))
     if e.kind == "cp":
         return plans.cp(e.axes[0], **o)
     if e.kind == "ep":
-        return plans.ep(e.axes[0], parallel_plan.ep_experts(model_cfg), reshard_after_forward=o["reshard_after_forward"])
+        return plans.ep(e.axes[0], _model_piece(spec, "ep_experts", e)(model_cfg),
+                        reshard_after_forward=o["reshard_after_forward"])
     return getattr(plans, e.kind)(e.axes[0])  # ddp, zero1, zero2
 
 
-def build_plan(pc: ParallelConfig, model_cfg: Any) -> Any:
-    """The :class:`~hpfunc.transforms.plans.Plan` of ``parallel.plan`` for the model of ``model_cfg``: its
-    entries in mesh-axis order, composed with ``+``."""
+def build_plan(pc: ParallelConfig, model_cfg: Any, spec: Any = None) -> Any:
+    """The :class:`~hpfunc.transforms.plans.Plan` of ``parallel.plan`` for the model of ``model_cfg`` (whose
+    :class:`~hpfunc.models.spec.ModelSpec` is ``spec``; by default the registered model of the default
+    preset): its entries in mesh-axis order, composed with ``+``."""
+    if spec is None:
+        from hpfunc.models import registry
+
+        spec = registry.resolve(None, preset=DEFAULT_PRESET)
     if not pc.plan:
         from hpfunc.transforms import plans
 
         return plans.Plan()
     order = {a: i for i, a in enumerate(pc.mesh)}
     entries = sorted(pc.plan, key=lambda e: order[e.axes[0]])
-    return functools.reduce(operator.add, (_entry_plan(e, model_cfg, pc.mesh) for e in entries))
+    return functools.reduce(operator.add, (_entry_plan(e, model_cfg, pc.mesh, spec) for e in entries))
 
 
 def _tp_entry(pc: ParallelConfig) -> tuple[int, PlanEntry] | None:
@@ -143,9 +159,10 @@ def check_parallel(cfg: Config, model_cfg: Any) -> None:
     pc = cfg.parallel
     if not pc.plan:
         return
-    from hpfunc.models import qwen3
+    from hpfunc.train.model_spec import model_spec
     from hpfunc.transforms.plans import PlanError
 
+    spec = model_spec(cfg.model)
     dp = pc.data_size
     if dp > 1 and cfg.train.batch_size % dp:
         axes = " x ".join(f"{a}: {pc.mesh[a]}" for a in pc.data_axes)
@@ -159,9 +176,9 @@ def check_parallel(cfg: Config, model_cfg: Any) -> None:
         axis = e.axes[0]
         n = pc.mesh[axis]
         key = f"parallel.mesh.{axis}"
-        needs = [("num_attention_heads", "attention heads"), ("num_key_value_heads", "key/value heads")]
-        if e.options.get("vocab_parallel"):
-            needs.append(("vocab_size", "vocabulary rows (vocab_parallel)"))
+        _model_piece(spec, "tp_styles", e)
+        needs = ([] if spec.tp_divides is None else
+                 spec.tp_divides(model_cfg, vocab_parallel=bool(e.options.get("vocab_parallel"))))
         for field, what in needs:
             v = getattr(model_cfg, field)
             if v % n:
@@ -174,18 +191,25 @@ def check_parallel(cfg: Config, model_cfg: Any) -> None:
         if e.kind != "ep":
             continue
         axis = e.axes[0]
-        n, E = pc.mesh[axis], model_cfg.num_experts
-        if not model_cfg.moe_layers:
+        n, E = pc.mesh[axis], spec.num_experts(model_cfg)
+        experts = None
+        if spec.ep_experts is not None and E:
+            try:
+                experts = spec.ep_experts(model_cfg)
+            except PlanError:
+                experts = None
+        if not experts:
+            field = f"model.{spec.experts_field}: {E}" if spec.experts_field else f"model {spec.name!r}"
             raise ConfigError(f"parallel.plan[{i}]: ep (expert parallelism over {axis!r}) needs a mixture-of-experts "
-                              f"model, but the model has no MoE layer (model.num_experts: {E}); use fsdp or ddp for "
-                              f"this axis, or an MoE model (e.g. model.preset: qwen3-moe-tiny)")
+                              f"model, but the model has no MoE layer ({field}); use fsdp or ddp for "
+                              f"this axis, or an MoE model (e.g. model.preset: {DEFAULT_PRESET})")
         if E % n:
             raise ConfigError(f"parallel.mesh.{axis}: expert parallelism over {n} ranks must divide the {E} experts of "
                               f"the model (model.num_experts); choose an ep size that divides {E}")
-    _check_pipeline(cfg, model_cfg)
-    _check_context(cfg, model_cfg)
-    plan = build_plan(pc, model_cfg)
-    shapes = qwen3.param_shapes(model_cfg)
+    _check_pipeline(cfg, model_cfg, spec)
+    _check_context(cfg, model_cfg, spec)
+    plan = build_plan(pc, model_cfg, spec)
+    shapes = spec.param_shapes(model_cfg)
     try:
         layouts = plan.resolve(shapes, AbstractMesh(pc.mesh))
     except PlanError as err:
@@ -195,7 +219,7 @@ def check_parallel(cfg: Config, model_cfg: Any) -> None:
     _check_axes_shard(pc, layouts)
 
 
-def _check_pipeline(cfg: Config, model_cfg: Any) -> None:
+def _check_pipeline(cfg: Config, model_cfg: Any, spec: Any) -> None:
     """A ``pp`` entry: microbatches that split each data shard's batch, stages that fit the layers, a
     schedule that exists for the axis; errors name the config key."""
     from hpfunc.transforms.pipeline_plan import stages_per_rank
@@ -223,20 +247,21 @@ def _check_pipeline(cfg: Config, model_cfg: Any) -> None:
             raise ConfigError(f"{key}.schedule: {err}") from None
         except (TypeError, ValueError) as err:
             raise ConfigError(f"{key}.virtual_stages: {err}") from None
-        L = model_cfg.num_hidden_layers
-        if n > L:
+        _model_piece(spec, "pipeline_stages", e)
+        L = spec.num_layers(model_cfg)
+        if L is not None and n > L:
             raise ConfigError(f"parallel.mesh.{axis}: {pc.mesh[axis]} pipeline ranks x {n // pc.mesh[axis]} stage(s) "
                               f"per rank ({o['schedule']}) = {n} stages, but the model has {L} layers "
-                              f"(model.num_hidden_layers); every stage needs a layer")
+                              f"(model.{spec.layers_field}); every stage needs a layer")
         try:
-            _entry_plan(e, model_cfg, pc.mesh).check_mesh(AbstractMesh(pc.mesh))
+            _entry_plan(e, model_cfg, pc.mesh, spec).check_mesh(AbstractMesh(pc.mesh))
         except PlanError as err:
             what = ("layers_per_stage" if "layers_per_stage" in str(err) else
                     "remat" if "remat" in str(err) else "schedule")
             raise ConfigError(f"{key}.{what}: {err}") from None
 
 
-def _check_context(cfg: Config, model_cfg: Any) -> None:
+def _check_context(cfg: Config, model_cfg: Any, spec: Any) -> None:
     """A ``cp`` entry: a strategy that fits the heads (Ulysses over no more ranks than the key/value heads
     left after tensor parallelism, unless replicate_kv), a sequence that splits into ``2 P`` chunks when
     padding is off; errors name the config key."""
@@ -250,7 +275,7 @@ def _check_context(cfg: Config, model_cfg: Any) -> None:
             continue
         o, key = e.options, f"parallel.plan[{i}].cp"
         try:
-            _entry_plan(e, model_cfg, pc.mesh)
+            _entry_plan(e, model_cfg, pc.mesh, spec)
         except PlanError as err:
             raise ConfigError(f"{key}.{'ulysses_axis' if 'ulysses_axis' in str(err) else 'impl'}: {err}") from None
         axes = (e.axes[0],) + ((o["ulysses_axis"],) if o["ulysses_axis"] else ())
@@ -311,10 +336,11 @@ def _check_axes_shard(pc: ParallelConfig, layouts: Mapping[str, Any]) -> None:
 def describe_plan(cfg: Config, model_cfg: Any) -> str:
     """The resolved plan, one line per parameter (``path shape storage -> compute | opt``), after a
     header naming the mesh, the plan and the batch split."""
-    from hpfunc.models import qwen3
+    from hpfunc.train.model_spec import model_spec
 
     pc = cfg.parallel
-    plan = build_plan(pc, model_cfg)
+    spec = model_spec(cfg.model)
+    plan = build_plan(pc, model_cfg, spec)
     mesh = AbstractMesh(pc.mesh)
     per = cfg.train.batch_size // max(pc.data_size, 1)
     head = [
@@ -323,7 +349,7 @@ def describe_plan(cfg: Config, model_cfg: Any) -> str:
         f"{per} x {cfg.train.seq_len} per data shard{_sequence_split_text(cfg)}",
         f"{'parameter':40s} {'shape':16s} storage -> compute | opt (optimizer state)",
     ]
-    return "\n".join(head) + "\n" + plan.describe(qwen3.param_shapes(model_cfg), mesh)
+    return "\n".join(head) + "\n" + plan.describe(spec.param_shapes(model_cfg), mesh)
 
 
 def _sequence_split_text(cfg: Config) -> str:
@@ -409,23 +435,25 @@ def start_mesh(pc: ParallelConfig) -> Iterator[Any]:
 def build_parallel_step(cfg: Config, model_cfg: Any, optimizer: Any, lr: Callable[[int], float],
                         init_key: Any, mesh: Any, dtype: Any) -> tuple[Any, Callable]:
     """``(state, train_step)`` on ``mesh``: the trainer's single-device step (``make_train_step`` with
-    the parallel-aware :func:`hpfunc.models.qwen3.parallel_plan.loss`) under ``hpfunc.parallelize``, and
-    its first state, the parameters (of ``dtype``) created sharded with the plan's storage specs."""
-    from hpfunc.models import qwen3
+    the model's parallel-aware loss, :meth:`ModelSpec.step_loss <hpfunc.models.spec.ModelSpec.step_loss>`)
+    under ``hpfunc.parallelize``, and its first state, the parameters (of ``dtype``) created sharded
+    with the plan's storage specs."""
+    from hpfunc.train.model_spec import model_spec
     from hpfunc.train.step import init_train_state, make_train_step
     from hpfunc.transforms.parallelize import init_sharded, parallelize
 
-    plan = build_plan(cfg.parallel, model_cfg)
+    spec = model_spec(cfg.model)
+    plan = build_plan(cfg.parallel, model_cfg, spec)
     if cfg.parallel.sdc_check != "off":
         plan = plan.with_sdc_check(cfg.parallel.sdc_check)
     step = make_train_step(model_cfg, optimizer, expert_bias_rate=cfg.train.expert_bias_rate, lr_schedule=lr,
-                           loss_fn=qwen3.parallel_plan.loss, num_microbatches=cfg.train.microbatches)
+                           loss_fn=spec.step_loss(), num_microbatches=cfg.train.microbatches)
     train_step = parallelize(step, mesh, plan, params="params")
     if cfg.model.pretrained is not None:
-        params = _pretrained_params(cfg.model.pretrained, model_cfg, mesh, train_step, dtype)
+        params = _pretrained_params(cfg.model.pretrained, model_cfg, mesh, train_step, dtype, spec)
     else:
-        init = functools.partial(qwen3.init, cfg=model_cfg, dtype=dtype)
-        params = init_sharded(init, mesh, plan, init_key, shapes=qwen3.param_shapes(model_cfg))
+        init = functools.partial(spec.init, cfg=model_cfg, dtype=dtype)
+        params = init_sharded(init, mesh, plan, init_key, shapes=spec.param_shapes(model_cfg))
     state = train_step.init_state(lambda p: init_train_state(p, optimizer), params)
     return state, train_step
 
@@ -434,29 +462,27 @@ def build_grad_check_step(cfg: Config, model_cfg: Any, mesh: Any) -> Callable:
     """The train step's gradient under the same plan, not applied, as per-parameter counts of
     non-finite values (:func:`hpfunc.train.step.make_grad_check_step`): run after a non-finite step to
     name the parameter. Built on demand, so a run that stays finite never pays for it."""
-    from hpfunc.models import qwen3
+    from hpfunc.train.model_spec import model_spec
     from hpfunc.train.step import make_grad_check_step
     from hpfunc.transforms.parallelize import parallelize
 
-    check = make_grad_check_step(model_cfg, loss_fn=qwen3.parallel_plan.loss, num_microbatches=cfg.train.microbatches)
-    return parallelize(check, mesh, build_plan(cfg.parallel, model_cfg), params="params")
+    spec = model_spec(cfg.model)
+    check = make_grad_check_step(model_cfg, loss_fn=spec.step_loss(), num_microbatches=cfg.train.microbatches)
+    return parallelize(check, mesh, build_plan(cfg.parallel, model_cfg, spec), params="params")
 
 
-def _pretrained_params(folder: str, model_cfg: Any, mesh: Any, train_step: Any, dtype: Any) -> Any:
+def _pretrained_params(folder: str, model_cfg: Any, mesh: Any, train_step: Any, dtype: Any, spec: Any) -> Any:
     """``model.pretrained``: the Hugging Face weights, each rank reading its blocks in the plan's storage
     layout (cast to the run's dtype; the expert bias stays float32)."""
     import torch
 
     from hpfunc import checkpoint
     from hpfunc import tree as _tree
-    from hpfunc.models import qwen3
-    from hpfunc.models.qwen3.hf_sharded import import_pretrained
-
     meta = _tree.map_with_path(lambda path, s: torch.empty(s, device="meta", dtype=torch.float32 if
                                                            path.endswith("moe.expert_bias") else dtype),
-                               qwen3.param_shapes(model_cfg), is_leaf=lambda x: isinstance(x, torch.Size))
+                               spec.param_shapes(model_cfg), is_leaf=lambda x: isinstance(x, torch.Size))
     specs = train_step.state_specs({"params": meta})["params"]
-    return import_pretrained(folder, checkpoint.abstract_like(specs, mesh, meta), model_cfg)
+    return spec.hf.import_sharded(folder, checkpoint.abstract_like(specs, mesh, meta), model_cfg)
 
 
 def parallel_summary(cfg: Config) -> str:

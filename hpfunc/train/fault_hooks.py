@@ -78,12 +78,11 @@ class FaultHooks:
         if handled and step in self.term:
             os.kill(os.getpid(), signal.SIGTERM)
 
-    def batch(self, step: int, batch: Mapping[str, Any]) -> Mapping[str, Any]:
-        """``batch`` with every label ignored when a ``nan`` hook names ``step`` (1-based)."""
+    def batch(self, step: int, batch: Mapping[str, Any], ignore_index: int = -100) -> Mapping[str, Any]:
+        """``batch`` with every label set to ``ignore_index`` (the model's, from its spec) when a ``nan`` hook
+        names ``step`` (1-based)."""
         if step not in self.nan:
             return batch
         import torch
 
-        from hpfunc.models.qwen3.model import IGNORE_INDEX
-
-        return {**batch, "labels": torch.full_like(batch["labels"], IGNORE_INDEX)}
+        return {**batch, "labels": torch.full_like(batch["labels"], ignore_index)}

@@ -1,8 +1,8 @@
 """The training loop: config -> data, model, optimizer -> steps -> outputs.
 
-``run(cfg)`` does, in order: build and check the model config, claim the output folder
-(:class:`hpfunc.train.output.RunFolder`: a lock held for the run; a folder holding another run is
-refused unless ``overwrite``), read and check the data, ``init`` the params from ``key(seed)``, build
+:func:`execute` (what :meth:`hpfunc.train.Trainer.run` and :func:`hpfunc.train.run` call) does, in order:
+build and check the model config, claim the output folder (:class:`hpfunc.train.output.RunFolder`: a lock
+held for the run; a folder holding another run is refused unless ``overwrite``), read and check the data, ``init`` the params from ``key(seed)``, build
 the optimizer, then for each step sample a batch (a pure function of seed and step), call the pure
 ``train_step`` and log. It writes into ``output.dir`` (each file atomically, ``metrics.jsonl`` a whole
 line at a time): ``config.yaml`` (the resolved config), ``metrics.jsonl``, ``sample.txt``, ``loss.png``
@@ -10,7 +10,7 @@ and, last, ``summary.json``. A non-finite loss or gradient norm, a non-finite va
 non-finite parameters after the last update stop the run with :class:`TrainingDiverged` naming the
 step (no ``summary.json`` is written: the run did not finish).
 
-With a ``parallel.mesh`` of more than one process, ``run`` is called in every rank of a launch
+With a ``parallel.mesh`` of more than one process, it runs in every rank of a launch
 (``hpfunc train`` starts them): each rank builds the same global batch, the step is
 ``hpfunc.parallelize(train_step, mesh, plan)`` on parameters created sharded
 (:mod:`hpfunc.train.distributed`), and only rank 0 prints and writes. Evaluation and sampling gather
@@ -22,7 +22,8 @@ Example:
     >>> cfg = load_config_dict({"train": {"steps": 2, "batch_size": 1, "seq_len": 8, "num_threads": 1},
     ...                         "data": {"max_bytes": 20000}, "output": {"progress": "none", "plot": False,
     ...                         "dir": __import__("tempfile").mkdtemp()}})
-    >>> result = run(cfg, echo=False)
+    >>> from hpfunc.train.trainer import Trainer
+    >>> result = execute(Trainer(cfg, echo=False))
     >>> result.summary["steps"]
     2
 """
@@ -55,7 +56,7 @@ from hpfunc.train.fault_hooks import FaultHooks
 from hpfunc.train.last_words import LastWords, StopSignals, Stopped, stop_message
 from hpfunc.train.step import TrainState, init_train_state, make_eval_step, make_grad_check_step, make_train_step
 
-__all__ = ["RunResult", "TrainingDiverged", "Stopped", "run", "data_keys"]
+__all__ = ["RunResult", "TrainingDiverged", "Stopped", "execute", "data_keys"]
 
 
 class TrainingDiverged(RuntimeError):
@@ -173,37 +174,12 @@ def _local_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
     return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in metrics.items()}
 
 
-def run(
-    cfg: Config,
-    *,
-    out_dir: str | pathlib.Path | None = None,
-    stream: TextIO | None = None,
-    echo: bool = True,
-    overwrite: bool = False,
-    inputs: Sequence[tuple[str, str | pathlib.Path]] = (),
-    lock_token: str | None = None,
-    resume: str = "never",
-) -> RunResult:
-    """Train for ``cfg.train.steps`` steps and write the outputs.
-
-    With a ``parallel.mesh`` of more than one process this must run in every rank of a launch
-    (``hpfunc train CONFIG`` starts them); rank 0 prints and writes, the others only compute.
-
-    Args:
-      cfg: a checked config (:func:`hpfunc.train.config.load_config`).
-      out_dir: overrides ``cfg.output.dir``.
-      stream: where progress and the summary are printed (stdout by default).
-      echo: print the start lines and the final summary.
-      overwrite: replace a previous run's files in the output folder (otherwise such a folder is
-        refused with :class:`hpfunc.train.output.OutputError`).
-      inputs: ``(what, path)`` of input files besides the data (``hpfunc train`` passes its config
-        file): the run refuses to write over any of them.
-      lock_token: the token of the output folder's lock when the launching process holds it
-        (``hpfunc train`` on a mesh claims the folder before it starts the ranks).
-      resume: ``"never"`` (start from step 0), ``"auto"`` (the newest complete checkpoint of the run's
-        ``checkpoint.dir``, if any) or the path of a checkpoint (:mod:`hpfunc.train.checkpointing`).
-        A restarted attempt of an elastic launch always resumes ``auto``.
-    """
+def execute(trainer: Any) -> RunResult:
+    """The run of a :class:`~hpfunc.train.trainer.Trainer` (its config and options), in this process (one
+    rank of a launch, or the only process)."""
+    cfg, o = trainer.cfg, trainer.options
+    out_dir, stream, echo = o["out_dir"], o["stream"], o["echo"]
+    overwrite, inputs, lock_token, resume = o["overwrite"], o["inputs"], o["lock_token"], o["resume"]
     threads = torch.get_num_threads()
     if cfg.train.num_threads is not None:
         # Process-wide in torch; restored on exit. On a shared or small machine one thread is often
@@ -212,11 +188,11 @@ def run(
     try:
         claim = {"overwrite": overwrite, "inputs": inputs, "lock_token": lock_token, "resume": resume}
         if not is_distributed(cfg.parallel):
-            return _run(cfg, out_dir=out_dir, stream=stream, echo=echo, claim=claim)
+            return _run(cfg, out_dir=out_dir, stream=stream, echo=echo, claim=claim, trainer=trainer)
         from hpfunc.train.distributed import start_mesh
 
         with start_mesh(cfg.parallel) as mesh:
-            return _run(cfg, out_dir=out_dir, stream=stream, echo=echo, mesh=mesh, claim=claim)
+            return _run(cfg, out_dir=out_dir, stream=stream, echo=echo, mesh=mesh, claim=claim, trainer=trainer)
     finally:
         torch.set_num_threads(threads)
 
@@ -240,7 +216,7 @@ def _plan_on_rank0(cfg: Config, out: pathlib.Path, claim: dict[str, Any], mesh: 
 
 
 def _run(cfg: Config, *, out_dir: str | pathlib.Path | None, stream: TextIO | None, echo: bool,
-         mesh: Any = None, claim: dict[str, Any]) -> RunResult:
+         mesh: Any = None, claim: dict[str, Any], trainer: Any) -> RunResult:
     main = mesh is None or torch.distributed.get_rank() == 0  # the rank that prints and writes
     model_cfg = check_buildable(cfg)  # config errors first: nothing is created for a config that cannot run
     out = pathlib.Path(cfg.output.dir if out_dir is None else out_dir)
@@ -249,14 +225,14 @@ def _run(cfg: Config, *, out_dir: str | pathlib.Path | None, stream: TextIO | No
         for line in plan.skipped:  # damaged newer checkpoints, renamed: said once, before the run starts
             print(f"hpfunc train: {line}", file=sys.stderr, flush=True)
     if not main:
-        return _train(cfg, model_cfg, out, None, stream=stream, echo=echo, mesh=mesh, plan=plan)
+        return _train(cfg, model_cfg, out, None, stream=stream, echo=echo, mesh=mesh, plan=plan, trainer=trainer)
     hint = ("; or continue it from its newest checkpoint with --resume auto"
             if latest(checkpoint_root(cfg, out)) is not None else "")
     folder = RunFolder(out, overwrite=claim["overwrite"] and not plan.restart,
                        inputs=[*claim["inputs"], *data_inputs(cfg.data)], inherited=claim["lock_token"],
                        resume=plan.resume, hint=hint)
     with folder:  # held to the last write; a second run into the folder is refused meanwhile
-        return _train(cfg, model_cfg, out, folder, stream=stream, echo=echo, mesh=mesh, plan=plan)
+        return _train(cfg, model_cfg, out, folder, stream=stream, echo=echo, mesh=mesh, plan=plan, trainer=trainer)
 
 
 def _first_nonfinite_grad(check_step: Callable, state: Any, batch: Any, *, on_mesh: bool) -> str:
@@ -279,10 +255,12 @@ def _first_nonfinite_grad(check_step: Callable, state: Any, batch: Any, *, on_me
 
 
 def _train(cfg: Config, model_cfg: Any, out: pathlib.Path, folder: RunFolder | None, *, stream: TextIO | None,
-           echo: bool, mesh: Any, plan: ResumePlan) -> RunResult:
-    from hpfunc.models import qwen3
+           echo: bool, mesh: Any, plan: ResumePlan, trainer: Any) -> RunResult:
+    from hpfunc.train.callbacks import CallbackList
 
+    spec = trainer.spec
     main = folder is not None  # the rank that prints and writes
+    calls = CallbackList(trainer.callbacks, main=main)
     progress_mode = cfg.output.progress if main else "none"
     quiet = not echo or progress_mode == "none"
     out_stream = sys.stdout if stream is None else stream
@@ -294,38 +272,34 @@ def _train(cfg: Config, model_cfg: Any, out: pathlib.Path, folder: RunFolder | N
     tc = cfg.train
     cc = cfg.checkpoint
 
-    if tc.aux_loss_coef is not None:
-        model_cfg = attrs.evolve(model_cfg, router_aux_loss_coef=tc.aux_loss_coef)
+    if tc.aux_loss_coef is not None and spec.with_aux_loss_coef is not None:
+        model_cfg = spec.with_aux_loss_coef(model_cfg, tc.aux_loss_coef)
     factor = build_schedule(cfg.schedule, tc.steps)
-    optimizer, lr = build_optimizer(cfg.optimizer, factor)
+    optimizer, lr = build_optimizer(cfg.optimizer, factor, spec)
 
     t0 = time.perf_counter()
     data = load_data(cfg.data)
-    check_data(data, cfg, model_cfg.vocab_size)  # before the first write: a bad corpus leaves the folder alone
+    check_data(data, cfg, spec.vocab_size(model_cfg))  # before the first write: a bad corpus leaves the folder alone
     say(f"data: {data.description} ({data.train.numel():,} train / {data.val.numel():,} val) "
         f"in {time.perf_counter() - t0:.1f} s")
 
     init_key, train_key, val_key = data_keys(cfg.seed)
-    n_params, active = qwen3.count_params(model_cfg), qwen3.active_params(model_cfg)
-    moe = f", {model_cfg.num_experts} experts top-{model_cfg.num_experts_per_tok}" if model_cfg.is_moe else ""
-    act = f" ({active:,} active)" if active != n_params else ""
-    say(f"model: {cfg.model.preset}, {model_cfg.num_hidden_layers} layers, hidden {model_cfg.hidden_size}"
-        f"{moe}: {n_params:,} params{act}")
+    n_params = spec.count_params(model_cfg)
+    say(f"model: {cfg.model.preset}, {spec.describe(model_cfg)}")
     say(f"train: {tc.steps} steps of {tc.batch_size} x {tc.seq_len} tokens, {cfg.optimizer.name}, "
         f"{cfg.schedule.name} schedule")
 
     if mesh is None:
         if cfg.model.pretrained is not None:  # the Hugging Face folder's weights, checked against the config
-            from hpfunc.models.qwen3.hf import load_params
-
-            params = load_params(cfg.model.pretrained, model_cfg, dtype=model_dtype(cfg.model))
+            params = spec.hf.load_params(cfg.model.pretrained, model_cfg, dtype=model_dtype(cfg.model))
         else:
-            params = qwen3.init(init_key, model_cfg, dtype=model_dtype(cfg.model))
+            params = spec.init(init_key, model_cfg, dtype=model_dtype(cfg.model))
         state = init_train_state(params, optimizer)
         train_step = make_train_step(model_cfg, optimizer, expert_bias_rate=tc.expert_bias_rate, lr_schedule=lr,
-                                     num_microbatches=tc.microbatches)
+                                     num_microbatches=tc.microbatches, loss_fn=spec.loss)
         full_params: Callable[[Any], Any] = lambda p: p  # noqa: E731
-        check_step = functools.partial(make_grad_check_step, model_cfg, num_microbatches=tc.microbatches)
+        check_step = functools.partial(make_grad_check_step, model_cfg, num_microbatches=tc.microbatches,
+                                       loss_fn=spec.loss)
     else:
         from hpfunc.train.distributed import build_grad_check_step, build_parallel_step, parallel_summary
 
@@ -334,7 +308,7 @@ def _train(cfg: Config, model_cfg: Any, out: pathlib.Path, folder: RunFolder | N
                                                 model_dtype(cfg.model))
         full_params = train_step.full_params  # a collective (a pipeline's stages come from their ranks)
         check_step = functools.partial(build_grad_check_step, cfg, model_cfg, mesh)
-    eval_step = make_eval_step(model_cfg)
+    eval_step = make_eval_step(model_cfg, loss_fn=spec.loss)
 
     # where the run starts: step 0, or a checkpoint loaded into this run's layout (resharded)
     start = 0
@@ -373,9 +347,12 @@ def _train(cfg: Config, model_cfg: Any, out: pathlib.Path, folder: RunFolder | N
     use_words = ckpts is not None and cc.last_words
     hooks = FaultHooks.from_env()
     rank = torch.distributed.get_rank() if mesh is not None else 0
+    trainer._bind_run(state=state, model_cfg=model_cfg, out_dir=out, main=main, rank=rank, mesh=mesh,
+                      checkpoint_root=root, folder=folder, start_step=start, checkpoints=ckpts)
 
     ep_size = next((cfg.parallel.mesh[e.axes[0]] for e in cfg.parallel.plan if e.kind == "ep"), 1)
     records: list[dict[str, Any]] = list(kept)
+    trainer.records = records
     losses: list[float] = list(loop.get("recent", []))  # the last ones before a resume: the summary's mean
     first_loss = loop.get("first_loss")
     min_loss = loop.get("min_loss")
@@ -411,11 +388,13 @@ def _train(cfg: Config, model_cfg: Any, out: pathlib.Path, folder: RunFolder | N
     done = start
     finished = False  # an error of the checkpoints' closing must not hide the error that ends the run
     try:
+        calls.train_start(trainer)
         with MetricsWriter(folder.file("metrics.jsonl")) if main else _NoWriter() as writer, \
                 StopSignals() if use_words or mesh is None else contextlib.nullcontext() as signals:
             for step in range(start, tc.steps):
                 hooks.maybe_kill(step + 1, rank=rank, attempt=plan.restart)
-                batch = hooks.batch(step + 1, sample_batch(data.train, train_key, step, tc.batch_size, tc.seq_len))
+                batch = hooks.batch(step + 1, sample_batch(data.train, train_key, step, tc.batch_size, tc.seq_len),
+                                    spec.ignore_index)
                 t = time.perf_counter()
                 try:
                     new_state, metrics = train_step(state, batch)  # pure: `state` stays the last completed step's
@@ -487,6 +466,8 @@ def _train(cfg: Config, model_cfg: Any, out: pathlib.Path, folder: RunFolder | N
                     writer.write(record)
                     records.append(record)
                     window, window_time, window_parts = [], 0.0, {}
+                trainer.state, trainer.record = state, record
+                calls.step_end(trainer, done, metrics)
                 if tc.eval_every and done % tc.eval_every == 0 and done != tc.steps and val_batches:
                     full = full_params(state.params)  # a collective: every rank
                     val = _evaluate(eval_step, full, val_batches) if main else None
@@ -496,10 +477,12 @@ def _train(cfg: Config, model_cfg: Any, out: pathlib.Path, folder: RunFolder | N
                         writer.write(vrec)
                         records.append(vrec)
                         progress.message(f"step {done}: validation loss {val:.4f}")
+                        calls.eval(trainer, done, val)
                 progress.update(done, record)
                 if ckpts is not None and ckpts.due(done) and done != tc.steps:
                     with _save_errors(root, done):
                         ckpts.save(state, done, loop_state())
+                    calls.save(trainer, done, root)
                 save_failed = ckpts is not None and ckpts.failed()  # an async save: known at the next step
                 if signals is not None:
                     hooks.maybe_term(done, handled=signals.signum is None and signals.installed)
@@ -529,6 +512,7 @@ def _train(cfg: Config, model_cfg: Any, out: pathlib.Path, folder: RunFolder | N
                 with _save_errors(root, done):
                     ckpts.save(state, done, loop_state())  # the last step's state: a run can be extended from it
                     ckpts.wait()
+                calls.save(trainer, done, root)
             final_params = full_params(state.params)  # a collective: every rank
             bad = _first_nonfinite(final_params)  # the last update has no later loss to show it
             if bad is not None:
@@ -544,7 +528,11 @@ def _train(cfg: Config, model_cfg: Any, out: pathlib.Path, folder: RunFolder | N
                 vrec = {"step": tc.steps, "val_loss": val}
                 writer.write(vrec)
                 records.append(vrec)
+                calls.eval(trainer, tc.steps, val)
         finished = True
+    except BaseException as e:
+        calls.exception(trainer, e)
+        raise
     finally:
         progress.close()
         if ckpts is not None:
@@ -585,7 +573,9 @@ def _train(cfg: Config, model_cfg: Any, out: pathlib.Path, folder: RunFolder | N
     if mesh is not None:
         summary["processes"] = cfg.parallel.size
         summary["mesh"] = dict(cfg.parallel.mesh)
+    trainer.state, trainer.summary = state, summary
     if not main:
+        calls.train_end(trainer, summary)  # the callbacks that run on every rank
         return RunResult(state=state, records=records, summary=summary, out_dir=out)
     oc = cfg.output
     byte_level = cfg.data.source != "ids" and not cfg.data.tokenizer
@@ -593,7 +583,8 @@ def _train(cfg: Config, model_cfg: Any, out: pathlib.Path, folder: RunFolder | N
         from hpfunc.train.sample import sample_text
 
         text = sample_text(final_params, model_cfg, oc.sample_prompt, oc.sample_tokens,
-                           random.fold_in(random.key(cfg.seed), 3), temperature=oc.sample_temperature)
+                           random.fold_in(random.key(cfg.seed), 3), temperature=oc.sample_temperature,
+                           apply=spec.apply)
         folder.write_text("sample.txt", text)
         summary["sample"] = text
         say(f"sample (temperature {oc.sample_temperature}):\n{'-' * 60}\n{text}\n{'-' * 60}")
@@ -606,6 +597,7 @@ def _train(cfg: Config, model_cfg: Any, out: pathlib.Path, folder: RunFolder | N
         if mesh is not None:
             title += "\nmesh " + " x ".join(f"{a} {n}" for a, n in cfg.parallel.mesh.items())
         plot_losses(records, folder.file("loss.png"), title=title)
+    calls.train_end(trainer, summary)  # a failing callback leaves no summary.json: the run did not finish
     folder.write_json("summary.json", summary)  # last: its presence means the run finished
     say(format_summary(summary))
     return RunResult(state=state, records=records, summary=summary, out_dir=out)

@@ -6,17 +6,19 @@ the tiny demo models this is meant for (a hundred tokens take a second or two on
 Example:
     >>> import torch
     >>> from hpfunc import random
-    >>> from hpfunc.models import qwen3
-    >>> cfg = qwen3.preset("qwen3-dense-tiny")
-    >>> params = qwen3.init(random.key(0), cfg)
-    >>> out = generate(params, cfg, torch.tensor([100, 101, 102]), 5, random.key(1))
-    >>> out.shape, bool((generate(params, cfg, torch.tensor([100, 101, 102]), 5, random.key(1)) == out).all())
+    >>> from hpfunc.models import registry
+    >>> spec = registry.resolve(None, preset=registry.DEFAULT_PRESET)
+    >>> cfg = spec.preset(registry.DEFAULT_PRESET)
+    >>> params = spec.init(random.key(0), cfg)
+    >>> out = generate(params, cfg, torch.tensor([100, 101, 102]), 5, random.key(1), apply=spec.apply)
+    >>> again = generate(params, cfg, torch.tensor([100, 101, 102]), 5, random.key(1), apply=spec.apply)
+    >>> out.shape, bool((again == out).all())
     (torch.Size([5]), True)
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -34,14 +36,14 @@ def generate(
     *,
     temperature: float = 0.8,
     context: int = 256,
+    apply: Callable[[Any, torch.Tensor, Any], torch.Tensor],
 ) -> torch.Tensor:
     """``num_tokens`` new token ids after ``prompt`` (1-D int), sampled at ``temperature``.
 
     Token ``i`` is drawn by the Gumbel-max trick with noise from ``fold_in(key, i)``, so the output
-    is the same on every machine for the same params. ``temperature=0`` is greedy decoding.
+    is the same on every machine for the same params. ``temperature=0`` is greedy decoding. ``apply``:
+    the model's ``(params, tokens, cfg) -> logits`` (its spec's ``apply``).
     """
-    from hpfunc.models import qwen3
-
     if prompt.dim() != 1 or prompt.numel() == 0:
         raise ValueError(
             f"generate: the prompt must be a non-empty 1-D tensor of ids, found shape {tuple(prompt.shape)}"
@@ -50,7 +52,7 @@ def generate(
     out = []
     with torch.no_grad():
         for i in range(num_tokens):
-            logits = qwen3.apply(params, ids[-context:][None, :], cfg)[0, -1].float()
+            logits = apply(params, ids[-context:][None, :], cfg)[0, -1].float()
             if temperature > 0:
                 u = random.uniform(random.fold_in(key, i), logits.shape, minval=1e-7, maxval=1.0)
                 logits = logits / temperature - torch.log(-torch.log(u))

@@ -115,9 +115,9 @@ def _default_update_frozen() -> Callable[[Any, torch.Tensor, float], Any] | None
 
 
 def _default_loss() -> LossFn:
-    from hpfunc.models import qwen3
+    from hpfunc.models import registry
 
-    return qwen3.loss
+    return registry.resolve(None, preset=registry.DEFAULT_PRESET).loss
 
 
 def make_train_step(
@@ -134,20 +134,21 @@ def make_train_step(
 ) -> Callable[[TrainState, Mapping[str, torch.Tensor]], tuple[TrainState, dict[str, torch.Tensor]]]:
     """Build ``train_step(state, batch) -> (state, metrics)`` for a model and an optimizer.
 
-    The objective is the model's loss (for Qwen3: ``ce + router_aux_loss_coef * aux_loss``).
+    The objective is the model's loss (for an MoE model, e.g. ``ce + router_aux_loss_coef * aux_loss``).
     Gradients flow to every parameter except those
     ``is_frozen(path)`` selects; after the optimizer update those are replaced by
     ``update_frozen(params, aux["expert_load"], expert_bias_rate)`` (skipped when the rate is 0 or
     the loss reports no expert load).
 
     Args:
-      model_cfg: passed as the third argument of ``loss_fn`` (a ``Qwen3Config``).
+      model_cfg: passed as the third argument of ``loss_fn`` (the model config).
       optimizer: a ``GradientTransformation`` (``hpfunc.optim``) over the trained params.
       aux_loss_coef: weight of the router load-balancing loss in the objective: replaces
         ``model_cfg.router_aux_loss_coef`` when given (``None`` keeps the model's).
       expert_bias_rate: step size of the expert-bias sign rule.
       lr_schedule: ``step -> learning rate``, only reported in the metrics.
-      loss_fn: ``(params, batch, model_cfg) -> (loss, aux)``; defaults to ``qwen3.loss``.
+      loss_fn: ``(params, batch, model_cfg) -> (loss, aux)``; defaults to the loss of the registered model of
+        the default preset (:mod:`hpfunc.models.registry`).
       is_frozen: path predicate of the non-gradient leaves; defaults to ``is_expert_bias``.
       update_frozen: their update rule; defaults to ``update_expert_bias``.
       num_microbatches: gradient accumulation: the batch is split along dimension 0 into this many

@@ -33,14 +33,14 @@ def _raw(tmp_path, *, parallel, model=None, steps=3) -> dict:
 def train_in_rank(raw: dict) -> list[dict]:
     """``hpfunc.train.run`` in this rank of the pool (the process group is the pool's)."""
     from hpfunc.train.config import load_config_dict
-    from hpfunc.train.loop import run
+    from hpfunc.train.trainer import run
 
     return run(load_config_dict(raw), echo=False).records
 
 
 def _single(raw: dict, where) -> list[dict]:
     from hpfunc.train.config import load_config_dict
-    from hpfunc.train.loop import run
+    from hpfunc.train.trainer import run
 
     return run(load_config_dict({**raw, "parallel": None, "output": {**raw["output"], "dir": str(where)}}),
                echo=False).records

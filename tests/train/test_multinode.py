@@ -13,7 +13,7 @@ import yaml
 from _train_helpers import TINY, write_corpus
 
 from hpfunc.train.config import load_config
-from hpfunc.train.loop import run
+from hpfunc.train.trainer import run
 from hpfunc.train.output import read_metrics
 
 

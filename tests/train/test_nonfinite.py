@@ -34,7 +34,7 @@ def _skip_vs_fewer_steps(tmp_path, parallel):
     from torch.distributed.tensor import DTensor
 
     from hpfunc import tree
-    from hpfunc.train.loop import run
+    from hpfunc.train.trainer import run
 
     def full(params):  # full tensors on every rank (a collective)
         return tree.tree_map(lambda x: x.full_tensor() if isinstance(x, DTensor) else x, params)
@@ -83,7 +83,8 @@ def test_a_skipped_step_leaves_the_state_bit_identical_on_a_mesh(tmp_path, pool2
 
 
 def test_stop_names_the_step_and_the_parameter_and_skip_stops_after_max_skips(tmp_path, monkeypatch):
-    from hpfunc.train.loop import TrainingDiverged, run
+    from hpfunc.train.loop import TrainingDiverged
+    from hpfunc.train.trainer import run
 
     monkeypatch.setenv(FAULTS, "nan@2")
     cfg = _config(tmp_path, 4, "stop")
@@ -112,7 +113,8 @@ def _diverge_on_mesh(tmp_path, parallel):
     import attrs
 
     from hpfunc.train.config import load_config_dict
-    from hpfunc.train.loop import TrainingDiverged, run
+    from hpfunc.train.loop import TrainingDiverged
+    from hpfunc.train.trainer import run
 
     cfg = _config(tmp_path, 6, "diverge")
     cfg = attrs.evolve(cfg, parallel=load_config_dict({"parallel": parallel}).parallel,

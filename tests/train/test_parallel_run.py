@@ -98,7 +98,7 @@ def test_train_on_a_2x2_mesh_matches_one_device(tmp_path):
     """``hpfunc train`` launches 4 ranks (fsdp 2 x tp 2, gloo); rank 0 alone writes the outputs; the
     per-step losses equal a single-device run of the same config (same global batches)."""
     from hpfunc.train.config import load_config
-    from hpfunc.train.loop import run
+    from hpfunc.train.trainer import run
 
     steps = 6
     path = _config(tmp_path, parallel=MESH_2X2, optimizer={"name": "muon_adamw", "lr": 1e-2},
@@ -138,7 +138,7 @@ def test_expert_parallel_train_matches_one_device(tmp_path, parallel):
     loss, the load-balancing loss (the load of the whole batch) and the expert load equal the single-device
     run of the same config, with the expert bias moving every step."""
     from hpfunc.train.config import load_config
-    from hpfunc.train.loop import run
+    from hpfunc.train.trainer import run
 
     steps = 5
     path = _config(tmp_path, parallel=parallel, optimizer={"name": "adamw", "lr": 1e-2},
@@ -182,7 +182,7 @@ def test_pipeline_parallel_train_matches_one_device(tmp_path, model, parallel, r
     """``hpfunc train`` with ``pp`` in the plan: every per-step loss equals the single-device run of the
     same config (rtol 1e-5), evaluation and sampling see the whole model gathered from the stages."""
     from hpfunc.train.config import load_config
-    from hpfunc.train.loop import run
+    from hpfunc.train.trainer import run
 
     steps = 4
     path = _config(tmp_path, model=model if "preset" in model else {**TINY["model"], **model}, parallel=parallel,

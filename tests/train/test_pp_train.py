@@ -1,4 +1,4 @@
-"""``hpfunc train`` with ``pp`` in the plan, run in the session's rank pools (``hpfunc.train.loop.run`` in
+"""``hpfunc train`` with ``pp`` in the plan, run in the session's rank pools (``hpfunc.train.trainer.run`` in
 every rank, as a launch would): every per-step loss and gradient norm (and a MoE model's aux loss and
 expert load) equals the single-device run of the same config (``parallel=null``, rtol 1e-5) for every
 schedule the trainer accepts on pp 2 and pp 4, schedules read from CSV files in torch's format, dense
@@ -48,9 +48,9 @@ KEYS = ("loss", "grad_norm", "aux_loss", "expert_load")  # the last two of a MoE
 
 
 def train_in_rank(raw: dict) -> list[dict]:
-    """``hpfunc.train.loop.run`` in this rank of the pool: the :data:`KEYS` of every step's record."""
+    """``hpfunc.train.trainer.run`` in this rank of the pool: the :data:`KEYS` of every step's record."""
     from hpfunc.train.config import load_config_dict
-    from hpfunc.train.loop import run
+    from hpfunc.train.trainer import run
 
     return [{k: r[k] for k in KEYS if k in r} for r in run(load_config_dict(raw), echo=False).records if "loss" in r]
 

@@ -38,7 +38,7 @@ def test_pretrained_folder_is_the_model_and_errors_name_the_key(tmp_path):
 
 def test_a_one_process_run_starts_from_the_pretrained_weights(tmp_path):
     from hpfunc.models.qwen3.hf import load_params
-    from hpfunc.train.loop import run
+    from hpfunc.train.trainer import run
 
     cfg = preset("qwen3-moe-tiny", num_hidden_layers=1)
     params = qwen3.init(hpfunc.random.key(2), cfg)

@@ -109,7 +109,7 @@ def test_resume_refuses_another_model_naming_the_key(tmp_path, capsys):
 
 def _run_in_ranks(cfg_path, out, resume, parallel):
     from hpfunc.train.config import load_config
-    from hpfunc.train.loop import run
+    from hpfunc.train.trainer import run
 
     cfg = load_config(cfg_path, [f"parallel={json.dumps(parallel)}", f"output.dir={out}"])
     result = run(cfg, resume=resume, echo=False)
