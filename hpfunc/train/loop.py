@@ -336,7 +336,7 @@ def _train(cfg: Config, model_cfg: Any, out: pathlib.Path, folder: RunFolder | N
             kept = truncate_metrics(folder.file("metrics.jsonl"), start)  # no step twice
         folder.write_text("config.yaml", yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
     val_batches = (
-        eval_batches(data.val, val_key, tc.eval_batches, tc.batch_size, tc.seq_len)
+        eval_batches(data.val, val_key, tc.eval_batches, tc.batch_size, tc.seq_len, data.val_docs)
         if data.val.numel() > tc.seq_len and tc.eval_batches
         else []
     )
@@ -393,7 +393,7 @@ def _train(cfg: Config, model_cfg: Any, out: pathlib.Path, folder: RunFolder | N
                 StopSignals() if use_words or mesh is None else contextlib.nullcontext() as signals:
             for step in range(start, tc.steps):
                 hooks.maybe_kill(step + 1, rank=rank, attempt=plan.restart)
-                batch = hooks.batch(step + 1, sample_batch(data.train, train_key, step, tc.batch_size, tc.seq_len),
+                batch = hooks.batch(step + 1, sample_batch(data.train, train_key, step, tc.batch_size, tc.seq_len, data.train_docs),
                                     spec.ignore_index)
                 t = time.perf_counter()
                 try:
