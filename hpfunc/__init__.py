@@ -20,7 +20,7 @@ import importlib
 from typing import Any
 
 from hpfunc import lax, random, tree
-from hpfunc.autodiff import grad, value_and_grad
+from hpfunc.autodiff import grad, value, value_and_grad
 from hpfunc.comm import comm_stats
 from hpfunc.mesh import Mesh, current_mesh, make_mesh
 from hpfunc.microbatch import microbatch
@@ -53,6 +53,7 @@ __all__ = [
     "dfunction",
     "ops",
     "grad",
+    "value",
     "value_and_grad",
     "microbatch",
     "comm_stats",

@@ -25,7 +25,7 @@ import torch
 from hpfunc import layout
 from hpfunc import tree as _tree
 
-__all__ = ["grad", "value_and_grad"]
+__all__ = ["grad", "value", "value_and_grad"]
 
 
 def _prepare(arg: Any, argnum: int) -> tuple[Any, list[torch.Tensor]]:
@@ -118,5 +118,36 @@ def grad(fn: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False) 
         if has_aux:
             return g, out[1]
         return g
+
+    return wrapped
+
+
+def value(fn: Callable, has_aux: bool = False) -> Callable:
+    """``fn(*args)`` as :func:`value_and_grad` computes its value, without a gradient: the forward of
+    an evaluation.
+
+    Inside a step run by :func:`hpfunc.parallelize` every argument holding the state's parameters is
+    seen as the plan lays it out for use (FSDP gathers a layer on first use and lets it go after, so no
+    rank holds more than its blocks and one layer gathered), nothing is recorded for a backward, and
+    the value is the mean over the data shards (``aux``'s batch statistics reduced as for
+    :func:`value_and_grad`). Elsewhere it is ``fn`` under ``torch.no_grad()``.
+
+    >>> import torch
+    >>> value(lambda w, x: ((w * x) ** 2).mean())(torch.ones(3), torch.arange(3.0))
+    tensor(1.6667)
+    """
+
+    @functools.wraps(fn)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        ctx = layout.current()
+        if ctx is not None:
+            return ctx.value(fn, has_aux, args, kwargs)
+        with torch.no_grad():
+            out = fn(*args, **kwargs)
+        if has_aux:
+            if not (isinstance(out, tuple) and len(out) == 2):
+                raise TypeError("value(has_aux=True) needs the function to return (value, aux)")
+            return out[0].detach(), _detach(out[1])
+        return out.detach() if isinstance(out, torch.Tensor) else out
 
     return wrapped

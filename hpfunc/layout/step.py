@@ -120,6 +120,10 @@ class StepLayout(Protocol):
                        kwargs: dict) -> Any:
         """:func:`hpfunc.value_and_grad` of ``fn`` under the plan (gather on use, reduced gradients)."""
 
+    def value(self, fn: Any, has_aux: bool, args: tuple, kwargs: dict) -> Any:
+        """:func:`hpfunc.value` of ``fn`` under the plan: the parameters gathered on use as for
+        :meth:`value_and_grad`, no gradient, the value the mean over the data shards."""
+
     def accumulate(self) -> ContextManager[Accumulation]:
         """A block inside which ``value_and_grad`` returns per-rank gradients, reduced once at the end."""
 

@@ -114,6 +114,7 @@ class DataConfig:
     tokenizer: Union[str, None] = None  # a tokenizer.json (``tokenizers`` package); null = bytes (vocab 256)
     val_fraction: float = 0.05  # the tail of the token stream kept for validation
     max_bytes: Union[int, None] = None  # read at most this many bytes of text (stdlib, text, jsonl)
+    document_mask: bool = False  # batches carry doc_ids: a token attends only within its own document
 
 
 @attrs.frozen

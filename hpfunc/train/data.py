@@ -42,7 +42,7 @@ import math
 import os
 import pathlib
 import sysconfig
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import attrs
 import numpy as np
@@ -92,6 +92,8 @@ class TokenData:
     description: str
     files: tuple = ()
     empty: tuple = ()
+    train_docs: torch.Tensor | None = None  # data.document_mask: each token's document index (int32)
+    val_docs: torch.Tensor | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -307,8 +309,8 @@ def tokenize_bytes(texts: Sequence[str]) -> torch.Tensor:
     return torch.frombuffer(bytearray(blob), dtype=torch.uint8) if blob else torch.zeros(0, dtype=torch.uint8)
 
 
-def tokenize_with(texts: Sequence[str], tokenizer_path: str) -> tuple[torch.Tensor, int]:
-    """Token ids from a ``tokenizers`` ``tokenizer.json``: ``(ids int64, vocab_size)``."""
+def _load_tokenizer(tokenizer_path: str) -> Any:
+    """A ``tokenizers`` tokenizer from its ``tokenizer.json``; errors name ``data.tokenizer``."""
     try:
         from tokenizers import Tokenizer
     except ImportError:  # pragma: no cover - the extra is optional
@@ -317,13 +319,45 @@ def tokenize_with(texts: Sequence[str], tokenizer_path: str) -> tuple[torch.Tens
             "(pip install 'hpfunc[tokenizers]')"
         ) from None
     try:
-        tok = Tokenizer.from_file(str(tokenizer_path))
+        return Tokenizer.from_file(str(tokenizer_path))
     except Exception as e:  # tokenizers raises a plain Exception with a Rust message
         raise DataError(f"data.tokenizer: cannot load {tokenizer_path!r}: {e}") from None
+
+
+def tokenize_with(texts: Sequence[str], tokenizer_path: str) -> tuple[torch.Tensor, int]:
+    """Token ids from a ``tokenizers`` ``tokenizer.json``: ``(ids int64, vocab_size)``."""
+    tok = _load_tokenizer(tokenizer_path)
+    ids, _ = tokenize_documents_with(texts, tok)
+    return ids, int(tok.get_vocab_size())
+
+
+def tokenize_documents_with(texts: Sequence[str], tok: Any) -> tuple[torch.Tensor, list[int]]:
+    """``(ids int64, tokens per document)`` of the texts through a loaded ``tokenizers`` tokenizer."""
     ids: list[int] = []
+    lengths: list[int] = []
     for enc in tok.encode_batch(list(texts)):
         ids.extend(enc.ids)
-    return torch.tensor(ids, dtype=torch.int64), int(tok.get_vocab_size())
+        lengths.append(len(enc.ids))
+    return torch.tensor(ids, dtype=torch.int64), lengths
+
+
+def byte_document_lengths(texts: Sequence[str]) -> list[int]:
+    """Tokens per document of :func:`tokenize_bytes` (a document's joining newline is its last token).
+
+    >>> byte_document_lengths(["ab", "c"]), tokenize_bytes(["ab", "c"]).numel()
+    ([3, 1], 4)
+    """
+    return [len(t.encode("utf-8", errors="replace")) + (i + 1 < len(texts)) for i, t in enumerate(texts)]
+
+
+def document_index(lengths: Sequence[int]) -> torch.Tensor:
+    """Each token's document (int32), from the tokens per document of the stream.
+
+    >>> document_index([3, 0, 2]).tolist()
+    [0, 0, 0, 2, 2]
+    """
+    counts = torch.tensor(list(lengths), dtype=torch.int64)
+    return torch.repeat_interleave(torch.arange(len(counts), dtype=torch.int32), counts)
 
 
 def _compact(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -357,11 +391,13 @@ def load_data(cfg: DataConfig) -> TokenData:
     vocab = BYTE_VOCAB
     named: list[pathlib.Path] = []  # the files to name in messages (not the whole stdlib)
     empty: list[pathlib.Path] = []
+    lengths: list[int] | None = None  # tokens per document (a file of ids, a text, a JSONL record)
     if cfg.source == "ids":
         files = named = expand_globs(cfg.paths or [])
         parts = [read_ids([f]) for f in files]
         empty = [f for f, p in zip(files, parts) if p.numel() == 0]
         ids = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+        lengths = [p.numel() for p in parts]
         vocab = int(ids.max()) + 1 if ids.numel() else 1
         what = f"{len(files)} id file(s)"
     else:
@@ -381,14 +417,25 @@ def load_data(cfg: DataConfig) -> TokenData:
         else:  # the config check keeps this unreachable
             raise DataError(f"data.source: unknown source {cfg.source!r}")
         if cfg.tokenizer:
-            ids, vocab = tokenize_with(texts, cfg.tokenizer)
+            if cfg.document_mask:
+                tok = _load_tokenizer(cfg.tokenizer)
+                ids, lengths = tokenize_documents_with(texts, tok)
+                vocab = int(tok.get_vocab_size())
+            else:
+                ids, vocab = tokenize_with(texts, cfg.tokenizer)
             what += f", tokenizer {pathlib.Path(cfg.tokenizer).name}"
         else:
             ids = tokenize_bytes(texts)
+            lengths = byte_document_lengths(texts)
             what += ", bytes"
     train, val = split_train_val(_compact(ids, vocab), cfg.val_fraction)
+    train_docs = val_docs = None
+    if cfg.document_mask:
+        train_docs, val_docs = split_train_val(document_index(lengths or []), cfg.val_fraction)
+        what += f", {len(lengths or [])} documents"
     return TokenData(train=train, val=val, vocab_size=vocab, description=f"{what}: {ids.numel():,} tokens",
-                     files=tuple(str(f) for f in named), empty=tuple(str(f) for f in empty))
+                     files=tuple(str(f) for f in named), empty=tuple(str(f) for f in empty),
+                     train_docs=train_docs, val_docs=val_docs)
 
 
 def data_inputs(cfg: DataConfig) -> list[tuple[str, str]]:
@@ -510,21 +557,34 @@ def window_starts(key: torch.Tensor, step: int, num_tokens: int, batch_size: int
 
 
 def sample_batch(
-    tokens: torch.Tensor, key: torch.Tensor, step: int, batch_size: int, seq_len: int
+    tokens: torch.Tensor, key: torch.Tensor, step: int, batch_size: int, seq_len: int,
+    docs: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
-    """``{"tokens": int64[B, S], "labels": int64[B, S]}`` where labels are the next tokens."""
+    """``{"tokens": int64[B, S], "labels": int64[B, S]}`` where labels are the next tokens; with
+    ``docs`` (each token's document, :attr:`TokenData.train_docs`) also ``"doc_ids": int64[B, S]``,
+    counted from 0 in each window, so that a token attends only within its own document.
+
+    >>> b = sample_batch(torch.arange(10), random.key(0), 0, 1, 4, docs=torch.tensor([0, 0, 0, 1, 1, 1, 1, 2, 2, 2]))
+    >>> b["tokens"].tolist(), b["doc_ids"].tolist()
+    ([[1, 2, 3, 4]], [[0, 0, 1, 1]])
+    """
     starts = window_starts(key, step, tokens.numel(), batch_size, seq_len)
     idx = starts[:, None] + torch.arange(seq_len + 1, dtype=torch.int64)
     windows = tokens[idx].to(torch.int64)
-    return {"tokens": windows[:, :-1].contiguous(), "labels": windows[:, 1:].contiguous()}
+    batch = {"tokens": windows[:, :-1].contiguous(), "labels": windows[:, 1:].contiguous()}
+    if docs is not None:
+        d = docs[idx[:, :-1]].to(torch.int64)
+        batch["doc_ids"] = (d - d[:, :1]).contiguous()
+    return batch
 
 
 def eval_batches(
-    tokens: torch.Tensor, key: torch.Tensor, num_batches: int, batch_size: int, seq_len: int
+    tokens: torch.Tensor, key: torch.Tensor, num_batches: int, batch_size: int, seq_len: int,
+    docs: torch.Tensor | None = None,
 ) -> list[dict[str, torch.Tensor]]:
     """A fixed list of validation batches (the same at every evaluation of a run).
 
     >>> [b["tokens"].shape for b in eval_batches(torch.arange(100), random.key(0), 2, 3, 5)]
     [torch.Size([3, 5]), torch.Size([3, 5])]
     """
-    return [sample_batch(tokens, key, i, batch_size, seq_len) for i in range(num_batches)]
+    return [sample_batch(tokens, key, i, batch_size, seq_len, docs) for i in range(num_batches)]

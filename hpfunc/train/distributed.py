@@ -471,6 +471,22 @@ def build_grad_check_step(cfg: Config, model_cfg: Any, mesh: Any) -> Callable:
     return parallelize(check, mesh, build_plan(cfg.parallel, model_cfg, spec), params="params")
 
 
+def build_eval_step(cfg: Config, model_cfg: Any, mesh: Any) -> Callable | None:
+    """The validation loss on the sharded state (:func:`hpfunc.train.step.make_state_eval_step` under the
+    run's plan): every rank evaluates its data shard with the parameters gathered on use, so no rank
+    gathers the whole model. ``None`` under a ``pp`` plan (its executor runs forward and backward
+    together): the loop then evaluates a gathered copy."""
+    from hpfunc.train.model_spec import model_spec
+    from hpfunc.train.step import make_state_eval_step
+    from hpfunc.transforms.parallelize import parallelize
+
+    if any(e.kind == "pp" for e in cfg.parallel.plan):
+        return None
+    spec = model_spec(cfg.model)
+    return parallelize(make_state_eval_step(model_cfg, loss_fn=spec.step_loss()), mesh,
+                       build_plan(cfg.parallel, model_cfg, spec), params="params")
+
+
 def _pretrained_params(folder: str, model_cfg: Any, mesh: Any, train_step: Any, dtype: Any, spec: Any) -> Any:
     """``model.pretrained``: the Hugging Face weights, each rank reading its blocks in the plan's storage
     layout (cast to the run's dtype; the expert bias stays float32)."""

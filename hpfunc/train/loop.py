@@ -154,6 +154,13 @@ def _evaluate(eval_step: Callable, params: Any, batches: list) -> float | None:
     return float(torch.stack([eval_step(params, b) for b in batches]).mean())
 
 
+def _evaluate_sharded(eval_step: Callable, state: Any, batches: list) -> float | None:
+    """The mean validation loss through the parallelized eval step (a collective: every rank calls it)."""
+    if not batches:
+        return None
+    return float(torch.stack([eval_step(state, b)[1]["ce_loss"] for b in batches]).mean())
+
+
 class _NoWriter:
     """Stands in for the metrics file on ranks other than 0."""
 
@@ -298,16 +305,19 @@ def _train(cfg: Config, model_cfg: Any, out: pathlib.Path, folder: RunFolder | N
         train_step = make_train_step(model_cfg, optimizer, expert_bias_rate=tc.expert_bias_rate, lr_schedule=lr,
                                      num_microbatches=tc.microbatches, loss_fn=spec.loss)
         full_params: Callable[[Any], Any] = lambda p: p  # noqa: E731
+        sharded_eval = None
         check_step = functools.partial(make_grad_check_step, model_cfg, num_microbatches=tc.microbatches,
                                        loss_fn=spec.loss)
     else:
-        from hpfunc.train.distributed import build_grad_check_step, build_parallel_step, parallel_summary
+        from hpfunc.train.distributed import (build_eval_step, build_grad_check_step, build_parallel_step,
+                                              parallel_summary)
 
         say(parallel_summary(cfg))
         state, train_step = build_parallel_step(cfg, model_cfg, optimizer, lr, init_key, mesh,
                                                 model_dtype(cfg.model))
         full_params = train_step.full_params  # a collective (a pipeline's stages come from their ranks)
         check_step = functools.partial(build_grad_check_step, cfg, model_cfg, mesh)
+        sharded_eval = build_eval_step(cfg, model_cfg, mesh)
     eval_step = make_eval_step(model_cfg, loss_fn=spec.loss)
 
     # where the run starts: step 0, or a checkpoint loaded into this run's layout (resharded)
@@ -336,7 +346,7 @@ def _train(cfg: Config, model_cfg: Any, out: pathlib.Path, folder: RunFolder | N
             kept = truncate_metrics(folder.file("metrics.jsonl"), start)  # no step twice
         folder.write_text("config.yaml", yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
     val_batches = (
-        eval_batches(data.val, val_key, tc.eval_batches, tc.batch_size, tc.seq_len)
+        eval_batches(data.val, val_key, tc.eval_batches, tc.batch_size, tc.seq_len, data.val_docs)
         if data.val.numel() > tc.seq_len and tc.eval_batches
         else []
     )
@@ -393,7 +403,7 @@ def _train(cfg: Config, model_cfg: Any, out: pathlib.Path, folder: RunFolder | N
                 StopSignals() if use_words or mesh is None else contextlib.nullcontext() as signals:
             for step in range(start, tc.steps):
                 hooks.maybe_kill(step + 1, rank=rank, attempt=plan.restart)
-                batch = hooks.batch(step + 1, sample_batch(data.train, train_key, step, tc.batch_size, tc.seq_len),
+                batch = hooks.batch(step + 1, sample_batch(data.train, train_key, step, tc.batch_size, tc.seq_len, data.train_docs),
                                     spec.ignore_index)
                 t = time.perf_counter()
                 try:
@@ -469,8 +479,12 @@ def _train(cfg: Config, model_cfg: Any, out: pathlib.Path, folder: RunFolder | N
                 trainer.state, trainer.record = state, record
                 calls.step_end(trainer, done, metrics)
                 if tc.eval_every and done % tc.eval_every == 0 and done != tc.steps and val_batches:
-                    full = full_params(state.params)  # a collective: every rank
-                    val = _evaluate(eval_step, full, val_batches) if main else None
+                    if sharded_eval is not None:  # every rank, on its shards: no gathered copy
+                        val = _evaluate_sharded(sharded_eval, state, val_batches)
+                        val = val if main else None
+                    else:
+                        full = full_params(state.params)  # a collective: every rank
+                        val = _evaluate(eval_step, full, val_batches) if main else None
                     if val is not None:
                         _check_val_finite(done, val, last)
                         vrec = {"step": done, "val_loss": val}
@@ -513,6 +527,7 @@ def _train(cfg: Config, model_cfg: Any, out: pathlib.Path, folder: RunFolder | N
                     ckpts.save(state, done, loop_state())  # the last step's state: a run can be extended from it
                     ckpts.wait()
                 calls.save(trainer, done, root)
+            final_val = _evaluate_sharded(sharded_eval, state, val_batches) if sharded_eval is not None else None
             final_params = full_params(state.params)  # a collective: every rank
             bad = _first_nonfinite(final_params)  # the last update has no later loss to show it
             if bad is not None:
@@ -522,7 +537,10 @@ def _train(cfg: Config, model_cfg: Any, out: pathlib.Path, folder: RunFolder | N
                     f"of {path!r} are NaN or infinite) although the step's loss ({last.get('loss', math.nan):.4f}) "
                     f"and gradient norm ({last.get('grad_norm', math.nan):.3g}) were finite "
                     f"(lr {last.get('lr', math.nan):.3g}); {_DIVERGED_FIX}")
-            val = _evaluate(eval_step, final_params, val_batches) if main else None
+            if sharded_eval is not None:
+                val = final_val if main else None
+            else:
+                val = _evaluate(eval_step, final_params, val_batches) if main else None
             if val is not None:
                 _check_val_finite(tc.steps, val, last)
                 vrec = {"step": tc.steps, "val_loss": val}

@@ -229,6 +229,33 @@ def _grad_fn(model_cfg: Any, aux_loss_coef: float | None, loss_fn: LossFn | None
     return grad_fn
 
 
+def make_state_eval_step(
+    model_cfg: Any, *, loss_fn: LossFn | None = None
+) -> Callable[[TrainState, Mapping[str, torch.Tensor]], tuple[TrainState, dict[str, torch.Tensor]]]:
+    """``eval_step(state, batch) -> (state, {"ce_loss": loss})``: :func:`make_eval_step` as a step over the
+    train state, for :func:`hpfunc.parallelize`: the loss through :func:`hpfunc.value`, so the
+    parameters are gathered on use (a layer at a time under FSDP: no rank holds a full copy), nothing is
+    kept for a backward, and the loss is the mean over the data shards. The state comes back unchanged.
+
+    >>> loss_fn = lambda params, batch, cfg: (params["w"].sum(), {"ce_loss": params["w"].sum()})
+    >>> _, out = make_state_eval_step(None, loss_fn=loss_fn)(TrainState({"w": torch.ones(3)}, None, torch.tensor(0)), {})
+    >>> float(out["ce_loss"])
+    3.0
+    """
+    from hpfunc.autodiff import value
+
+    loss_fn = _default_loss() if loss_fn is None else loss_fn
+
+    def ce(params: Any, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        loss, aux = loss_fn(params, batch, model_cfg)
+        return torch.as_tensor(dict(aux).get("ce_loss", loss))
+
+    def eval_step(state: TrainState, batch: Mapping[str, torch.Tensor]) -> tuple[TrainState, dict[str, torch.Tensor]]:
+        return state, {"ce_loss": value(ce)(state.params, batch)}
+
+    return eval_step
+
+
 def make_grad_check_step(
     model_cfg: Any,
     *,

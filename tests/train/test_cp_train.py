@@ -1,7 +1,8 @@
 """``hpfunc train`` with context parallelism, run in the session's rank pools (``hpfunc.train.run`` in every
 rank, as a launch would): per-step losses equal ``parallel=null`` on a cp 2 mesh and an fsdp x cp 2 x 2
 mesh (a sequence length that needs padding, a MoE model whose load statistics leave the padding out), and
-the ``cp`` entry's options are checked before launch, naming the key."""
+the ``cp`` entry's options are checked before launch, naming the key; with ``data.document_mask`` (packed
+short documents) the losses equal ``parallel=null`` too, and differ from the unmasked run's."""
 
 from __future__ import annotations
 
@@ -22,6 +23,16 @@ def _raw(tmp_path, *, parallel, seq: int, steps: int = 2) -> dict:
             "output": {**TINY["output"], "dir": str(tmp_path / "out"), "progress": "none", "plot": False,
                        "sample_tokens": 0},
             "parallel": parallel}
+
+
+def _with_documents(raw: dict, tmp_path) -> dict:
+    """``raw`` reading a JSONL corpus of short documents (every window crosses several) with the mask on."""
+    import json
+
+    file = tmp_path / "docs.jsonl"
+    if not file.exists():
+        file.write_text("".join(json.dumps({"text": f"def f{i}(x):\n    return x + {i}"}) + "\n" for i in range(300)))
+    return {**raw, "data": {"source": "jsonl", "paths": [str(file)], "val_fraction": 0.1, "document_mask": True}}
 
 
 def train_in_rank(raw: dict) -> list[dict]:
@@ -55,6 +66,18 @@ def test_cp_train_matches_parallel_null(pools, tmp_path, mesh, plan, seq):
     for key in ("loss", "aux_loss"):
         assert [r[key] for r in par] == pytest.approx([r[key] for r in want], rel=1e-5), (mesh, key)
     assert [r["expert_load"] for r in par] == [r["expert_load"] for r in want], mesh
+
+
+def test_cp_train_with_document_masks_matches_parallel_null(pools, tmp_path):
+    raw = _with_documents(_raw(tmp_path, parallel={"mesh": {"cp": 2}, "plan": [{"cp": {"impl": "ring"}}]}, seq=30),
+                          tmp_path)
+    par = pools(2).run(train_in_rank, raw)[0]
+    want = _single(raw, tmp_path / "single")
+    unmasked = _single({**raw, "data": {**raw["data"], "document_mask": False}}, tmp_path / "unmasked")
+    for key in ("loss", "aux_loss"):
+        assert [r[key] for r in par] == pytest.approx([r[key] for r in want], rel=1e-5), key
+    # the mask reaches the model: the same windows without it give other losses
+    assert all(abs(a["loss"] - b["loss"]) > 1e-4 for a, b in zip(want, unmasked)), (want, unmasked)
 
 
 @pytest.mark.parametrize("parallel,seq,expected", [

@@ -121,6 +121,7 @@ class _Reads:
         self.seen: list[int] | None = [] if program is not None and order_key is not None and order is None else None
         self.at = {} if order is None else {g: k for k, g in enumerate(order)}
         self.flights: dict[int, prefetch.Flight] = {}  # first member -> its gather in flight
+        self.keep = True  # without reshard, keep gathered leaves for the backward (False: a forward only)
 
     def gather(self, members: list[int]) -> list[torch.Tensor]:
         cfg = self.cfg
@@ -190,7 +191,7 @@ class _Reads:
         members = cfg.group_of[i]
         fulls = self.gather(members)
         for j, f in zip(members, fulls):
-            if not cfg.reshard:
+            if not cfg.reshard and self.keep:
                 self.kept[j] = f
             elif j != i:
                 self.ready[j] = f
@@ -199,7 +200,7 @@ class _Reads:
 
 def value_and_grad(program: Any, blocks: list[torch.Tensor], call: Callable[[list[torch.Tensor], Callable], Any],
                    has_aux: bool, wanted: list[int] | None = None, *, where: str, reduce: bool = True,
-                   step: Any = None, order_key: Any = None):
+                   step: Any = None, order_key: Any = None, record: bool = True):
     """``(loss, aux, grads)``: the per-rank loss of ``call(ws, read)`` and the gradients of the leaves
     ``wanted`` (all by default): reduced and laid out like the optimizer blocks, or with
     ``reduce=False`` per rank (the caller reduces an accumulated sum once, :func:`reduce_wanted`).
@@ -207,7 +208,8 @@ def value_and_grad(program: Any, blocks: list[torch.Tensor], call: Callable[[lis
     its pipeline executor). ``step``: the step's layout, told by a pipeline the global norm of the
     gradients it hands out. ``order_key``: which differentiation of the step this is (its position and
     the leaves it wants): the key of the order of gathers its first run recorded, which later runs
-    prefetch by (``None``: no prefetch)."""
+    prefetch by (``None``: no prefetch). ``record=False``: the forward only (``wanted`` empty), nothing
+    recorded for a backward, so each gathered layer is freed once read (:func:`hpfunc.value`)."""
     cfg = program.engine
     plan = cfg.plan
     layer = ParamLayer(cfg.mesh, reshard=cfg.reshard, any_gather=cfg.any_gather)
@@ -215,12 +217,15 @@ def value_and_grad(program: Any, blocks: list[torch.Tensor], call: Callable[[lis
     wanted = list(range(len(ws))) if wanted is None else wanted
     diff = [i for i in wanted if ws[i].requires_grad]
     reads = _Reads(cfg, ws, layer, program, set(diff), order_key)
+    reads.keep = record  # a forward only keeps nothing for a backward: each group freed once read
     layer.own_blocks(ws)
     pipe = None if plan.pipeline is None else StagePipeline(program, layer, step if reduce else None)
     # one binding for the differentiated function: its data, tensor- and expert-parallel axes (decided at
     # lowering), the pipeline runner of this differentiation; no step layout (the model runs as on one device)
     inner = program.inner_binding if pipe is None else attrs.evolve(program.inner_binding, pipeline=pipe)
-    with torch.enable_grad(), saved_tensors.layer(layer), layout.binding(inner):
+    if not record and (wanted or pipe is not None):
+        raise PlanError(f"{where}: a forward without gradients takes no wanted leaves and no pipeline")
+    with torch.set_grad_enabled(record), saved_tensors.layer(layer), layout.binding(inner):
         try:
             out = call(ws, reads)
         except (TypeError, KeyError, IndexError, AttributeError) as err:

@@ -189,6 +189,32 @@ class RankStep:
         g_out = tuple(results) if multi else results[0]
         return ((value, aux) if has_aux else value), g_out
 
+    def value(self, fn: Callable, has_aux: bool, args: tuple, kwargs: dict) -> Any:
+        if self.cfg.plan.pipeline is not None:
+            raise PlanError("hpfunc.value inside a step run by hpfunc.parallelize with a pp plan: the pipeline "
+                            "executor runs forward and backward together; evaluate with hpfunc.value_and_grad "
+                            "(and drop the gradient), or outside the pipelined step")
+        flat = [_tree.flatten(arg) for arg in args]
+        index = [[self.opt_blocks.index_of(x) for x in leaves] for leaves, _ in flat]
+        with_params = [a for a in range(len(args)) if any(i is not None for i in index[a])]
+        cfg = self.cfg
+
+        def call(ws: list[torch.Tensor], read: Callable) -> Any:
+            new_args = list(args)
+            for a in with_params:
+                leaves, treedef = flat[a]
+                swapped = _tree.unflatten(treedef, [x if i is None else ws[i] for x, i in zip(leaves, index[a])])
+                new_args[a] = lazy(swapped, read) if cfg.needs_view else swapped
+            return fn(*new_args, **kwargs)
+
+        loss, aux, _ = differentiate.value_and_grad(self.program, self.storage, call, has_aux, [], where="value",
+                                                    reduce=False, step=self, record=False)
+        with torch.no_grad():
+            value = lax.pmean(loss.detach(), cfg.data_axes) if cfg.data_axes else loss.detach()
+            if has_aux:
+                aux = reduce_batch_stats(aux, cfg.data_axes)
+        return (value, aux) if has_aux else value
+
     def _find_params(self, args: list, argnums: tuple[int, ...], flat: list, index: list) -> tuple[list[int], list[int]]:
         """The arguments that hold parameters of this step, and the parameters to differentiate."""
         with_params: list[int] = []
