@@ -93,7 +93,8 @@ _STDLIB = os.path.dirname(os.path.abspath(os.__file__)) + os.sep
 _RUNNERS = (os.path.join(_HERE, "rank.py"), os.path.join(_HERE, "cli.py"), os.sep + "runpy.py")
 
 # gloo's and c10d's words for a collective that lost its peers (RuntimeError messages)
-_TIMEOUT_WORDS = ("Timed out", "timed out")
+# gloo also reports a timeout as the pair it closed ("Application timeout caused pair closure")
+_TIMEOUT_WORDS = ("Timed out", "timed out", "timeout caused pair closure")
 _PEER_WORDS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection refused",
                "Read error", "Write error")
 
@@ -152,6 +153,8 @@ def is_comm_failure(e: BaseException) -> bool:
     connection), as opposed to a usage error (a wrong shape, an unknown group).
 
     >>> is_comm_failure(RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:5261"))
+    True
+    >>> is_comm_failure(RuntimeError("Application timeout caused pair closure"))
     True
     >>> is_comm_failure(RuntimeError("The size of tensor a (3) must match the size of tensor b (4)"))
     False
