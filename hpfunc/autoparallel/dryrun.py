@@ -42,8 +42,9 @@ The step counter and learning rate are read as 1.
 from __future__ import annotations
 
 import collections
+import contextlib
 import time
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 from hpfunc.autoparallel.memory_model import UNMODELLED
 
@@ -246,10 +247,11 @@ def _flop_mapping() -> dict:
             aten._grouped_mm: _grouped_mm_flops}
 
 
-def rank_step(raw: Mapping[str, Any], device_type: str = "cuda", progress: bool = False) -> dict:
+def rank_step(raw: Mapping[str, Any], device_type: str = "cuda", progress: bool | str = False) -> dict:
     """Build the trainer's parallel step for ``raw`` and run one step as this process's rank of the
     fake world (call it through :func:`hpfunc.testing.fake_devices.run_on_fake_devices`); returns the
-    measurements (see the module). ``progress``: print each phase to stderr."""
+    measurements (see the module). ``progress``: print each phase to stderr (``True``) or append it to
+    the file of that name (an isolated process's output is not shown)."""
     import functools
     import itertools
     import os
@@ -274,8 +276,12 @@ def rank_step(raw: Mapping[str, Any], device_type: str = "cuda", progress: bool 
     t_start = time.perf_counter()
 
     def say(msg: str) -> None:
-        if progress:
-            print(f"[dryrun {time.perf_counter() - t_start:6.1f} s] {msg}", file=sys.stderr, flush=True)
+        line = f"[dryrun {time.perf_counter() - t_start:6.1f} s] {msg}"
+        if isinstance(progress, str):
+            with open(progress, "a") as f:
+                f.write(line + "\n")
+        elif progress:
+            print(line, file=sys.stderr, flush=True)
 
     os.environ.pop("HPFUNC_CHECK_REP", None)  # the replication check reads values: fake tensors have none
     cfg = load_config_dict(dict(raw))
@@ -359,6 +365,41 @@ def _recording_grads(tx: Any, sink: list) -> Any:
     return tx._replace(update=update)
 
 
+@contextlib.contextmanager
+def _progress_file(wanted: bool) -> Iterator[str | None]:
+    """A file the isolated process appends its progress to, echoed to stderr by a thread here."""
+    if not wanted:
+        yield None
+        return
+    import os
+    import sys
+    import tempfile
+    import threading
+
+    fd, path = tempfile.mkstemp(prefix="hpfunc-dryrun-", suffix=".log")
+    os.close(fd)
+    stop = threading.Event()
+
+    def echo() -> None:
+        with open(path) as f:
+            while True:
+                line = f.readline()
+                if line:
+                    print(line, end="", file=sys.stderr, flush=True)
+                elif stop.wait(0.5):
+                    print(f.read(), end="", file=sys.stderr, flush=True)
+                    return
+
+    thread = threading.Thread(target=echo, daemon=True)
+    thread.start()
+    try:
+        yield path
+    finally:
+        stop.set()
+        thread.join()
+        os.unlink(path)
+
+
 def dry_run(raw: Mapping[str, Any], *, world: int | None = None, rank: int = 0, device: str = "cuda",
             hardware: str = "h100", progress: bool = False) -> dict:
     """The dry-run report of the raw config mapping ``raw`` for ``rank`` of ``world`` (default: the
@@ -386,8 +427,9 @@ def dry_run(raw: Mapping[str, Any], *, world: int | None = None, rank: int = 0, 
     if progress:
         print(f"[dryrun] rank {rank} of {world} on fake {device} devices"
               + (" (in a fresh process: the fake CUDA runtime)" if isolated else ""), file=sys.stderr, flush=True)
-    run = run_on_fake_devices(rank_step, dict(raw), device, progress and not isolated, world_size=world,
-                              rank=rank, device_type=device, isolated=isolated)
+    with _progress_file(progress and isolated) as path:
+        run = run_on_fake_devices(rank_step, dict(raw), device, path or progress, world_size=world,
+                                  rank=rank, device_type=device, isolated=isolated)
     measured = run.result
     seconds = time.perf_counter() - t0
     report: dict[str, Any] = {"world": world, "rank": rank, "device": device, "hardware": hw.name,
