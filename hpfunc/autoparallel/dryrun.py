@@ -44,11 +44,12 @@ from __future__ import annotations
 import collections
 import contextlib
 import time
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Sequence
 
 from hpfunc.autoparallel.memory_model import UNMODELLED
 
-__all__ = ["DryRunError", "check_request", "dry_run", "rank_step", "PeakTracker"]
+__all__ = ["DryRunError", "check_request", "dry_run", "dry_runs", "rank_step", "rank_steps", "PeakTracker",
+           "format_report"]
 
 
 class DryRunError(ValueError):
@@ -407,31 +408,52 @@ def dry_run(raw: Mapping[str, Any], *, world: int | None = None, rank: int = 0, 
     layout (keys: docs/autoparallel.md#hpfunc-dryrun). ``device="cuda"`` runs in a fresh process
     (the fake CUDA runtime is loaded before torch there); ``cpu`` in this one, which must have no
     default process group."""
+    return dry_runs([raw], world=world, rank=rank, device=device, hardware=hardware, progress=progress)[0]
+
+
+def dry_runs(raws: Sequence[Mapping[str, Any]], *, world: int | None = None, rank: int = 0, device: str = "cuda",
+             hardware: str = "h100", progress: bool = False) -> list[dict]:
+    """:func:`dry_run` of several configs of one world size, one after the other in one (fresh) process."""
     import sys
 
-    from hpfunc.autoparallel.comm_model import communication
-    from hpfunc.autoparallel.flops import train_flops_per_token
-    from hpfunc.autoparallel.hardware import hardware as _hardware
-    from hpfunc.autoparallel.memory_model import memory
-    from hpfunc.autoparallel.step_time import step_time
-    from hpfunc.autoparallel.trainer_config import describe_model, layout_of, workload_of
     from hpfunc.testing import fake_cuda
     from hpfunc.testing.fake_devices import run_on_fake_devices
 
-    cfg, world = check_request(raw, world=world, rank=rank, device=device, hardware=hardware)
-    hw = _hardware(hardware)
-    _, desc = describe_model(cfg)
-    work = workload_of(cfg)
+    checked = [check_request(raw, world=world, rank=rank, device=device, hardware=hardware) for raw in raws]
+    worlds = {w for _, w in checked}
+    if len(worlds) != 1:
+        raise DryRunError(f"parallel.mesh: dry_runs needs configs of one world size, found sizes {sorted(worlds)}")
+    world = worlds.pop()
     t0 = time.perf_counter()
     isolated = fake_cuda.needed(device)
     if progress:
         print(f"[dryrun] rank {rank} of {world} on fake {device} devices"
               + (" (in a fresh process: the fake CUDA runtime)" if isolated else ""), file=sys.stderr, flush=True)
     with _progress_file(progress and isolated) as path:
-        run = run_on_fake_devices(rank_step, dict(raw), device, path or progress, world_size=world,
+        run = run_on_fake_devices(rank_steps, [dict(r) for r in raws], device, path or progress, world_size=world,
                                   rank=rank, device_type=device, isolated=isolated)
-    measured = run.result
-    seconds = time.perf_counter() - t0
+    seconds = (time.perf_counter() - t0) / len(raws)
+    return [_assemble(cfg, measured, world=world, rank=rank, device=device, hardware=hardware, seconds=seconds)
+            for (cfg, _), measured in zip(checked, run.result)]
+
+
+def rank_steps(raws: Sequence[Mapping[str, Any]], device_type: str = "cuda", progress: bool | str = False) -> list:
+    """:func:`rank_step` of each config, in order, in this fake world."""
+    return [rank_step(raw, device_type, progress) for raw in raws]
+
+
+def _assemble(cfg: Any, measured: dict, *, world: int, rank: int, device: str, hardware: str,
+              seconds: float) -> dict:
+    from hpfunc.autoparallel.comm_model import communication
+    from hpfunc.autoparallel.flops import train_flops_per_token
+    from hpfunc.autoparallel.hardware import hardware as _hardware
+    from hpfunc.autoparallel.memory_model import memory
+    from hpfunc.autoparallel.step_time import step_time
+    from hpfunc.autoparallel.trainer_config import describe_model, layout_of, workload_of
+
+    hw = _hardware(hardware)
+    _, desc = describe_model(cfg)
+    work = workload_of(cfg)
     report: dict[str, Any] = {"world": world, "rank": rank, "device": device, "hardware": hw.name,
                               "mesh": dict(cfg.parallel.mesh), "seconds": seconds, **measured}
     sb = measured["state_bytes"]

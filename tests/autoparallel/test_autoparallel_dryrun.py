@@ -12,7 +12,7 @@ import json
 import pytest
 
 from hpfunc import tree
-from hpfunc.autoparallel.dryrun import DryRunError, PeakTracker, check_request, dry_run
+from hpfunc.autoparallel.dryrun import DryRunError, PeakTracker, check_request, dry_runs
 from hpfunc.autoparallel.dryrun_cli import main as dryrun_main
 from hpfunc.autoparallel.flops import train_flops_per_token
 from hpfunc.models import preset, qwen3
@@ -25,9 +25,19 @@ RAW = {"model": {"preset": "qwen3-moe-tiny", "dtype": "bfloat16"},
        "parallel": {"mesh": {"fsdp": N}, "plan": ["fsdp"], "device": "cpu"}}
 
 
+# fsdp x ep: the experts split over ep (2 of 8 per rank) and their shards over fsdp, the rest over both
+RAW_EP = {**RAW, "model": {**RAW["model"], "moe_dispatcher": "padded"},
+          "parallel": {"mesh": {"fsdp": 2, "ep": 4}, "plan": ["fsdp", "ep"], "device": "cpu"}}
+
+
 @pytest.fixture(scope="module")
-def report() -> dict:
-    return dry_run(RAW, rank=5, device="cuda", hardware="h100")
+def reports() -> list:
+    return dry_runs([RAW, RAW_EP], rank=5, device="cuda", hardware="h100")
+
+
+@pytest.fixture(scope="module")
+def report(reports) -> dict:
+    return reports[0]
 
 
 def _counts():
@@ -59,6 +69,19 @@ def test_model_state_bytes_equal_the_formulas(report):
     # and moments) before the old is dropped
     assert 12 * psi // N < report["step_peak_bytes"] < 64 * psi
     assert report["peak_bytes"] == report["step_peak_bytes"] + 12 * psi // N + 4 * bias // N + 16
+
+
+def test_expert_parallel_state_bytes_equal_the_formulas(reports):
+    _, psi, bias = _counts()
+    r = reports[1]
+    assert r["coordinate"] == {"fsdp": 1, "ep": 1}
+    # every parameter sharded 8 ways (experts: 8 / ep 4 per rank, then over fsdp 2): 16 Psi / n again
+    assert r["state_bytes"]["grads"] == {"float32": 4 * psi // N}
+    assert r["state_bytes"]["optimizer"] == {"float32": 8 * psi // N, "int64": 16}
+    assert r["estimate"]["memory_bytes"]["optimizer"] == 8 * psi / N
+    # the expert traffic crosses the ep axis as all-to-alls, forward and backward
+    kinds = {(e["collective"], e["axes"], e["phase"]) for e in r["comm"]}
+    assert {("all_to_all", "ep", "forward"), ("all_to_all", "ep", "backward")} <= kinds
 
 
 def test_flops_equal_the_cost_model(report):
