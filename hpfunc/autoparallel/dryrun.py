@@ -205,6 +205,33 @@ def _ProducerWithPeak(tracker: PeakTracker) -> Any:  # noqa: N802 -- a class mad
     return _producer_with_peak_class()(tracker)
 
 
+def _flash_attention_mode() -> Any:
+    """A function mode that runs ``F.scaled_dot_product_attention`` (no mask, no dropout, on a cuda
+    tensor) as the CUDA flash-attention op: on a CPU-only torch the fake CUDA device has no kernel
+    choice, so torch would take its math path (scores and fp32 probabilities materialised, ``s^2`` per
+    head) where a GPU with bf16 inputs runs flash attention (output and log-sum-exp kept)."""
+    import torch
+    import torch.nn.functional as F
+    from torch.overrides import TorchFunctionMode
+
+    flash = torch.ops.aten._scaled_dot_product_flash_attention.default
+
+    class _Flash(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is F.scaled_dot_product_attention:
+                q, k, v = args[:3]
+                mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
+                dropout = args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)
+                causal = args[5] if len(args) > 5 else kwargs.get("is_causal", False)
+                if mask is None and not dropout and q.device.type == "cuda" and q.dtype in (torch.bfloat16,
+                                                                                            torch.float16):
+                    return flash(q, k, v, 0.0, bool(causal), False, scale=kwargs.get("scale"))[0]
+            return func(*args, **kwargs)
+
+    return _Flash()
+
+
 def _local_bytes(tree_: Any) -> dict[str, int]:
     """Bytes of the local shards of a pytree's tensors, by dtype."""
     import torch
@@ -318,11 +345,13 @@ def rank_step(raw: Mapping[str, Any], device_type: str = "cuda", progress: bool 
         f"{cfg.train.microbatches} microbatch(es)")
     rec = DeviceRecorder(device_type, on_host_sync=answer_host_syncs(1))
     tracker = PeakTracker()
+    attention = _flash_attention_mode() if device_type == "cuda" else contextlib.nullcontext()
     t0 = time.perf_counter()
-    with FlopCounterMode(display=False, custom_mapping=_flop_mapping()) as flops, comm_stats() as stats, rec:
-        with tracker:
-            new_state, metrics = train_step(state, {"tokens": tokens})
-            del new_state, metrics
+    # the recorder entered last sees each op first (its source lines are the step's, not the tracker's)
+    with FlopCounterMode(display=False, custom_mapping=_flop_mapping()) as flops, comm_stats() as stats, \
+            tracker, rec, attention:
+        new_state, metrics = train_step(state, {"tokens": tokens})
+        del new_state, metrics
     step_s = time.perf_counter() - t0
     say(f"step done in {step_s:.1f} s")
     comm: dict[tuple, dict] = {}
@@ -346,6 +375,8 @@ def rank_step(raw: Mapping[str, Any], device_type: str = "cuda", progress: bool 
         "flops": int(flops.get_total_flops()), "flops_by_op": by_op,
         "host_syncs": [f"{s.kind}: aten.{s.op} at {s.where}" for s in rec.host_syncs],
         "step_seconds_on_fake_tensors": step_s, "microbatches_seen": len(grads_seen),
+        "attention": ("flash (16-bit cuda inputs without mask run as aten._scaled_dot_product_flash_attention)"
+                      if device_type == "cuda" else "as torch chooses on cpu"),
     }
 
 
