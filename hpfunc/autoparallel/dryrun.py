@@ -347,9 +347,8 @@ def rank_step(raw: Mapping[str, Any], device_type: str = "cuda", progress: bool 
     tracker = PeakTracker()
     attention = _flash_attention_mode() if device_type == "cuda" else contextlib.nullcontext()
     t0 = time.perf_counter()
-    # the recorder entered last sees each op first (its source lines are the step's, not the tracker's)
     with FlopCounterMode(display=False, custom_mapping=_flop_mapping()) as flops, comm_stats() as stats, \
-            tracker, rec, attention:
+            rec, tracker, attention:
         new_state, metrics = train_step(state, {"tokens": tokens})
         del new_state, metrics
     step_s = time.perf_counter() - t0
