@@ -165,3 +165,8 @@ def test_cli_exits_2_naming_the_key(tmp_path, capsys):
             dryrun_main(args)
         assert e.value.code == 2
         assert key in capsys.readouterr().err
+    from hpfunc.cli import main as hpfunc_main  # the command is registered
+
+    with pytest.raises(SystemExit) as e:
+        hpfunc_main(["dryrun", str(path), "--rank", "9"])
+    assert e.value.code == 2 and "--rank" in capsys.readouterr().err
