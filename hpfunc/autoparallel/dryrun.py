@@ -89,10 +89,10 @@ def check_request(raw: Mapping[str, Any], *, world: int | None = None, rank: int
     if world < 1:
         raise DryRunError(f"--world: expected an integer >= 1, found {world}")
     if size != world:
-        raise DryRunError(
-            f"parallel.mesh: the mesh {mesh} has {size} ranks, --world is {world}; the mesh must fill the world "
-            f"exactly: change an axis (e.g. --set parallel.mesh.fsdp={max(1, world // max(1, size // max(1, mesh.get('fsdp', 1))))}"
-            f") or pass --world {size}")
+        others = size // max(1, mesh.get("fsdp", 1))
+        hint = (f"--set parallel.mesh.fsdp={world // others} or " if "fsdp" in mesh and world % others == 0 else "")
+        raise DryRunError(f"parallel.mesh: the mesh {mesh} has {size} ranks, --world is {world}; the mesh must fill "
+                          f"the world exactly: change its axes ({hint}--set 'parallel.mesh={{...}}') or pass --world {size}")
     if not 0 <= rank < world:
         raise DryRunError(f"--rank: expected a rank in [0, {world}), found {rank}")
     bs = cfg.train.batch_size
