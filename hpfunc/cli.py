@@ -1,5 +1,5 @@
 """The ``hpfunc`` command: ``hpfunc launch ...``, ``hpfunc train CONFIG.yaml``, ``hpfunc convert SRC DST``,
-``hpfunc plan CONFIG.yaml`` and ``hpfunc --version``.
+``hpfunc plan CONFIG.yaml``, ``hpfunc dryrun CONFIG.yaml`` and ``hpfunc --version``.
 
 An argparse parser with one subparser per command; each command parses its own arguments (its module's
 ``main``), so ``hpfunc COMMAND --help`` is that command's help. Exit status 2 for a usage error: an
@@ -47,6 +47,12 @@ def _plan(argv: list[str]) -> None:
     plan_main(argv)
 
 
+def _dryrun(argv: list[str]) -> None:
+    from hpfunc.autoparallel.dryrun_cli import main as dryrun_main
+
+    dryrun_main(argv)
+
+
 def _usage_of(command: str) -> str:
     if command == "launch":
         from hpfunc.launch import USAGE
@@ -54,6 +60,8 @@ def _usage_of(command: str) -> str:
         from hpfunc.train.cli import USAGE
     elif command == "plan":
         return "usage: hpfunc plan CONFIG.yaml --devices N [--memory 80GiB] [--hardware h100] ... (hpfunc plan --help)\n"
+    elif command == "dryrun":
+        return "usage: hpfunc dryrun CONFIG.yaml [--world N] [--device cuda|cpu] [--rank R] ... (hpfunc dryrun --help)\n"
     else:
         return "usage: hpfunc convert SRC DST [--to dcp|hf|torch] [--config C] ... (hpfunc convert --help)\n"
     return USAGE
@@ -67,6 +75,8 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], None], str]] = {
                           "safetensors folder and a .pt file, streamed"),
     "plan": (_plan, "search the parallel layouts that fit N devices, ranked by estimated step time: "
                     "plan CONFIG.yaml --devices N"),
+    "dryrun": (_dryrun, "run one training step of a config as one rank of N on fake tensors and the fake process "
+                        "group; report its memory, communication, FLOPs and the estimated step time"),
 }
 
 

@@ -38,10 +38,10 @@ import types
 import typing
 from typing import Any, Mapping
 
-from hpfunc.train.callbacks.base import Callback, CallbackError, CallbackList
+from hpfunc.train.callbacks.base import Callback, CallbackError, CallbackList, WriterCallback
 from hpfunc.train.config import CallbackEntry, Config, ConfigError
 
-__all__ = ["BUILTIN", "Callback", "CallbackError", "CallbackList", "build_callbacks", "make_callback"]
+__all__ = ["BUILTIN", "Callback", "CallbackError", "CallbackList", "WriterCallback", "build_callbacks", "make_callback"]
 
 # name -> import path of the class; read-only (a callback of your own is named by its import path)
 BUILTIN: Mapping[str, str] = types.MappingProxyType({

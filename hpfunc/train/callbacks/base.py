@@ -89,6 +89,26 @@ class Callback:
         del trainer, error
 
 
+class WriterCallback(Callback):
+    """A callback that writes to one open writer (``self._writer``, opened by the subclass): closed at
+    the end of the run and when it fails, so the file is complete either way."""
+
+    _writer: Any = None
+
+    def on_train_end(self, trainer: Any, summary: dict[str, Any]) -> None:
+        del trainer, summary
+        self._close()
+
+    def on_exception(self, trainer: Any, error: BaseException) -> None:
+        del trainer, error
+        self._close()
+
+    def _close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
 class CallbackError(RuntimeError):
     """A callback raised; the message names it (its ``callbacks[i]`` entry), the hook and the step."""
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from hpfunc.train.callbacks.base import Callback, open_lines
+from hpfunc.train.callbacks.base import WriterCallback, open_lines
 
 __all__ = ["CheckpointLog"]
 
 
-class CheckpointLog(Callback):
+class CheckpointLog(WriterCallback):
     """Write a line to ``file`` for every checkpoint saved (``checkpoint.every``)."""
 
     def __init__(self, *, file: str = "checkpoints.jsonl"):
@@ -28,14 +28,3 @@ class CheckpointLog(Callback):
         ckpts = trainer.checkpoints
         self._writer.write({"step": step, "dir": str(path), "blocked_s": ckpts.blocked_s[-1],
                             "async": bool(ckpts.asynchronous)})
-
-    def on_train_end(self, trainer: Any, summary: dict[str, Any]) -> None:
-        self._close()
-
-    def on_exception(self, trainer: Any, error: BaseException) -> None:
-        self._close()
-
-    def _close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from hpfunc.train.callbacks.base import Callback, open_lines
+from hpfunc.train.callbacks.base import WriterCallback, open_lines
 
 __all__ = ["LayerNorms", "group_of", "group_sq_norms"]
 
@@ -92,7 +92,7 @@ def _order(name: str) -> tuple:
     return (1, int(name.split(".")[1]), "") if m else (0 if name == "embed" else 2, 0, name)
 
 
-class LayerNorms(Callback):
+class LayerNorms(WriterCallback):
     """Per-layer parameter norms every ``every`` steps to ``file`` (all ranks compute, rank 0 writes)."""
 
     every_rank = True
@@ -116,14 +116,3 @@ class LayerNorms(Callback):
                      "total": math.sqrt(sum(sq.values()))}
         if self._writer is not None:
             self._writer.write(self.last)
-
-    def on_train_end(self, trainer: Any, summary: dict[str, Any]) -> None:
-        self._close()
-
-    def on_exception(self, trainer: Any, error: BaseException) -> None:
-        self._close()
-
-    def _close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from hpfunc.train.callbacks.base import Callback, open_lines, scalars
+from hpfunc.train.callbacks.base import WriterCallback, open_lines, scalars
 
 __all__ = ["MetricsLog"]
 
 
-class MetricsLog(Callback):
+class MetricsLog(WriterCallback):
     """Write the scalar metrics of every ``every``-th step to ``file`` in the run's folder."""
 
     def __init__(self, *, every: int = 1, file: str = "steps.jsonl"):
@@ -31,14 +31,3 @@ class MetricsLog(Callback):
     def on_step_end(self, trainer: Any, step: int, metrics: dict[str, Any]) -> None:
         if step % self.every == 0:
             self._writer.write({"step": step, **scalars(metrics)})
-
-    def on_train_end(self, trainer: Any, summary: dict[str, Any]) -> None:
-        self._close()
-
-    def on_exception(self, trainer: Any, error: BaseException) -> None:
-        self._close()
-
-    def _close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from hpfunc.train.callbacks.base import Callback, open_lines
+from hpfunc.train.callbacks.base import WriterCallback, open_lines
 
 __all__ = ["MoeMonitor", "layer_stats"]
 
@@ -55,7 +55,7 @@ def layer_stats(load: torch.Tensor, *, dead: list[int], max_experts: int) -> dic
     return out
 
 
-class MoeMonitor(Callback):
+class MoeMonitor(WriterCallback):
     """Per-layer expert-load statistics to ``file`` every ``every`` steps, and a heat map at the end."""
 
     def __init__(self, *, every: int = 1, dead_after: int = 10, max_experts: int = 16, file: str = "moe.jsonl",
@@ -90,17 +90,9 @@ class MoeMonitor(Callback):
         self.shares.append((step, load.to(torch.float64) / load.sum(dim=1, keepdim=True).clamp_min(1)))
 
     def on_train_end(self, trainer: Any, summary: dict[str, Any]) -> None:
-        self._close()
+        super().on_train_end(trainer, summary)
         if self.heatmap and self.shares:
             plot_heatmap(self.shares, trainer.output_file(self.heatmap))
-
-    def on_exception(self, trainer: Any, error: BaseException) -> None:
-        self._close()
-
-    def _close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
 
 
 def plot_heatmap(shares: list[tuple[int, torch.Tensor]], path: Any) -> Any:

@@ -16,14 +16,14 @@ from typing import Any
 
 import torch
 
-from hpfunc.train.callbacks.base import Callback
+from hpfunc.train.callbacks.base import WriterCallback
 
 __all__ = ["TensorBoard", "SCALARS"]
 
 SCALARS = ("loss", "ce_loss", "aux_loss", "grad_norm", "lr", "tokens_per_s", "expert_imbalance", "dropped_pairs")
 
 
-class TensorBoard(Callback):
+class TensorBoard(WriterCallback):
     """Write the logged scalars, expert-load histograms and validation losses as TensorBoard events."""
 
     def __init__(self, *, log_dir: str = "tensorboard", histograms: bool = True):
@@ -56,14 +56,3 @@ class TensorBoard(Callback):
 
     def on_eval(self, trainer: Any, step: int, val_loss: float) -> None:
         self._writer.add_scalar("val/loss", val_loss, step)
-
-    def on_train_end(self, trainer: Any, summary: dict[str, Any]) -> None:
-        self._close()
-
-    def on_exception(self, trainer: Any, error: BaseException) -> None:
-        self._close()
-
-    def _close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None

@@ -1,0 +1,557 @@
+"""The dry run: the trainer's real parallelized step of a config, for one rank of a large world, on
+fake tensors and the fake process group, in one CPU process, allocating nothing.
+
+:func:`dry_run` builds what ``hpfunc train`` builds for the config (model, plan with bf16 compute over
+the stored dtype when ``model.dtype`` is bfloat16, the trainer's optimizer and schedule,
+``make_train_step`` under :func:`hpfunc.parallelize`), as rank ``rank`` of ``world`` on fake
+``device`` devices (:func:`hpfunc.testing.fake_devices.run_on_fake_devices`; ``cuda`` works on a
+CPU-only torch through the shape-only runtime of :mod:`hpfunc.testing.fake_cuda`, in a fresh process),
+runs one step and measures, for that rank:
+
+* ``state_bytes``: the local shards of the state at rest (``params``, ``optimizer``: the optimizer
+  state's tensors, its step counters included) and ``grads``: the gradients the optimizer receives in
+  the step (their local shards, recorded by wrapping the optimizer's ``update``);
+* ``step_peak_bytes``: the most bytes held at once by the storages the step itself creates
+  (activations kept for backward, gathered parameters, gradients, temporaries, the new state before
+  the old one is dropped), measured on storage liveness (weak references to fake storages, as
+  :mod:`hpfunc.memory`), with the producing ops of what is alive at that moment (``peak_by_op``); the
+  state at rest comes on top (``peak_bytes``);
+* ``comm``: every collective of :mod:`hpfunc.lax` the step issues (:func:`hpfunc.comm_stats`), per
+  collective, mesh axes and phase, bytes this rank sends under the ring formulas;
+* ``flops``: torch's FLOP counter (:class:`torch.utils.flop_counter.FlopCounterMode`; attention
+  counted unhalved as torch does, grouped GEMMs with torch's matmul convention);
+* ``host_syncs``: the reads of device values the step makes (answered with a stand-in: a fake tensor
+  has no value).
+
+Beside them it reports the cost model's figures for the same layout (:mod:`hpfunc.autoparallel`:
+model-state terms, communication, FLOPs and the step-time estimate on a hardware preset) and the
+list of what neither models (:data:`~hpfunc.autoparallel.memory_model.UNMODELLED`).
+
+Assumptions: MoE routing is data-dependent; on fake tensors the router's choices have no values, so
+the dispatch runs on the shapes the dispatcher allocates (the padded dispatcher's capacity buffers).
+The step counter and learning rate are read as 1.
+
+    >>> from hpfunc.autoparallel.dryrun import check_request
+    >>> check_request({"model": {"preset": "qwen3-moe-tiny"}, "parallel": {"mesh": {"fsdp": 4}, "plan": ["fsdp"]}},
+    ...               world=6)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    hpfunc.autoparallel.dryrun.DryRunError: parallel.mesh: the mesh {'fsdp': 4} has 4 ranks, --world is 6; ...
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import time
+from typing import Any, Iterator, Mapping, Sequence
+
+from hpfunc.autoparallel.memory_model import UNMODELLED
+
+__all__ = ["DryRunError", "check_request", "dry_run", "dry_runs", "rank_step", "rank_steps", "PeakTracker",
+           "format_report"]
+
+
+class DryRunError(ValueError):
+    """A dry-run request the config cannot honour (the message names the config key or flag)."""
+
+
+def _mesh_size(mesh: Mapping[str, int]) -> int:
+    n = 1
+    for v in mesh.values():
+        n *= int(v)
+    return n
+
+
+def check_request(raw: Mapping[str, Any], *, world: int | None = None, rank: int = 0, device: str = "cuda",
+                  hardware: str = "h100") -> tuple[Any, int]:
+    """Check a dry-run request before any process or group starts: the config (the trainer's loader
+    and plan check), the world the mesh fills, the rank, the device and the hardware name. Returns
+    ``(config, world)``; raises :class:`DryRunError` naming the key otherwise."""
+    from hpfunc.autoparallel.hardware import HardwareError
+    from hpfunc.autoparallel.hardware import hardware as _hardware
+    from hpfunc.train.config import ConfigError, load_config_dict
+
+    try:
+        _hardware(hardware)
+    except HardwareError as err:
+        raise DryRunError(f"--hardware: {err}") from None
+    if device not in ("cuda", "cpu"):
+        raise DryRunError(f"--device: expected cuda or cpu, found {device!r}")
+    try:
+        cfg = load_config_dict(dict(raw))
+    except (ConfigError, ValueError) as err:
+        raise DryRunError(str(err)) from None
+    mesh = dict(cfg.parallel.mesh or {})
+    size = _mesh_size(mesh)
+    if world is None:
+        world = size
+    if world < 1:
+        raise DryRunError(f"--world: expected an integer >= 1, found {world}")
+    if size != world:
+        others = size // max(1, mesh.get("fsdp", 1))
+        hint = (f"--set parallel.mesh.fsdp={world // others} or " if "fsdp" in mesh and world % others == 0 else "")
+        raise DryRunError(f"parallel.mesh: the mesh {mesh} has {size} ranks, --world is {world}; the mesh must fill "
+                          f"the world exactly: change its axes ({hint}--set 'parallel.mesh={{...}}') or pass --world {size}")
+    if not 0 <= rank < world:
+        raise DryRunError(f"--rank: expected a rank in [0, {world}), found {rank}")
+    bs = cfg.train.batch_size
+    data = 1
+    for e in cfg.parallel.plan:
+        if e.kind in ("ddp", "fsdp", "zero1", "zero2", "zero3", "hsdp", "ep"):
+            for a in e.axes:
+                data *= mesh[a]
+    if data > 1 and bs % data:
+        raise DryRunError(f"train.batch_size: {bs} sequences do not split over the {data} data ranks of "
+                          f"parallel.mesh {mesh}; use a multiple of {data}")
+    try:
+        from hpfunc.train.build import check_buildable
+
+        check_buildable(cfg)
+    except (ConfigError, ValueError) as err:
+        raise DryRunError(str(err)) from None
+    return cfg, world
+
+
+class PeakTracker:
+    """A dispatch mode that logs every storage an op creates (weakly) and keeps the most bytes those
+    storages held alive at once, with the producing ops of what was alive then.
+
+    A running total adds each new storage; it only overestimates (freed storages stay in it until the
+    next sweep), so the exact live total is swept (weak references checked) only when the running
+    total passes the peak: the peak is exact, and cheap to keep.
+
+    >>> import torch
+    >>> t = PeakTracker()
+    >>> with t:
+    ...     a = torch.ones(256)          # 1 KiB
+    ...     b = a * 2                    # 1 KiB more: peak 2 KiB
+    ...     del a, b
+    ...     c = torch.ones(128)          # 512 B
+    >>> t.peak, t.live()
+    (2048, 512)
+    """
+
+    def __init__(self) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        from hpfunc.memory._storage import StorageLog
+
+        self.log = StorageLog()
+        self.peak = 0
+        self.peak_by_op: dict[str, int] = {}
+        self._running = 0
+        self._mode = _ProducerWithPeak(self)
+        assert isinstance(self._mode, TorchDispatchMode)
+
+    def __enter__(self) -> "PeakTracker":
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._mode.__exit__(*exc)
+
+    def live(self) -> int:
+        return sum(n for _, n, *_ in self.log.alive())
+
+    def _sweep(self) -> None:
+        alive = self.log.alive()
+        total = sum(n for _, n, *_ in alive)
+        self._running = total
+        if total > self.peak:
+            self.peak = total
+            by: collections.Counter = collections.Counter()
+            for _, n, op, *_ in alive:
+                by[(op or "?").replace("aten.", "")] += n
+            self.peak_by_op = dict(by.most_common())
+
+    def added(self, nbytes: int, resized: bool) -> None:
+        self._running += nbytes
+        if resized or self._running > self.peak:
+            self._sweep()
+
+
+def _producer_with_peak_class() -> type:
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hpfunc.memory._storage import _FRESH, storage_key, storage_nbytes, tensors_in
+
+    resizes = {torch.ops.aten.resize_.default, torch.ops.aten.set_.source_Storage,
+               torch.ops.aten.set_.source_Storage_storage_offset}
+
+    class _Mode(TorchDispatchMode):
+        def __init__(self, tracker: PeakTracker) -> None:
+            super().__init__()
+            self.tracker = tracker
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            outs = tensors_in(out)
+            new = 0
+            if outs:
+                inputs = set() if func in _FRESH else {storage_key(t) for t in tensors_in((args, kwargs))}
+                for t in outs:
+                    if storage_key(t) not in inputs and self.tracker.log.add(t, func):
+                        new += storage_nbytes(t)
+            if new or func in resizes:
+                self.tracker.added(new, func in resizes)
+            return out
+
+    return _Mode
+
+
+def _ProducerWithPeak(tracker: PeakTracker) -> Any:  # noqa: N802 -- a class made on first use (torch imported late)
+    return _producer_with_peak_class()(tracker)
+
+
+def _flash_attention_mode() -> Any:
+    """A function mode that runs ``F.scaled_dot_product_attention`` (no mask, no dropout, on a cuda
+    tensor) as the CUDA flash-attention op: on a CPU-only torch the fake CUDA device has no kernel
+    choice, so torch would take its math path (scores and fp32 probabilities materialised, ``s^2`` per
+    head) where a GPU with bf16 inputs runs flash attention (output and log-sum-exp kept)."""
+    import torch
+    import torch.nn.functional as F
+    from torch.overrides import TorchFunctionMode
+
+    flash = torch.ops.aten._scaled_dot_product_flash_attention.default
+
+    class _Flash(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is F.scaled_dot_product_attention:
+                q, k, v = args[:3]
+                mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
+                dropout = args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)
+                causal = args[5] if len(args) > 5 else kwargs.get("is_causal", False)
+                if mask is None and not dropout and q.device.type == "cuda" and q.dtype in (torch.bfloat16,
+                                                                                            torch.float16):
+                    return flash(q, k, v, 0.0, bool(causal), False, scale=kwargs.get("scale"))[0]
+            return func(*args, **kwargs)
+
+    return _Flash()
+
+
+def _local_bytes(tree_: Any) -> dict[str, int]:
+    """Bytes of the local shards of a pytree's tensors, by dtype."""
+    import torch
+
+    from hpfunc import tree
+    from hpfunc.memory._storage import local
+
+    out: collections.Counter = collections.Counter()
+    for x in tree.leaves(tree_):
+        if isinstance(x, torch.Tensor):
+            t = local(x)
+            out[str(t.dtype).replace("torch.", "")] += t.numel() * t.element_size()
+    return dict(out)
+
+
+def _grouped_mm_flops(a, b, *args, out_shape=None, **kw) -> int:
+    # torch's matmul convention (2 m k n) summed over the groups: a 2-D x 3-D grouped GEMM multiplies
+    # every row of a with one group's matrix
+    if len(a) == 2 and len(b) == 3:
+        return 2 * a[0] * a[1] * b[2]
+    if len(a) == 2 and len(b) == 2:  # the weight gradient: (k, m) x (m, n) split into groups along m
+        return 2 * a[0] * a[1] * b[1]
+    return 2 * a[0] * a[1] * a[2] * b[-1]
+
+
+def _sdpa_cpu_flops(q, k, v, *args, out_shape=None, **kw) -> int:
+    b, h, s, d = q
+    return 4 * b * h * s * k[2] * d
+
+
+def _sdpa_cpu_backward_flops(grad_out, q, k, v, *args, out_shape=None, **kw) -> int:
+    return 2 * _sdpa_cpu_flops(q, k, v)
+
+
+def _flop_mapping() -> dict:
+    import torch
+
+    aten = torch.ops.aten
+    return {aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_cpu_flops,
+            aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_cpu_backward_flops,
+            aten._grouped_mm: _grouped_mm_flops}
+
+
+def rank_step(raw: Mapping[str, Any], device_type: str = "cuda", progress: bool | str = False) -> dict:
+    """Build the trainer's parallel step for ``raw`` and run one step as this process's rank of the
+    fake world (call it through :func:`hpfunc.testing.fake_devices.run_on_fake_devices`); returns the
+    measurements (see the module). ``progress``: print each phase to stderr (``True``) or append it to
+    the file of that name (an isolated process's output is not shown)."""
+    import functools
+    import itertools
+    import os
+    import sys
+
+    import torch
+    import torch.distributed as dist
+    from torch.utils._python_dispatch import _disable_current_modes
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from hpfunc import random
+    from hpfunc.comm import comm_stats
+    from hpfunc.mesh import Mesh
+    from hpfunc.models import qwen3
+    from hpfunc.testing.fake_devices import DeviceRecorder, answer_host_syncs
+    from hpfunc.train.build import build_model_config, build_optimizer, build_schedule, model_dtype
+    from hpfunc.train.config import load_config_dict
+    from hpfunc.train.distributed import build_plan
+    from hpfunc.train.step import init_train_state, make_train_step
+    from hpfunc.transforms.parallelize import init_sharded, parallelize
+
+    t_start = time.perf_counter()
+
+    def say(msg: str) -> None:
+        line = f"[dryrun {time.perf_counter() - t_start:6.1f} s] {msg}"
+        if isinstance(progress, str):
+            with open(progress, "a") as f:
+                f.write(line + "\n")
+        elif progress:
+            print(line, file=sys.stderr, flush=True)
+
+    os.environ.pop("HPFUNC_CHECK_REP", None)  # the replication check reads values: fake tensors have none
+    cfg = load_config_dict(dict(raw))
+    mesh_axes = dict(cfg.parallel.mesh)
+    with _disable_current_modes():  # a DeviceMesh is made of real rank tensors, and so are its groups
+        mesh = Mesh(mesh_axes, device_type=device_type)
+        names = list(mesh_axes)
+        for r in range(2, len(names) + 1):
+            for axes in itertools.combinations(names, r):
+                mesh.group(axes)
+        coordinate = tuple(int(c) for c in mesh.coordinate())
+    say(f"mesh {mesh_axes}, rank {dist.get_rank()} at {dict(zip(names, coordinate))}")
+    model_cfg = build_model_config(cfg.model)
+    optimizer, lr = build_optimizer(cfg.optimizer, build_schedule(cfg.schedule, cfg.train.steps))
+    grads_seen: list[dict[str, int]] = []
+    optimizer = _recording_grads(optimizer, grads_seen)
+    plan = build_plan(cfg.parallel, model_cfg)
+    if cfg.model.dtype == "bfloat16":
+        plan = plan.with_mixed_precision(torch.bfloat16)
+    step = make_train_step(model_cfg, optimizer, expert_bias_rate=cfg.train.expert_bias_rate, lr_schedule=lr,
+                           loss_fn=qwen3.parallel_plan.loss, num_microbatches=cfg.train.microbatches)
+    train_step = parallelize(step, mesh, plan, params="params")
+    key = random.key(0, device=device_type)
+    store_dtype = torch.float32 if cfg.model.dtype == "bfloat16" else model_dtype(cfg.model)
+    init = functools.partial(qwen3.init, cfg=model_cfg, dtype=store_dtype)
+    say("initialising the sharded state (fake tensors)")
+    params = init_sharded(init, mesh, plan, key, shapes=qwen3.param_shapes(model_cfg))
+    state = train_step.init_state(lambda p: init_train_state(p, optimizer), params)
+    state_bytes = {"params": _local_bytes(state.params), "optimizer": _local_bytes(state.opt_state)}
+    tokens = random.randint(random.fold_in(key, 100), (cfg.train.batch_size, cfg.train.seq_len + 1), 0,
+                            model_cfg.vocab_size)
+    say(f"running one step: batch {cfg.train.batch_size} x {cfg.train.seq_len}, "
+        f"{cfg.train.microbatches} microbatch(es)")
+    rec = DeviceRecorder(device_type, on_host_sync=answer_host_syncs(1))
+    tracker = PeakTracker()
+    attention = _flash_attention_mode() if device_type == "cuda" else contextlib.nullcontext()
+    t0 = time.perf_counter()
+    with FlopCounterMode(display=False, custom_mapping=_flop_mapping()) as flops, comm_stats() as stats, \
+            rec, tracker, attention:
+        new_state, metrics = train_step(state, {"tokens": tokens})
+        del new_state, metrics
+    step_s = time.perf_counter() - t0
+    say(f"step done in {step_s:.1f} s")
+    comm: dict[tuple, dict] = {}
+    for r in stats.records:
+        k = (r.op, "+".join(r.axes), r.n, r.phase)
+        e = comm.setdefault(k, {"collective": r.op, "axes": "+".join(r.axes), "group": r.n, "phase": r.phase,
+                                "count": 0, "payload_bytes": 0, "sent_bytes": 0.0})
+        e["count"] += 1
+        e["payload_bytes"] += int(r.payload_bytes)
+        e["sent_bytes"] += float(r.sent_bytes)
+    by_op = {str(op).replace("aten.", ""): int(n) for op, n in flops.get_flop_counts().get("Global", {}).items()}
+    grads: collections.Counter = collections.Counter()
+    for g in grads_seen:
+        grads.update(g)
+    state_bytes["grads"] = dict(grads)
+    return {
+        "rank": dist.get_rank(), "world": dist.get_world_size(), "coordinate": dict(zip(names, coordinate)),
+        "state_bytes": state_bytes,
+        "step_peak_bytes": tracker.peak, "peak_by_op": dict(list(tracker.peak_by_op.items())[:10]),
+        "comm": sorted(comm.values(), key=lambda e: (e["axes"], e["collective"], e["phase"])),
+        "flops": int(flops.get_total_flops()), "flops_by_op": by_op,
+        "host_syncs": [f"{s.kind}: aten.{s.op} at {s.where}" for s in rec.host_syncs],
+        "step_seconds_on_fake_tensors": step_s, "microbatches_seen": len(grads_seen),
+        "attention": ("flash (16-bit cuda inputs without mask run as aten._scaled_dot_product_flash_attention)"
+                      if device_type == "cuda" else "as torch chooses on cpu"),
+    }
+
+
+def _recording_grads(tx: Any, sink: list) -> Any:
+    """``tx`` whose ``update`` (and fused ``apply``) first records the local bytes of the gradients."""
+
+    def update(updates, state, params=None):
+        sink.append(_local_bytes(updates))
+        return tx.update(updates, state, params)
+
+    inner_apply = getattr(tx.update, "apply", None)
+    if inner_apply is not None:
+        def apply(updates, state, params, *, donate=False):
+            sink.append(_local_bytes(updates))
+            return inner_apply(updates, state, params, donate=donate)
+
+        update.apply = apply  # type: ignore[attr-defined]
+    return tx._replace(update=update)
+
+
+@contextlib.contextmanager
+def _progress_file(wanted: bool) -> Iterator[str | None]:
+    """A file the isolated process appends its progress to, echoed to stderr by a thread here."""
+    if not wanted:
+        yield None
+        return
+    import os
+    import sys
+    import tempfile
+    import threading
+
+    fd, path = tempfile.mkstemp(prefix="hpfunc-dryrun-", suffix=".log")
+    os.close(fd)
+    stop = threading.Event()
+
+    def echo() -> None:
+        with open(path) as f:
+            while True:
+                line = f.readline()
+                if line:
+                    print(line, end="", file=sys.stderr, flush=True)
+                elif stop.wait(0.5):
+                    print(f.read(), end="", file=sys.stderr, flush=True)
+                    return
+
+    thread = threading.Thread(target=echo, daemon=True)
+    thread.start()
+    try:
+        yield path
+    finally:
+        stop.set()
+        thread.join()
+        os.unlink(path)
+
+
+def dry_run(raw: Mapping[str, Any], *, world: int | None = None, rank: int = 0, device: str = "cuda",
+            hardware: str = "h100", progress: bool = False) -> dict:
+    """The dry-run report of the raw config mapping ``raw`` for ``rank`` of ``world`` (default: the
+    mesh's size): the measurements of :func:`rank_step` and the cost model's figures for the same
+    layout (keys: docs/autoparallel.md#hpfunc-dryrun). ``device="cuda"`` runs in a fresh process
+    (the fake CUDA runtime is loaded before torch there); ``cpu`` in this one, which must have no
+    default process group."""
+    return dry_runs([raw], world=world, rank=rank, device=device, hardware=hardware, progress=progress)[0]
+
+
+def dry_runs(raws: Sequence[Mapping[str, Any]], *, world: int | None = None, rank: int = 0, device: str = "cuda",
+             hardware: str = "h100", progress: bool = False) -> list[dict]:
+    """:func:`dry_run` of several configs of one world size, one after the other in one (fresh) process."""
+    import sys
+
+    from hpfunc.testing import fake_cuda
+    from hpfunc.testing.fake_devices import run_on_fake_devices
+
+    checked = [check_request(raw, world=world, rank=rank, device=device, hardware=hardware) for raw in raws]
+    worlds = {w for _, w in checked}
+    if len(worlds) != 1:
+        raise DryRunError(f"parallel.mesh: dry_runs needs configs of one world size, found sizes {sorted(worlds)}")
+    world = worlds.pop()
+    t0 = time.perf_counter()
+    isolated = fake_cuda.needed(device)
+    if progress:
+        print(f"[dryrun] rank {rank} of {world} on fake {device} devices"
+              + (" (in a fresh process: the fake CUDA runtime)" if isolated else ""), file=sys.stderr, flush=True)
+    with _progress_file(progress and isolated) as path:
+        run = run_on_fake_devices(rank_steps, [dict(r) for r in raws], device, path or progress, world_size=world,
+                                  rank=rank, device_type=device, isolated=isolated)
+    seconds = (time.perf_counter() - t0) / len(raws)
+    return [_assemble(cfg, measured, world=world, rank=rank, device=device, hardware=hardware, seconds=seconds)
+            for (cfg, _), measured in zip(checked, run.result)]
+
+
+def rank_steps(raws: Sequence[Mapping[str, Any]], device_type: str = "cuda", progress: bool | str = False) -> list:
+    """:func:`rank_step` of each config, in order, in this fake world."""
+    return [rank_step(raw, device_type, progress) for raw in raws]
+
+
+def _assemble(cfg: Any, measured: dict, *, world: int, rank: int, device: str, hardware: str,
+              seconds: float) -> dict:
+    from hpfunc.autoparallel.comm_model import communication
+    from hpfunc.autoparallel.flops import train_flops_per_token
+    from hpfunc.autoparallel.hardware import hardware as _hardware
+    from hpfunc.autoparallel.memory_model import memory
+    from hpfunc.autoparallel.step_time import step_time
+    from hpfunc.autoparallel.trainer_config import describe_model, layout_of, workload_of
+
+    hw = _hardware(hardware)
+    _, desc = describe_model(cfg)
+    work = workload_of(cfg)
+    report: dict[str, Any] = {"world": world, "rank": rank, "device": device, "hardware": hw.name,
+                              "mesh": dict(cfg.parallel.mesh), "seconds": seconds, **measured}
+    sb = measured["state_bytes"]
+    report["state_total_bytes"] = {k: sum(v.values()) for k, v in sb.items()}
+    at_rest = report["state_total_bytes"]["params"] + report["state_total_bytes"]["optimizer"]
+    report["peak_bytes"] = at_rest + measured["step_peak_bytes"]
+    seq = cfg.train.seq_len
+    tokens_rank = None
+    report["model"] = {"params": desc.params, "layers": desc.num_layers,
+                       "train_flops_per_token": train_flops_per_token(desc, seq, causal=True),
+                       "train_flops_per_token_unhalved": train_flops_per_token(desc, seq, causal=False)}
+    estimate: dict[str, Any] = {"layout": None}
+    try:
+        lay = layout_of(cfg)
+        tokens_rank = work.global_batch * work.seq_len / lay.data_shards
+        mem = memory(desc, lay, work)
+        t = step_time(desc, lay, work, hw)
+        estimate = {
+            "layout": lay.name, "memory_bytes": dict(mem.terms), "memory_total_bytes": mem.total,
+            "comm": [{"collective": c.collective, "axes": c.axis, "group": c.group, "count": c.count,
+                      "sent_bytes": c.bytes, "phase": c.phase} for c in communication(desc, lay, work)],
+            "step_seconds": t.total, "time_seconds": dict(t.terms),
+            "tokens_per_second_per_device": t.tokens_per_second_per_device,
+            "rank_tokens": tokens_rank,
+        }
+    except ValueError as err:  # a layout the cost model does not describe: the measurements stand alone
+        estimate = {"layout": None, "error": str(err)}
+    report["estimate"] = estimate
+    report["unmodelled"] = list(UNMODELLED)
+    return report
+
+
+def format_report(r: Mapping[str, Any]) -> str:
+    """The report as text (what ``hpfunc dryrun`` prints)."""
+    from hpfunc.autoparallel.hardware import format_bytes
+
+    sb = r["state_total_bytes"]
+    lines = [f"dry run: rank {r['rank']} of {r['world']} at {r['coordinate']} on fake {r['device']} devices, "
+             f"mesh {r['mesh']}; {r['seconds']:.1f} s (the step {r['step_seconds_on_fake_tensors']:.1f} s on fake "
+             f"tensors)",
+             f"model: {r['model']['params'] / 1e9:.3f} B parameters, {r['model']['layers']} layers",
+             "measured on this rank (fake tensors, storage liveness, the comm counter, torch's FLOP counter):",
+             f"  params     {format_bytes(sb['params']):>12}  {r['state_bytes']['params']}",
+             f"  grads      {format_bytes(sb['grads']):>12}  {r['state_bytes']['grads']} "
+             f"(summed over the {r['microbatches_seen']} optimizer call(s))",
+             f"  optimizer  {format_bytes(sb['optimizer']):>12}  {r['state_bytes']['optimizer']}",
+             f"  step peak  {format_bytes(r['step_peak_bytes']):>12}  (storages the step creates, alive at once; "
+             f"on top of the state at rest)",
+             f"  peak       {format_bytes(r['peak_bytes']):>12}  (params + optimizer state + step peak)",
+             "  the step peak's composition (producing op): " + ", ".join(
+                 f"{op} {format_bytes(n)}" for op, n in list(r["peak_by_op"].items())[:6]),
+             f"  FLOPs      {r['flops'] / 1e12:.4f} TFLOP this step (torch's counter, attention unhalved)",
+             "  communication this rank sends (ring formulas):"]
+    for c in r["comm"]:
+        lines.append(f"    {c['collective']:15} {c['axes'] or '-':10} n={c['group']:<4} {c['phase']:8} x{c['count']:<5} "
+                     f"{format_bytes(c['sent_bytes']):>12}")
+    if r["host_syncs"]:
+        lines.append(f"  host syncs answered with a stand-in: {len(r['host_syncs'])}")
+    e = r["estimate"]
+    if e.get("layout"):
+        lines.append(f"cost model ({e['layout']}, {r['hardware']}): memory {format_bytes(e['memory_total_bytes'])} "
+                     f"(" + ", ".join(f"{k} {format_bytes(v)}" for k, v in e["memory_bytes"].items()) + ")")
+        lines.append(f"  step {e['step_seconds']:.3f} s, {e['tokens_per_second_per_device']:.0f} tokens/s/device "
+                     "(" + ", ".join(f"{k} {v:.3f}" for k, v in e["time_seconds"].items()) + ")")
+        lines.append(f"  FLOPs this rank: {r['model']['train_flops_per_token_unhalved'] * e['rank_tokens'] / 1e12:.4f} "
+                     f"TFLOP unhalved, {r['model']['train_flops_per_token'] * e['rank_tokens'] / 1e12:.4f} with causal "
+                     f"halving (tp and ep splits not applied)")
+    else:
+        lines.append(f"cost model: no estimate ({e.get('error')})")
+    lines.append("not modelled (neither measured nor estimated): " + "; ".join(r["unmodelled"]))
+    return "\n".join(lines)
