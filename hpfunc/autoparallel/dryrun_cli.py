@@ -19,6 +19,8 @@ import pathlib
 import sys
 from typing import Sequence
 
+from hpfunc.autoparallel.plan_cli import _int
+
 __all__ = ["main", "USAGE"]
 
 USAGE = """usage: hpfunc dryrun CONFIG.yaml [--world N] [--device cuda|cpu] [--rank R] [--hardware h100|h200|a100|cpu]
@@ -48,18 +50,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", dest="json_path")
     p.add_argument("--set", dest="overrides", action="append", default=[])
     return p
-
-
-def _int(text: str | None, flag: str, minimum: int) -> int | None:
-    if text is None:
-        return None
-    try:
-        v = int(text)
-    except ValueError:
-        v = minimum - 1
-    if v < minimum:
-        raise ValueError(f"{flag}: expected an integer >= {minimum}, found {text!r}")
-    return v
 
 
 def main(argv: Sequence[str] | None = None) -> None:

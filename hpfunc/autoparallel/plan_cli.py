@@ -60,7 +60,11 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _int(text: str, flag: str, minimum: int = 1) -> int:
+def _int(text: str | None, flag: str, minimum: int = 1) -> int | None:
+    """The integer flag ``flag`` given as ``text`` (``None``: not given); below ``minimum`` or not an
+    integer: a ``ValueError`` naming the flag."""
+    if text is None:
+        return None
     try:
         v = int(text)
     except ValueError:

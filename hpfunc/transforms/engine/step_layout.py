@@ -161,16 +161,7 @@ class RankStep:
         flat = [_tree.flatten(arg) for arg in args]  # each argument flattened once
         index = [[self.opt_blocks.index_of(x) for x in leaves] for leaves, _ in flat]  # which leaves are parameters
         with_params, wanted = self._find_params(args, argnums, flat, index)
-        cfg = self.cfg
-
-        def call(ws: list[torch.Tensor], read: Callable) -> Any:
-            new_args = list(args)
-            for a in with_params:
-                leaves, treedef = flat[a]
-                swapped = _tree.unflatten(treedef, [x if i is None else ws[i] for x, i in zip(leaves, index[a])])
-                new_args[a] = lazy(swapped, read) if cfg.needs_view else swapped
-            return fn(*new_args, **kwargs)  # under the lowered step's inner binding (no step layout)
-
+        call = self._call_on_params(fn, args, kwargs, flat, index, with_params)
         acc = self._acc
         order_key = (self.differentiations, tuple(wanted))
         self.differentiations += 1
@@ -178,10 +169,7 @@ class RankStep:
                                                       where="value_and_grad", reduce=acc is None, step=self,
                                                       order_key=order_key)
         grad_of = dict(zip(wanted, red))
-        with torch.no_grad():
-            value = lax.pmean(loss.detach(), cfg.data_axes) if cfg.data_axes else loss.detach()
-            if has_aux:
-                aux = reduce_batch_stats(aux, cfg.data_axes)
+        value, aux = self._over_data(loss, aux, has_aux)
         results = [_tree.unflatten(flat[a][1], [x if i is None else grad_of[i] for x, i in zip(flat[a][0], index[a])])
                    for a in argnums]
         if acc is not None:  # inside hpfunc.microbatch: per-rank gradients, reduced once by acc.reduce
@@ -197,23 +185,37 @@ class RankStep:
         flat = [_tree.flatten(arg) for arg in args]
         index = [[self.opt_blocks.index_of(x) for x in leaves] for leaves, _ in flat]
         with_params = [a for a in range(len(args)) if any(i is not None for i in index[a])]
-        cfg = self.cfg
+        call = self._call_on_params(fn, args, kwargs, flat, index, with_params)
+        loss, aux, _ = differentiate.value_and_grad(self.program, self.storage, call, has_aux, [], where="value",
+                                                    reduce=False, step=self, record=False)
+        value, aux = self._over_data(loss, aux, has_aux)
+        return (value, aux) if has_aux else value
+
+    def _over_data(self, loss: torch.Tensor, aux: Any, has_aux: bool) -> tuple[torch.Tensor, Any]:
+        """The per-rank loss as the mean over the data shards, and ``aux``'s batch statistics reduced."""
+        axes = self.cfg.data_axes
+        with torch.no_grad():
+            value = lax.pmean(loss.detach(), axes) if axes else loss.detach()
+            if has_aux:
+                aux = reduce_batch_stats(aux, axes)
+        return value, aux
+
+    def _call_on_params(self, fn: Callable, args: tuple, kwargs: dict, flat: list, index: list,
+                        with_params: list[int]) -> Callable[[list[torch.Tensor], Callable], Any]:
+        """``call(ws, read)``: ``fn`` on ``args`` with each argument in ``with_params`` rebuilt on the blocks
+        ``ws`` (as the lazy view that gathers on ``read`` where the plan needs one); run by
+        :func:`differentiate.value_and_grad` under the lowered step's inner binding (no step layout)."""
+        needs_view = self.cfg.needs_view
 
         def call(ws: list[torch.Tensor], read: Callable) -> Any:
             new_args = list(args)
             for a in with_params:
                 leaves, treedef = flat[a]
                 swapped = _tree.unflatten(treedef, [x if i is None else ws[i] for x, i in zip(leaves, index[a])])
-                new_args[a] = lazy(swapped, read) if cfg.needs_view else swapped
+                new_args[a] = lazy(swapped, read) if needs_view else swapped
             return fn(*new_args, **kwargs)
 
-        loss, aux, _ = differentiate.value_and_grad(self.program, self.storage, call, has_aux, [], where="value",
-                                                    reduce=False, step=self, record=False)
-        with torch.no_grad():
-            value = lax.pmean(loss.detach(), cfg.data_axes) if cfg.data_axes else loss.detach()
-            if has_aux:
-                aux = reduce_batch_stats(aux, cfg.data_axes)
-        return (value, aux) if has_aux else value
+        return call
 
     def _find_params(self, args: list, argnums: tuple[int, ...], flat: list, index: list) -> tuple[list[int], list[int]]:
         """The arguments that hold parameters of this step, and the parameters to differentiate."""
