@@ -136,6 +136,8 @@ class Lowered:
         # the model first read the gather groups (by first member): recorded by its first run, the order of
         # the forward's prefetches after it (engine/prefetch.py)
         self.gather_orders: dict[tuple, tuple[int, ...]] = {}
+        # the same for the backward's re-gathers of resharded groups (engine/backward_prefetch.py)
+        self.regather_orders: dict[tuple, tuple[int, ...]] = {}
         self.sdc_checks = 0  # gradient reductions checked so far (the "step" an SDC report names)
 
     # -- what a state fits --------------------------------------------------------------------------
@@ -177,7 +179,7 @@ class Lowered:
         """How many structures built inside the step the runs so far have recorded, by kind."""
         return {"metrics": len(self.out_specs), "param trees": len(self.layouts_of),
                 "value_and_grad args": len(self.alike_args), "stage uses": len(self.stage_uses),
-                "gather orders": len(self.gather_orders)}
+                "gather orders": len(self.gather_orders), "regather orders": len(self.regather_orders)}
 
     # -- running ------------------------------------------------------------------------------------
     def __call__(self, state: Any, batch: Any) -> tuple[Any, Any]:

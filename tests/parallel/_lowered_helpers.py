@@ -124,6 +124,22 @@ def run_prefetch(reshard: bool, remat: bool, steps: int = 3) -> dict:
                                      if r.op == "reduce_scatter" and r.tag == "async"))
             return g
 
+    regathered: list[int] = []
+
+    class Between(torch.autograd.Function):  # on layer 1's input: its backward runs before layer 0's
+        @staticmethod
+        def forward(x):
+            return x.view_as(x)
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            pass
+
+        @staticmethod
+        def backward(ctx, g):
+            regathered.append(sum(1 for r in stats_box[-1].records if r.op == "all_gather" and r.phase == "backward"))
+            return g
+
     class Probe(torch.autograd.Function):
         @staticmethod
         def forward(x):
@@ -149,7 +165,10 @@ def run_prefetch(reshard: bool, remat: bool, steps: int = 3) -> dict:
         def loss(p):
             h = FirstOp.apply(p["embed"][batch])
             for k, lp in enumerate(p["layers"]):
-                f = hpfunc.remat(lambda lp, h, k=k: layer_fn(lp, h, k == 0)) if remat else (
+                if k == 1 and stats_box:
+                    h = Between.apply(h)
+                policy = None if remat in (False, True) else getattr(__import__("hpfunc.transforms.remat", fromlist=["remat"]), remat)
+                f = hpfunc.remat(lambda lp, h, k=k: layer_fn(lp, h, k == 0), policy=policy) if remat else (
                     lambda lp, h, k=k: layer_fn(lp, h, k == 0))
                 h = f(lp, h)
             return (h[..., :3] + p["bias"]).pow(2).mean()
@@ -176,6 +195,6 @@ def run_prefetch(reshard: bool, remat: bool, steps: int = 3) -> dict:
                 by_phase[(r.op, r.phase)] = by_phase.get((r.op, r.phase), 0) + r.payload_bytes
         gathered.append(by_phase)
     full = ts.full_params(state["params"])
-    return {"seen": seen, "scattered": scattered, "bytes": gathered, "losses": losses, "ref_losses": ref_losses,
+    return {"seen": seen, "scattered": scattered, "regathered": regathered, "bytes": gathered, "losses": losses, "ref_losses": ref_losses,
             "params": hpfunc.tree.leaves(full), "ref_params": hpfunc.tree.leaves(ref_state["params"]),
-            "orders": ts.lower(state).gather_orders}
+            "orders": ts.lower(state).gather_orders, "regather_orders": ts.lower(state).regather_orders}

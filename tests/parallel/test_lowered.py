@@ -117,12 +117,17 @@ def test_gradient_all_reduces_start_while_the_backward_runs(pools):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("reshard,remat", [(True, False), (False, False), (True, True)])
+@pytest.mark.parametrize("reshard,remat", [(True, False), (False, False), (True, True), (True, "dots_saveable")])
 def test_fsdp_forward_prefetches_the_next_layer_while_this_one_computes(pools, reshard, remat):
     """FSDP: from the second step on, gathering layer 0 issues layer 1's all-gather before layer 0
     computes (3 forward gathers seen by then: embed, layers.0, layers.1; the first step, which records
-    the order of reads, 2); the backward issues the layers' reduce-scatters without waiting; with the bytes of every phase unchanged from step to step and losses and
-    parameters equal to one device's over 3 steps (a remat's recompute gathers again, never prefetches)."""
+    the order of reads, 2); with reshard after forward, the backward's re-gather of layer 1 issues layer
+    0's before layer 1's backward computes (2 backward gathers seen when the backward leaves layer 1;
+    the first step, which records the order of re-gathers, 1); the backward issues the layers'
+    reduce-scatters without waiting; with the bytes of every phase unchanged from step to step and
+    losses and parameters equal to one device's over 3 steps (a remat's recompute re-gathers in its
+    turn, landing the prefetched group, never gathering or prefetching twice; under a selective policy
+    too, whose recompute must run the forward's ops)."""
     from hpfunc.testing import assert_trees_close
 
     for out in pools(2).run(L.run_prefetch, reshard, remat):
@@ -132,6 +137,10 @@ def test_fsdp_forward_prefetches_the_next_layer_while_this_one_computes(pools, r
         assert out["scattered"] == [2, 2, 2], out["scattered"]
         # one differentiation, of every leaf: embed, layers.0, layers.1 (the bias is replicated)
         assert list(out["orders"].values()) == [(1, 2, 4)], out["orders"]
+        # re-gathered in the backward: layers.1 then layers.0 (the embedding's lookup saves no weight)
+        assert out["regathered"] == ([1, 2, 2] if reshard else [0, 0, 0]), out["regathered"]
+        assert list(out["regather_orders"].values()) == [(4, 2) if reshard else ()], out["regather_orders"]
         assert out["bytes"][0] == out["bytes"][1] == out["bytes"][2], out["bytes"]
+        assert out["bytes"][0].get(("all_gather", "backward"), 0) == (2 * 4 * 4 * 4 * 2 if reshard else 0), out["bytes"]
         assert_trees_close(torch.tensor(out["losses"]), torch.tensor(out["ref_losses"]), rtol=1e-5, atol=1e-7, what="losses")
         assert_trees_close(out["params"], out["ref_params"], rtol=1e-5, atol=1e-7, what="params")

@@ -34,6 +34,8 @@ from hpfunc.transforms.engine.gather import ParamLayer, gather_group, group_key
 from hpfunc.transforms.engine.mixed import cast_for_use
 from hpfunc.transforms.engine.overlap import Overlap, buckets_of
 from hpfunc.transforms.engine import prefetch
+from hpfunc.transforms.engine.backward_prefetch import Regathers
+from hpfunc.transforms.engine.outside_checkpoint import outside
 from hpfunc.transforms.engine.packing import _unpack_gathered
 from hpfunc.transforms.engine.scatter_async import Scatters
 from hpfunc.transforms.engine.pipelined import StagePipeline, known_gradients
@@ -122,28 +124,39 @@ class _Reads:
         self.at = {} if order is None else {g: k for k, g in enumerate(order)}
         self.flights: dict[int, prefetch.Flight] = {}  # first member -> its gather in flight
         self.keep = True  # without reshard, keep gathered leaves for the backward (False: a forward only)
+        # the backward's re-gathers (resharded groups, a remat's recompute): in the order its first run
+        # recorded, each issuing the next one's gather (backward_prefetch.py)
+        back = (None if program is None or cfg.plan.pipeline is not None or order_key is None
+                else program.regather_orders.get(order_key))
+        self.back = Regathers(cfg, ws, order=back, record=program is not None and order_key is not None
+                              and cfg.plan.pipeline is None)
 
     def gather(self, members: list[int]) -> list[torch.Tensor]:
         cfg = self.cfg
         blocks = [self.ws[j] for j in members]
         specs = [cfg.leaves[j].gather for j in members]
-        flight = self.flights.pop(members[0], None)
-        forward = torch._C._current_graph_task_id() == -1  # not a recompute in the backward
-        if self.seen is not None and forward and members[0] not in self.seen:
-            self.seen.append(members[0])
-        if (self.scatters is not None and forward and prefetch.eligible(specs, cfg.mixed)
-                and all(j in self.differentiated for j in members)):
-            full = self.scatters.gather(cfg.mesh, blocks, members, specs[0][0][1], flight)
-            fulls = _unpack_gathered(full, blocks, [g[0][0] for g in specs], full.shape[0])
-        elif flight is not None:  # prefetched: wait for it, unpack as a synchronous packed gather would
-            full = flight.land(blocks)
-            fulls = _unpack_gathered(full, blocks, [g[0][0] for g in specs], full.shape[0])
-        else:
-            fulls = gather_group(blocks, specs, cfg.mixed)
         detached = [b.detach() for b in blocks]
-        self.layer.own_gathered(fulls, next(self.gids), lambda: gather_group(detached, specs, cfg.mixed))
-        if self.order is not None and forward:
-            self._prefetch_after(members[0])
+        back, mixed = self.back, cfg.mixed
+        if torch._C._current_graph_task_id() != -1:  # a recompute in the backward: a re-gather in its turn
+            fulls = back.gather(members, blocks, specs, mixed)
+            self.layer.own_gathered(fulls, next(self.gids), lambda: back.gather(members, detached, specs, mixed))
+            return fulls
+        if self.seen is not None and members[0] not in self.seen:
+            self.seen.append(members[0])
+        with outside() as clear:  # the same ops in a remat region's forward and its recompute: none
+            flight = self.flights.pop(members[0], None)
+            if (self.scatters is not None and prefetch.eligible(specs, mixed)
+                    and all(j in self.differentiated for j in members)):
+                full = self.scatters.gather(cfg.mesh, blocks, members, specs[0][0][1], flight)
+                fulls = _unpack_gathered(full, blocks, [g[0][0] for g in specs], full.shape[0])
+            elif flight is not None:  # prefetched: wait for it, unpack as a synchronous packed gather would
+                full = flight.land(blocks)
+                fulls = _unpack_gathered(full, blocks, [g[0][0] for g in specs], full.shape[0])
+            else:
+                fulls = gather_group(blocks, specs, mixed)
+            if self.order is not None and clear:
+                self._prefetch_after(members[0])
+        self.layer.own_gathered(fulls, next(self.gids), lambda: back.gather(members, detached, specs, mixed))
         return fulls
 
     def _prefetch_after(self, first: int) -> None:
@@ -171,6 +184,16 @@ class _Reads:
             flight.wait()
         self.flights.clear()
         self.ready.clear()
+
+    def end_backward(self, ran: bool) -> None:
+        """After the backward (``ran``: whether one ran): drop what it re-gathered ahead and did not use;
+        record the order of its re-gathers (the first differentiation)."""
+        seen = self.back.finish()
+        if ran and self.program is not None and self.order_key is not None and self.cfg.plan.pipeline is None \
+                and self.order_key not in self.program.regather_orders:
+            self.program.regather_orders[self.order_key] = seen
+        self.ready.clear()  # gathered again by a recompute in the backward and not read
+        self.kept.clear()
 
     def __call__(self, w: torch.Tensor) -> torch.Tensor:
         i = self.ws.param_of(w)  # the block, or an exact alias of it (a remat recompute's saved input)
@@ -264,8 +287,7 @@ def value_and_grad(program: Any, blocks: list[torch.Tensor], call: Callable[[lis
             scattered = reads.scatters.finish(list(gs[len(diff):]))
             gs = [g if i not in scattered else scattered[i] if g is None else g + scattered[i]
                   for i, g in zip(diff, gs[:len(diff)])]
-    reads.ready.clear()  # gathered again by a recompute in the backward and not read
-    reads.kept.clear()
+    reads.end_backward(bool(diff) and loss.requires_grad and pipe is None)
     by_leaf = dict(zip(diff, gs))
     if overlap is not None and overlap.covered:
         with torch.no_grad():

@@ -76,7 +76,7 @@ def start(mesh: Any, blocks: list[torch.Tensor], axes: tuple[str, ...]) -> Fligh
     out = flat.new_empty(ax.n * flat.numel())
     collectors = _comm.active()
     _comm.record(collectors, op="all_gather", name="all_gather", axes=ax.names, n=ax.n,
-                 payload_bytes=out.numel() * out.element_size(), phase="forward")
+                 payload_bytes=out.numel() * out.element_size(), phase=lax._phase())
     work = None
     if ax.n == 1:
         out.copy_(flat)
