@@ -93,14 +93,16 @@ def run_reductions_during_backward(plan_name: str) -> dict:
             "phases": sorted({r.phase for r in grads}), "bytes": sum(r.payload_bytes for r in grads)}
 
 
-def run_prefetch(reshard: bool, remat: bool, steps: int = 3) -> dict:
+def run_prefetch(reshard: bool, remat: bool | str, mixed: tuple | None = None, steps: int = 3) -> dict:
     """``steps`` steps of the small model under fsdp on 2 ranks (reshard after forward on or off, each
     layer in ``remat`` or not), with an identity autograd function on layer 0's first product: its
     forward runs while layer 0 computes, and notes the forward all-gathers the comm counter has seen
     issued by then. Returns those counts per step, every step's gathered bytes by phase, the losses and
     the final parameters (full), and the same of the step run on one device; and, per step, the
     reduce-scatters issued without waiting (``async``) by the time the backward reaches the model's
-    first op."""
+    first op. ``remat``: each layer in ``hpfunc.remat`` (``True``) or with the named policy; ``mixed``:
+    ``(param_dtype, reduce_dtype)`` names of the plan's mixed precision (``"float64"`` computes in fp64:
+    equal to the fp32 device within fp32's tolerance)."""
     import hpfunc
     from hpfunc.transforms import plans
 
@@ -181,7 +183,10 @@ def run_prefetch(reshard: bool, remat: bool, steps: int = 3) -> dict:
     for _ in range(steps):  # one device (both ranks' batch: fsdp's mean over data shards is the global mean)
         ref_state, m = step(ref_state, batch)
         ref_losses.append(float(m["loss"]))
-    ts = hpfunc.parallelize(step, hpfunc.Mesh({"fsdp": 2}), plans.fsdp("fsdp", reshard_after_forward=reshard))
+    plan = plans.fsdp("fsdp", reshard_after_forward=reshard)
+    if mixed is not None:
+        plan = plan.with_mixed_precision(*(None if d is None else getattr(torch, d) for d in mixed))
+    ts = hpfunc.parallelize(step, hpfunc.Mesh({"fsdp": 2}), plan)
     state = {"params": ts.shard_params(_params())}
     losses, gathered = [], []
     for _ in range(steps):

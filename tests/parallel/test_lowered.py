@@ -117,8 +117,10 @@ def test_gradient_all_reduces_start_while_the_backward_runs(pools):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("reshard,remat", [(True, False), (False, False), (True, True), (True, "dots_saveable")])
-def test_fsdp_forward_prefetches_the_next_layer_while_this_one_computes(pools, reshard, remat):
+@pytest.mark.parametrize("reshard,remat,mixed", [
+    (True, False, None), (False, False, None), (True, True, None), (True, "dots_saveable", None),
+    (True, False, ("float64", None)), (True, "dots_saveable", ("bfloat16", "float32"))])
+def test_fsdp_forward_prefetches_the_next_layer_while_this_one_computes(pools, reshard, remat, mixed):
     """FSDP: from the second step on, gathering layer 0 issues layer 1's all-gather before layer 0
     computes (3 forward gathers seen by then: embed, layers.0, layers.1; the first step, which records
     the order of reads, 2); with reshard after forward, the backward's re-gather of layer 1 issues layer
@@ -127,10 +129,15 @@ def test_fsdp_forward_prefetches_the_next_layer_while_this_one_computes(pools, r
     reduce-scatters without waiting; with the bytes of every phase unchanged from step to step and
     losses and parameters equal to one device's over 3 steps (a remat's recompute re-gathers in its
     turn, landing the prefetched group, never gathering or prefetching twice; under a selective policy
-    too, whose recompute must run the forward's ops)."""
+    too, whose recompute must run the forward's ops). Under mixed precision the same, the gathers
+    moving the compute dtype: fp64 compute (its reduce dtype fp64, not the fp32 storage's) equals the
+    fp32 device at fp32's tolerance; bf16 compute with an fp32 reduction at bf16's."""
     from hpfunc.testing import assert_trees_close
+    from hpfunc.testing.parity import tolerance
 
-    for out in pools(2).run(L.run_prefetch, reshard, remat):
+    itemsize = 4 if mixed is None else getattr(torch, mixed[0]).itemsize
+    rtol, atol = (1e-5, 1e-7) if mixed is None or mixed[0] != "bfloat16" else tolerance(torch.bfloat16)
+    for out in pools(2).run(L.run_prefetch, reshard, remat, mixed):
         assert out["seen"] == [2, 3, 3], out["seen"]
         # both layers' gradient reduce-scatters were issued without waiting before the backward reached the
         # model's first op (the step waits for them after the backward)
@@ -141,6 +148,7 @@ def test_fsdp_forward_prefetches_the_next_layer_while_this_one_computes(pools, r
         assert out["regathered"] == ([1, 2, 2] if reshard else [0, 0, 0]), out["regathered"]
         assert list(out["regather_orders"].values()) == [(4, 2) if reshard else ()], out["regather_orders"]
         assert out["bytes"][0] == out["bytes"][1] == out["bytes"][2], out["bytes"]
-        assert out["bytes"][0].get(("all_gather", "backward"), 0) == (2 * 4 * 4 * 4 * 2 if reshard else 0), out["bytes"]
-        assert_trees_close(torch.tensor(out["losses"]), torch.tensor(out["ref_losses"]), rtol=1e-5, atol=1e-7, what="losses")
-        assert_trees_close(out["params"], out["ref_params"], rtol=1e-5, atol=1e-7, what="params")
+        # the two layers' 4 x 4 weights, gathered again in the compute dtype
+        assert out["bytes"][0].get(("all_gather", "backward"), 0) == (2 * 2 * 16 * itemsize if reshard else 0), out["bytes"]
+        assert_trees_close(torch.tensor(out["losses"]), torch.tensor(out["ref_losses"]), rtol=rtol, atol=atol, what="losses")
+        assert_trees_close(out["params"], out["ref_params"], rtol=rtol, atol=atol, what="params")

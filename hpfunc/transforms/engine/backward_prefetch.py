@@ -20,8 +20,9 @@ recorded order says which). A backward whose re-gathers leave the recorded order
 reads depend on the data) stops prefetching there; what it prefetched and did not use is waited for
 and dropped when the backward ends (extra bytes, the one case where they differ).
 
-Groups :func:`~hpfunc.transforms.engine.prefetch.eligible` rejects (mixed precision, gathers in
-several steps) are gathered synchronously in their turn.
+Groups :func:`~hpfunc.transforms.engine.prefetch.eligible` rejects (gathers in several steps) are
+gathered synchronously in their turn; under mixed precision the prefetch moves the compute dtype, as
+the synchronous gather does.
 
     >>> r = Regathers(None, None, order=None, record=True)
     >>> r.finish(), r.seen
@@ -99,8 +100,8 @@ class Regathers:
             self.issued += 1
             members = cfg.group_of[order[p]]
             specs = [cfg.leaves[j].gather for j in members]
-            if prefetch.eligible(specs, cfg.mixed):
-                self.flights[p] = prefetch.start(cfg.mesh, [self.ws[j] for j in members], specs[0][0][1])
+            if prefetch.eligible(specs):
+                self.flights[p] = prefetch.start(cfg.mesh, [self.ws[j] for j in members], specs[0][0][1], cfg.mixed)
 
     def finish(self) -> tuple[int, ...]:
         """After the backward: wait for and drop what was prefetched and not used; the order seen."""

@@ -145,9 +145,9 @@ class _Reads:
             self.seen.append(members[0])
         with outside() as clear:  # the same ops in a remat region's forward and its recompute: none
             flight = self.flights.pop(members[0], None)
-            if (self.scatters is not None and prefetch.eligible(specs, mixed)
+            if (self.scatters is not None and prefetch.eligible(specs)
                     and all(j in self.differentiated for j in members)):
-                full = self.scatters.gather(cfg.mesh, blocks, members, specs[0][0][1], flight)
+                full = self.scatters.gather(cfg.mesh, blocks, members, specs[0][0][1], flight, mixed)
                 fulls = _unpack_gathered(full, blocks, [g[0][0] for g in specs], full.shape[0])
             elif flight is not None:  # prefetched: wait for it, unpack as a synchronous packed gather would
                 full = flight.land(blocks)
@@ -170,9 +170,9 @@ class _Reads:
             return
         cfg = self.cfg
         specs = [cfg.leaves[j].gather for j in members]
-        if not prefetch.eligible(specs, cfg.mixed):
+        if not prefetch.eligible(specs):
             return
-        self.flights[nxt] = prefetch.start(cfg.mesh, [self.ws[j] for j in members], specs[0][0][1])
+        self.flights[nxt] = prefetch.start(cfg.mesh, [self.ws[j] for j in members], specs[0][0][1], cfg.mixed)
 
     def end_forward(self) -> None:
         """After the forward: record the order of first reads (the first differentiation), wait for and drop

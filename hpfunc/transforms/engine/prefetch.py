@@ -10,12 +10,17 @@ through :class:`_Landed`, whose transpose is the same packed reduce-scatter as a
 so gradients and bytes are unchanged: the comm counter records the prefetched gather as the
 ``all_gather`` it replaces, at the moment it is issued.
 
-Not prefetched: a recompute in the backward (a ``remat`` region, or a resharded group gathered again
-for the backward) gathers synchronously, as before, so nothing is gathered twice; groups under mixed
-precision or gathered in several steps (a parameter split on two dimensions) gather synchronously; a
-prefetched group the forward never reads is waited for and dropped when the forward ends.
+Under mixed precision (``mixed = (param_dtype, reduce_dtype)``) the prefetch gathers the blocks cast
+to ``param_dtype`` and the transpose reduce-scatters in ``reduce_dtype`` and returns the storage dtype,
+as :class:`~hpfunc.transforms.engine.mixed.MixedGather` does: the same bytes.
 
-    >>> eligible([((0, ("fsdp",)),), ((1, ("fsdp",)),)], mixed=None), eligible([((0, ("fsdp",)),)], (1, 2))
+Not prefetched here: a recompute in the backward (a ``remat`` region, or a resharded group gathered
+again for the backward) re-gathers in its turn, prefetched by the backward's own order
+(:mod:`~hpfunc.transforms.engine.backward_prefetch`), so nothing is gathered twice; groups gathered in
+several steps (a parameter split on two dimensions, e.g. a dense weight under ``fsdp + ep``) gather
+synchronously; a prefetched group the forward never reads is waited for and dropped when the forward ends.
+
+    >>> eligible([((0, ("fsdp",)),), ((1, ("fsdp",)),)]), eligible([((0, ("fsdp",)), (1, ("ep",)))])
     (True, False)
 """
 
@@ -28,26 +33,33 @@ import torch
 from hpfunc import comm as _comm
 from hpfunc import lax
 
-__all__ = ["eligible", "start", "Flight"]
+__all__ = ["eligible", "mixed_of", "start", "Flight"]
 
 
-def eligible(gathers: list[tuple], mixed: Any) -> bool:
+def eligible(gathers: list[tuple]) -> bool:
     """Whether a group of leaves with these gathers (``((dim, axes), ...)`` each) can be prefetched: one
-    gather step over the same axes for all, no mixed precision."""
-    if mixed is not None or not gathers:
+    gather step over the same axes for all."""
+    if not gathers:
         return False
     first = gathers[0]
     return len(first) == 1 and all(len(g) == 1 and g[0][1] == first[0][1] for g in gathers)
+
+
+def mixed_of(block: torch.Tensor, mixed: Any) -> tuple | None:
+    """``mixed`` (``(param_dtype, reduce_dtype)``) where it applies to ``block`` (a floating one), else ``None``."""
+    return mixed if mixed is not None and block.is_floating_point() else None
 
 
 class Flight:
     """A packed all-gather in flight: ``land(blocks)`` waits and returns the ``(n, total)`` gathered buffer
     in logical rank order, differentiable with respect to ``blocks`` (the storage blocks it packed)."""
 
-    __slots__ = ("mesh", "axes", "ax", "out", "work", "collectors")
+    __slots__ = ("mesh", "axes", "ax", "out", "work", "collectors", "mixed")
 
-    def __init__(self, mesh: Any, axes: tuple[str, ...], ax: Any, out: torch.Tensor, work: Any, collectors: tuple):
+    def __init__(self, mesh: Any, axes: tuple[str, ...], ax: Any, out: torch.Tensor, work: Any, collectors: tuple,
+                 mixed: tuple | None = None):
         self.mesh, self.axes, self.ax, self.out, self.work, self.collectors = mesh, axes, ax, out, work, collectors
+        self.mixed = mixed
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:
@@ -69,10 +81,14 @@ class Flight:
         return _Landed.apply(flat, self)
 
 
-def start(mesh: Any, blocks: list[torch.Tensor], axes: tuple[str, ...]) -> Flight:
-    """Issue the packed all-gather of ``blocks`` over ``axes`` without waiting (see the module docstring)."""
+def start(mesh: Any, blocks: list[torch.Tensor], axes: tuple[str, ...], mixed: Any = None) -> Flight:
+    """Issue the packed all-gather of ``blocks`` over ``axes`` without waiting (see the module docstring);
+    ``mixed``: ``(param_dtype, reduce_dtype)`` or ``None``."""
     ax = lax._axes_of(mesh, axes if len(axes) > 1 else axes[0])
+    mp = mixed_of(blocks[0], mixed)
     flat = torch.cat([b.detach().reshape(-1) for b in blocks])
+    if mp is not None:
+        flat = flat.to(mp[0])
     out = flat.new_empty(ax.n * flat.numel())
     collectors = _comm.active()
     _comm.record(collectors, op="all_gather", name="all_gather", axes=ax.names, n=ax.n,
@@ -88,12 +104,13 @@ def start(mesh: Any, blocks: list[torch.Tensor], axes: tuple[str, ...]) -> Fligh
 
             _faults.raise_collective_error(e, "all_gather", ax.names, ax.n)
             raise
-    return Flight(mesh, axes, ax, out, work, collectors)
+    return Flight(mesh, axes, ax, out, work, collectors, mp)
 
 
 class _Landed(torch.autograd.Function):
     """The prefetched gather as an autograd op of the packed blocks: forward waits for the flight,
-    backward reduce-scatters (the transpose of an untiled all-gather on dimension 0, as ``lax.all_gather``'s)."""
+    backward reduce-scatters (the transpose of an untiled all-gather on dimension 0, as ``lax.all_gather``'s;
+    in the reduce dtype under mixed precision, returned in the storage dtype)."""
 
     @staticmethod
     def forward(flat: torch.Tensor, flight: Flight) -> torch.Tensor:
@@ -101,11 +118,15 @@ class _Landed(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-        flight = inputs[1]
-        ctx.mesh, ctx.axes, ctx.collectors = flight.mesh, flight.axes, flight.collectors
+        flat, flight = inputs
+        ctx.mesh, ctx.axes, ctx.collectors, ctx.mixed = flight.mesh, flight.axes, flight.collectors, flight.mixed
+        ctx.dtype = flat.dtype
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor):
+        if ctx.mixed is not None:
+            g = g.to(ctx.mixed[1])
         with ctx.mesh:
             ax = lax._axes_of(ctx.mesh, ctx.axes if len(ctx.axes) > 1 else ctx.axes[0])
-            return lax._scatter(g, ax, 0, False, ctx.collectors, "all_gather"), None
+            out = lax._scatter(g, ax, 0, False, ctx.collectors, "all_gather")
+        return out.to(ctx.dtype), None

@@ -15,8 +15,17 @@ counter records each when issued, in the ``backward`` phase, tagged ``async``. A
 (the layer's full-size gradient) is then freed, so the backward's memory stays that of the synchronous
 reduce-scatters plus two layers' gradients.
 
-Used for the groups :func:`~hpfunc.transforms.engine.prefetch.eligible` admits (one gather step, no
-mixed precision) whose every member the differentiation wants, outside a pipeline.
+Under mixed precision (``(param_dtype, reduce_dtype)``) the gather moves the blocks cast to
+``param_dtype`` and the reduce-scatter sums in ``reduce_dtype``, as the synchronous
+:class:`~hpfunc.transforms.engine.mixed.MixedGather` does. A gradient handed to autograd in another dtype
+than its leaf's would be cast by autograd, i.e. read before the reduce-scatter fills it; so where the
+reduce dtype is not the storage dtype, the packed leaves are *carriers*: zero-strided tensors of the
+reduce dtype shaped like the blocks (no memory), whose only role is to receive the buffer; the values
+gathered are read from the blocks, and :meth:`Scatters.finish` casts the reduced gradients to the
+storage dtype after the wait.
+
+Used for the groups :func:`~hpfunc.transforms.engine.prefetch.eligible` admits (one gather step) whose
+every member the differentiation wants, outside a pipeline.
 
     >>> s = Scatters()
     >>> s.entries, s.works
@@ -43,16 +52,22 @@ class Scatters:
     __slots__ = ("entries", "works")
 
     def __init__(self) -> None:
-        self.entries: list[tuple[list[torch.Tensor], list[int]]] = []  # (leaves, members)
+        self.entries: list[tuple[list[torch.Tensor], list[int], torch.dtype]] = []  # (leaves, members, dtype)
         self.works: list[tuple[Any, torch.Tensor, Any]] = []  # (work, send buffer kept alive, axes)
 
     def gather(self, mesh: Any, blocks: list[torch.Tensor], members: list[int], axes: tuple[str, ...],
-               flight: Any = None) -> torch.Tensor:
+               flight: Any = None, mixed: Any = None) -> torch.Tensor:
         """The ``(n, total)`` packed gather of ``blocks`` (waiting for ``flight`` if it was prefetched),
-        differentiable with respect to new aliases of the blocks whose reduce-scatter is not waited for."""
-        leaves = [b.detach().requires_grad_(True) for b in blocks]
-        self.entries.append((leaves, members))
-        return _GatherScatterAsync.apply(mesh, axes, flight, self.works, *leaves)
+        differentiable with respect to new aliases of the blocks (or carriers, see the module docstring)
+        whose reduce-scatter is not waited for. ``mixed``: ``(param_dtype, reduce_dtype)`` or ``None``."""
+        mp = mixed if mixed is not None and blocks[0].is_floating_point() else None
+        values = tuple(b.detach() for b in blocks)
+        if mp is None or mp[1] == blocks[0].dtype:
+            leaves = [v.detach().requires_grad_(True) for v in values]
+        else:
+            leaves = [blocks[0].new_zeros((), dtype=mp[1]).expand(b.shape).requires_grad_(True) for b in blocks]
+        self.entries.append((leaves, members, blocks[0].dtype))
+        return _GatherScatterAsync.apply(mesh, axes, flight, self.works, mp, values, *leaves)
 
     @property
     def leaves(self) -> list[torch.Tensor]:
@@ -65,9 +80,10 @@ class Scatters:
             _wait(work, ax)
         self.works.clear()
         out: dict[int, torch.Tensor] = {}
-        members = [j for e in self.entries for j in e[1]]
-        for j, g in zip(members, grads):
+        members = [(j, e[2]) for e in self.entries for j in e[1]]
+        for (j, dtype), g in zip(members, grads):
             if g is not None:
+                g = g.to(dtype)
                 out[j] = g if j not in out else out[j] + g
         self.entries.clear()
         return out
@@ -75,26 +91,31 @@ class Scatters:
 
 class _GatherScatterAsync(torch.autograd.Function):
     @staticmethod
-    def forward(mesh: Any, axes: tuple[str, ...], flight: Any, works: list, *leaves: torch.Tensor) -> torch.Tensor:
+    def forward(mesh: Any, axes: tuple[str, ...], flight: Any, works: list, mixed: Any, values: tuple,
+                *leaves: torch.Tensor) -> torch.Tensor:
         if flight is not None:
             return flight.wait()
-        flat = torch.cat([x.reshape(-1) for x in leaves])
+        flat = torch.cat([x.reshape(-1) for x in values])
+        if mixed is not None:
+            flat = flat.to(mixed[0])
         with mesh:
             ax = lax._axes_of(mesh, axes if len(axes) > 1 else axes[0])
             return lax._gather(flat, ax, 0, False, _comm.active(), "all_gather")
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-        ctx.mesh, ctx.axes, _, ctx.works = inputs[:4]
-        ctx.shapes = [x.shape for x in inputs[4:]]
+        ctx.mesh, ctx.axes, _, ctx.works, ctx.mixed = inputs[:5]
+        ctx.shapes = [x.shape for x in inputs[6:]]
         ctx.collectors = _comm.active()
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor):
         ax = lax._axes_of(ctx.mesh, ctx.axes if len(ctx.axes) > 1 else ctx.axes[0])
         x = g.detach()
+        if ctx.mixed is not None:
+            x = x.to(ctx.mixed[1])
         if ax.n == 1 or not x.numel():
-            return (None, None, None, None, *_parts(x[0].clone(), ctx.shapes))
+            return (None, None, None, None, None, None, *_parts(x[0].clone(), ctx.shapes))
         if not ax.identity_order:
             x = x[torch.tensor(ax.g2l)]  # group rank g must receive logical chunk g2l[g]
         flat = x.reshape(-1).clone()
@@ -112,7 +133,7 @@ class _GatherScatterAsync(torch.autograd.Function):
         # a bounded number in flight: the oldest is waited for (and its send buffer, a full-size gradient,
         # freed) when a new one would exceed it, as FSDP2 does
         _wait_older(ctx.works)
-        return (None, None, None, None, *_parts(out, ctx.shapes))
+        return (None, None, None, None, None, None, *_parts(out, ctx.shapes))
 
 
 def _wait_older(works: list) -> None:
