@@ -361,14 +361,16 @@ def _interleaved(steps, iters, warmup=2):
         for _ in range(warmup):
             f()
     times = {k: [] for k in steps}
+    cpu = {k: [] for k in steps}  # CPU seconds of this rank's process (its gloo threads included)
     names = list(steps)
     for i in range(iters):
         for k in (names if i % 2 == 0 else names[::-1]):
             dist.barrier()
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             steps[k]()
             times[k].append(time.perf_counter() - t)
-    return times
+            cpu[k].append(time.process_time() - c)
+    return times, cpu
 
 
 def _bench_on_rank(batch, seq, iters, kinds=None):
@@ -400,12 +402,12 @@ def _bench_on_rank(batch, seq, iters, kinds=None):
 
             steps["plain step"] = plain_step
         steps["torch"] = _torch_step(kind, mesh, cfg, full, tokens, lr)
-        times = _interleaved(steps, iters)
+        times, cpu = _interleaved(steps, iters)
         formula, parts = _formula(kind, mesh, plan, cfg, full, batch, seq) if n > 1 else (0.0, {})
         sent = {k: c() for k, c in counters.items()}
         if n > 1:
             sent["torch"] = _torch_comm(steps["torch"])[:2]
-        out["kinds"][kind] = {"times": times, "sent": {k: v[0] for k, v in sent.items()},
+        out["kinds"][kind] = {"times": times, "cpu": cpu, "sent": {k: v[0] for k, v in sent.items()},
                               "calls": {k: v[1] for k, v in sent.items()}, "formula": formula,
                               "formula_parts": parts, "state_bytes": state_bytes}
     return out
@@ -421,9 +423,13 @@ def _summarise(per_rank):
             slowest = [max(r["kinds"][kind]["times"][name][i] for r in per_rank)
                        for i in range(len(k["times"][name]))]
             med[name] = 1e3 * statistics.median(slowest)
+        # CPU time per step summed over the ranks (the work done, whatever the machine's load): median
+        cpu = {name: 1e3 * statistics.median([sum(r["kinds"][kind]["cpu"][name][i] for r in per_rank)
+                                              for i in range(len(k["cpu"][name]))]) for name in k["cpu"]}
         base = "plain step" if kind == "single" else "torch"
-        row = {"ranks": r0["ranks"], "plan": kind, "ms": med, "baseline": base,
+        row = {"ranks": r0["ranks"], "plan": kind, "ms": med, "cpu_ms": cpu, "baseline": base,
                "ratio": {h: med[h] / med[base] for h in _HP},
+               "cpu_ratio": {h: cpu[h] / cpu[base] for h in _HP},
                "sent_bytes": k["sent"], "collectives": k["calls"], "formula_bytes": k["formula"],
                "formula_parts": k["formula_parts"],
                "params_plus_adam_bytes_per_rank": k["state_bytes"], "psi": r0["psi"]}
@@ -446,6 +452,10 @@ def _print_table(rows):
               f"{ms[r['baseline']]:7.1f} {r['baseline']:<10} {ra['parallel_train_step']:8.2f} {ra['parallelize']:10.2f} | "
               f"{sb['parallel_train_step']:16.0f} {sb['parallelize']:8.0f} {r['formula_bytes']:8.0f} {torch_b} | "
               f"{calls:>27} | {r['params_plus_adam_bytes_per_rank']}")
+        cr = r["cpu_ratio"]
+        print(f"{'':>5} {'':<8} CPU ms/step (all ranks): pts {r['cpu_ms']['parallel_train_step']:.1f}, front "
+              f"{r['cpu_ms']['parallelize']:.1f}, base {r['cpu_ms'][r['baseline']]:.1f}; CPU pts/base "
+              f"{cr['parallel_train_step']:.2f}, front/base {cr['parallelize']:.2f}")
         if r["plan"] == "single":
             print(f"{'':>5} {'':<8} torch loop {ms['torch']:.1f} ms; plain step / torch loop {ra['plain step / torch']:.2f}, "
                   f"parallelize / torch loop {ra['parallelize / torch']:.2f}")

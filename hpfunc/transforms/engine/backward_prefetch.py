@@ -25,8 +25,8 @@ gathered synchronously in their turn; under mixed precision the prefetch moves t
 the synchronous gather does.
 
     >>> r = Regathers(None, None, order=None, record=True)
-    >>> r.finish(), r.seen
-    ((), [])
+    >>> r.seen, r.finish()  # nothing re-gathered: an empty order
+    ([], ())
 """
 
 from __future__ import annotations
