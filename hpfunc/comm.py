@@ -12,6 +12,10 @@ Example::
     print(stats.table())
     stats.total_sent_bytes(op="all_gather")
 
+Each record carries the time it was issued (``issued_at``, ``time.perf_counter``); a collective issued
+without waiting (``async_op``: the engine's overlapped reductions and prefetched gathers) is also noted
+in ``stats.waits`` when something waits for it (:func:`waited`), so a trace shows what ran between.
+
 Ring formulas (bytes each rank sends): all-reduce ``2 (n-1)/n M``; all-gather, reduce-scatter and
 all-to-all ``(n-1)/n M`` (M = full array); ppermute: the bytes it sends.
 """
@@ -21,12 +25,13 @@ from __future__ import annotations
 import contextvars
 import os
 import sys
+import time
 from fractions import Fraction
 from typing import Iterator
 
 import attrs
 
-__all__ = ["CommRecord", "CommStats", "comm_stats", "record", "ring_sent_bytes"]
+__all__ = ["CommRecord", "CommWait", "CommStats", "comm_stats", "record", "waited", "ring_sent_bytes"]
 
 _ACTIVE: contextvars.ContextVar[tuple["CommStats", ...]] = contextvars.ContextVar("hpfunc_comm_stats", default=())
 
@@ -60,13 +65,23 @@ class CommRecord:
     phase: str  # "forward" | "backward"
     source: str
     tag: str = ""
+    issued_at: float = attrs.field(default=0.0, eq=False)  # time.perf_counter() when issued
+
+
+@attrs.frozen
+class CommWait:
+    """The wait for a collective issued without waiting: its record and when the wait returned."""
+
+    record: CommRecord
+    waited_at: float
 
 
 @attrs.define
 class CommStats:
-    """Records collected inside :func:`comm_stats`."""
+    """Records collected inside :func:`comm_stats` (``waits``: when asynchronous ones were waited for)."""
 
     records: list[CommRecord] = attrs.field(factory=list)
+    waits: list[CommWait] = attrs.field(factory=list)
 
     def filter(self, *, op: str | None = None, name: str | None = None, axes: tuple[str, ...] | str | None = None,
                phase: str | None = None, tag: str | None = None) -> list[CommRecord]:
@@ -139,17 +154,27 @@ def _source() -> str:
 
 
 def record(collectors: tuple[CommStats, ...], *, op: str, name: str, axes: tuple[str, ...], n: int,
-           payload_bytes: int, phase: str, tag: str = "", sent_bytes: Fraction | None = None) -> None:
-    """Append one record to every active collector (no-op when none is active)."""
+           payload_bytes: int, phase: str, tag: str = "", sent_bytes: Fraction | None = None) -> CommRecord | None:
+    """Append one record to every active collector and return it (``None`` when none is active)."""
     if not collectors:
-        return
+        return None
     rec = CommRecord(
         op=op, name=name, axes=tuple(axes), n=n, payload_bytes=int(payload_bytes),
         sent_bytes=ring_sent_bytes(op, payload_bytes, n) if sent_bytes is None else sent_bytes,
-        phase=phase, source=_source(), tag=tag,
+        phase=phase, source=_source(), tag=tag, issued_at=time.perf_counter(),
     )
     for c in collectors:
         c.records.append(rec)
+    return rec
+
+
+def waited(collectors: tuple[CommStats, ...], rec: CommRecord | None) -> None:
+    """Note that the asynchronous collective ``rec`` (what :func:`record` returned) was just waited for."""
+    if rec is None or not collectors:
+        return
+    w = CommWait(rec, time.perf_counter())
+    for c in collectors:
+        c.waits.append(w)
 
 
 def iter_records(stats: CommStats) -> Iterator[CommRecord]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 
@@ -56,6 +58,7 @@ def run_reductions_during_backward(plan_name: str) -> dict:
 
     axis = "dp"
     seen: list[int] = []
+    times: list[float] = []
     stats_box: list = []
 
     class Probe(torch.autograd.Function):
@@ -70,6 +73,7 @@ def run_reductions_during_backward(plan_name: str) -> dict:
         @staticmethod
         def backward(ctx, g):
             seen.append(sum(1 for r in stats_box[0].records if r.op == "all_reduce" and r.payload_bytes > 8))
+            times.append(time.perf_counter())
             return g
 
     def step(state, batch):
@@ -90,7 +94,15 @@ def run_reductions_during_backward(plan_name: str) -> dict:
         ts(state, batch)
     grads = [r for r in stats.records if r.op == "all_reduce" and r.payload_bytes > 8]
     return {"before_first_layer_backward": seen[0], "all_reduces": len(grads),
-            "phases": sorted({r.phase for r in grads}), "bytes": sum(r.payload_bytes for r in grads)}
+            "phases": sorted({r.phase for r in grads}), "bytes": sum(r.payload_bytes for r in grads),
+            "overlapped": overlapping(stats, grads, times[0])}
+
+
+def overlapping(stats, records, t: float) -> int:
+    """How many of ``records`` were issued before ``t`` and waited for after it (the comm counter's issue
+    and wait times): collectives in flight while the op that ran at ``t`` computed."""
+    waited = {id(w.record): w.waited_at for w in stats.waits}
+    return sum(1 for r in records if r.issued_at < t < waited.get(id(r), float("-inf")))
 
 
 def run_prefetch(reshard: bool, remat: bool | str, mixed: tuple | None = None, steps: int = 3) -> dict:
@@ -124,9 +136,11 @@ def run_prefetch(reshard: bool, remat: bool | str, mixed: tuple | None = None, s
             if stats_box:
                 scattered.append(sum(1 for r in stats_box[-1].records
                                      if r.op == "reduce_scatter" and r.tag == "async"))
+                at["first op backward"] = time.perf_counter()
             return g
 
     regathered: list[int] = []
+    at: dict[str, float] = {}  # when the probes ran (this step)
 
     class Between(torch.autograd.Function):  # on layer 1's input: its backward runs before layer 0's
         @staticmethod
@@ -140,6 +154,7 @@ def run_prefetch(reshard: bool, remat: bool | str, mixed: tuple | None = None, s
         @staticmethod
         def backward(ctx, g):
             regathered.append(sum(1 for r in stats_box[-1].records if r.op == "all_gather" and r.phase == "backward"))
+            at["between backward"] = time.perf_counter()
             return g
 
     class Probe(torch.autograd.Function):
@@ -147,6 +162,7 @@ def run_prefetch(reshard: bool, remat: bool | str, mixed: tuple | None = None, s
         def forward(x):
             if stats_box and torch._C._current_graph_task_id() == -1:  # not a remat's recompute
                 seen.append(sum(1 for r in stats_box[-1].records if r.op == "all_gather" and r.phase == "forward"))
+                at["layer 0 forward"] = time.perf_counter()
             return x.view_as(x)
 
         @staticmethod
@@ -188,18 +204,26 @@ def run_prefetch(reshard: bool, remat: bool | str, mixed: tuple | None = None, s
         plan = plan.with_mixed_precision(*(None if d is None else getattr(torch, d) for d in mixed))
     ts = hpfunc.parallelize(step, hpfunc.Mesh({"fsdp": 2}), plan)
     state = {"params": ts.shard_params(_params())}
-    losses, gathered = [], []
+    losses, gathered, overlapped = [], [], []
     for _ in range(steps):
+        at.clear()
         with hpfunc.comm_stats() as stats:
             stats_box.append(stats)
             state, m = ts(state, batch)
         losses.append(float(m["loss"].full_tensor()))
+        # collectives in flight (issued before, waited for after) while each probe's op ran
+        fwd = [r for r in stats.records if r.op == "all_gather" and r.phase == "forward"]
+        bwd = [r for r in stats.records if r.op == "all_gather" and r.phase == "backward"]
+        rs = [r for r in stats.records if r.op == "reduce_scatter"]
+        overlapped.append([overlapping(stats, fwd, at["layer 0 forward"]),
+                           overlapping(stats, bwd, at["between backward"]) if "between backward" in at else 0,
+                           overlapping(stats, rs, at["first op backward"])])
         by_phase: dict = {}
         for r in stats.records:
             if r.op in ("all_gather", "reduce_scatter"):
                 by_phase[(r.op, r.phase)] = by_phase.get((r.op, r.phase), 0) + r.payload_bytes
         gathered.append(by_phase)
     full = ts.full_params(state["params"])
-    return {"seen": seen, "scattered": scattered, "regathered": regathered, "bytes": gathered, "losses": losses, "ref_losses": ref_losses,
+    return {"seen": seen, "scattered": scattered, "regathered": regathered, "overlapped": overlapped, "bytes": gathered, "losses": losses, "ref_losses": ref_losses,
             "params": hpfunc.tree.leaves(full), "ref_params": hpfunc.tree.leaves(ref_state["params"]),
             "orders": ts.lower(state).gather_orders, "regather_orders": ts.lower(state).regather_orders}

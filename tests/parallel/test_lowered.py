@@ -108,12 +108,16 @@ def test_fsdp_step_runs_under_fake_tensor_mode_and_fake_process_group():
 @pytest.mark.multirank
 def test_gradient_all_reduces_start_while_the_backward_runs(pools):
     """DDP: each layer's gradients are all-reduced as soon as that layer's backward is done, before the
-    backward reaches the first op of the model (the comm counter sees them issued by then), in one
-    bucket per layer plus one for the top-level parameters, with the bytes of one all-reduce of all."""
+    backward reaches the first op of the model (the comm counter sees them issued by then, and waited
+    for after it), in one bucket per layer plus one for the top-level parameters, with the bytes of one
+    all-reduce of all."""
     for out in pools(2).run(L.run_reductions_during_backward, "ddp"):
         assert out["before_first_layer_backward"] == 2, out  # layers.1 and layers.0, not yet the top bucket
         assert out["all_reduces"] == 3 and out["phases"] == ["backward"], out
         assert out["bytes"] == 4 * (8 * 4 + 2 * 2 * 16 + 3), out  # every parameter once, fp32
+        # the trace: both layers' all-reduces were issued before the first op's backward ran and waited for
+        # after it (the comm counter's issue and wait times)
+        assert out["overlapped"] == 2, out
 
 
 @pytest.mark.multirank
@@ -146,6 +150,9 @@ def test_fsdp_forward_prefetches_the_next_layer_while_this_one_computes(pools, r
         assert list(out["orders"].values()) == [(1, 2, 4)], out["orders"]
         # re-gathered in the backward: layers.1 then layers.0 (the embedding's lookup saves no weight)
         assert out["regathered"] == ([1, 2, 2] if reshard else [0, 0, 0]), out["regathered"]
+        # the trace, per step: gathers issued before and waited for after layer 0's forward op; backward
+        # gathers in flight when the backward leaves layer 1; reduce-scatters in flight at the first op
+        assert out["overlapped"] == [[0, 0, 2]] + [[1, 1 if reshard else 0, 2]] * 2, out["overlapped"]
         assert list(out["regather_orders"].values()) == [(4, 2) if reshard else ()], out["regather_orders"]
         assert out["bytes"][0] == out["bytes"][1] == out["bytes"][2], out["bytes"]
         # the two layers' 4 x 4 weights, gathered again in the compute dtype

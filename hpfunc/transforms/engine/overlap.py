@@ -7,7 +7,7 @@ one per layer, ``layers.3``, and one for the top-level parameters, per axes and 
 bucket's all-reduce is started (``async_op``) by a gradient hook as soon as the last of its members'
 gradients is final, so the collective runs on the process group's thread while autograd computes
 the layers below it; :meth:`Overlap.finish` waits for them after the backward (the optimizer reads
-the reduced gradients only then). The bytes are those of the one packed ``psum`` (each gradient is
+the reduced gradients only then; the comm counter notes each wait, ``stats.waits``). The bytes are those of the one packed ``psum`` (each gradient is
 sent once); what changes is when, and the number of calls (one per bucket). The comm counter records
 each call with the phase it was issued in (``backward``).
 
@@ -83,7 +83,7 @@ class Overlap:
         self.covered = {i for _, members in self.buckets for i in members}
         self.got: dict[int, torch.Tensor] = {}
         self.left = [len(members) for _, members in self.buckets]
-        self.started: list[tuple[int, torch.Tensor, Any] | None] = [None] * len(self.buckets)
+        self.started: list[tuple[int, torch.Tensor, Any, Any] | None] = [None] * len(self.buckets)
         self.next = 0  # the next bucket to start
         self.collectors = _comm.active()
         self.handles = []
@@ -110,11 +110,11 @@ class Overlap:
         if self.reduce_dtype is not None and flat.is_floating_point():
             flat = flat.to(self.reduce_dtype)
         ax = lax._axes_of(self.mesh, axes)
-        _comm.record(self.collectors, op="all_reduce", name="psum", axes=ax.names, n=ax.n,
-                     payload_bytes=flat.numel() * flat.element_size(),
-                     phase="backward" if torch._C._current_graph_task_id() != -1 else "forward")
+        rec = _comm.record(self.collectors, op="all_reduce", name="psum", axes=ax.names, n=ax.n,
+                           payload_bytes=flat.numel() * flat.element_size(),
+                           phase="backward" if torch._C._current_graph_task_id() != -1 else "forward")
         work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=ax.group, async_op=True)
-        self.started[b] = (b, flat, work)
+        self.started[b] = (b, flat, work, rec)
 
     def finish(self, grads: dict[int, torch.Tensor | None], like: list[torch.Tensor]) -> dict[int, torch.Tensor]:
         """The reduced gradients of the covered leaves (waiting for their collectives); ``grads`` holds
@@ -131,7 +131,7 @@ class Overlap:
             self._start(b)
         self.next = len(self.buckets)
         out: dict[int, torch.Tensor] = {}
-        for b, flat, work in self.started:
+        for b, flat, work, rec in self.started:
             try:
                 work.wait()
             except RuntimeError as e:
@@ -140,6 +140,7 @@ class Overlap:
                 axes = self.buckets[b][0]
                 _faults.raise_collective_error(e, "psum", axes, lax._axes_of(self.mesh, axes).n)
                 raise
+            _comm.waited(self.collectors, rec)
             members = self.buckets[b][1]
             for i, part in zip(members, flat.split([self.got[i].numel() for i in members])):
                 out[i] = part.view(self.got[i].shape).to(like[i].dtype)

@@ -54,12 +54,12 @@ class Flight:
     """A packed all-gather in flight: ``land(blocks)`` waits and returns the ``(n, total)`` gathered buffer
     in logical rank order, differentiable with respect to ``blocks`` (the storage blocks it packed)."""
 
-    __slots__ = ("mesh", "axes", "ax", "out", "work", "collectors", "mixed")
+    __slots__ = ("mesh", "axes", "ax", "out", "work", "collectors", "mixed", "rec")
 
     def __init__(self, mesh: Any, axes: tuple[str, ...], ax: Any, out: torch.Tensor, work: Any, collectors: tuple,
-                 mixed: tuple | None = None):
+                 mixed: tuple | None = None, rec: Any = None):
         self.mesh, self.axes, self.ax, self.out, self.work, self.collectors = mesh, axes, ax, out, work, collectors
-        self.mixed = mixed
+        self.mixed, self.rec = mixed, rec  # rec: its comm record (the wait is noted against it)
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:
@@ -71,6 +71,7 @@ class Flight:
                 _faults.raise_collective_error(e, "all_gather", self.ax.names, self.ax.n)
                 raise
             self.work = None
+            _comm.waited(self.collectors, self.rec)
         full = self.out.view(self.ax.n, -1)
         if not self.ax.identity_order:
             full = full[torch.tensor(self.ax.g2l).argsort()]  # row g holds logical rank g2l[g]
@@ -91,8 +92,8 @@ def start(mesh: Any, blocks: list[torch.Tensor], axes: tuple[str, ...], mixed: A
         flat = flat.to(mp[0])
     out = flat.new_empty(ax.n * flat.numel())
     collectors = _comm.active()
-    _comm.record(collectors, op="all_gather", name="all_gather", axes=ax.names, n=ax.n,
-                 payload_bytes=out.numel() * out.element_size(), phase=lax._phase())
+    rec = _comm.record(collectors, op="all_gather", name="all_gather", axes=ax.names, n=ax.n,
+                       payload_bytes=out.numel() * out.element_size(), phase=lax._phase())
     work = None
     if ax.n == 1:
         out.copy_(flat)
@@ -104,7 +105,7 @@ def start(mesh: Any, blocks: list[torch.Tensor], axes: tuple[str, ...], mixed: A
 
             _faults.raise_collective_error(e, "all_gather", ax.names, ax.n)
             raise
-    return Flight(mesh, axes, ax, out, work, collectors, mp)
+    return Flight(mesh, axes, ax, out, work, collectors, mp, rec)
 
 
 class _Landed(torch.autograd.Function):

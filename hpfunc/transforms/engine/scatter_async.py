@@ -53,7 +53,8 @@ class Scatters:
 
     def __init__(self) -> None:
         self.entries: list[tuple[list[torch.Tensor], list[int], torch.dtype]] = []  # (leaves, members, dtype)
-        self.works: list[tuple[Any, torch.Tensor, Any]] = []  # (work, send buffer kept alive, axes)
+        # (work, send buffer kept alive, axes, (collectors, comm record) to note its wait)
+        self.works: list[tuple[Any, torch.Tensor, Any, tuple]] = []
 
     def gather(self, mesh: Any, blocks: list[torch.Tensor], members: list[int], axes: tuple[str, ...],
                flight: Any = None, mixed: Any = None) -> torch.Tensor:
@@ -76,8 +77,8 @@ class Scatters:
     def finish(self, grads: list[torch.Tensor | None]) -> dict[int, torch.Tensor]:
         """Wait for the reduce-scatters; ``grads``: what the backward returned for :attr:`leaves` (``None``
         where it did not reach one). Returns each member's reduced gradient (storage block shape)."""
-        for work, _, ax in self.works:
-            _wait(work, ax)
+        for work, _, ax, note in self.works:
+            _wait(work, ax, note)
         self.works.clear()
         out: dict[int, torch.Tensor] = {}
         members = [(j, e[2]) for e in self.entries for j in e[1]]
@@ -119,8 +120,8 @@ class _GatherScatterAsync(torch.autograd.Function):
         if not ax.identity_order:
             x = x[torch.tensor(ax.g2l)]  # group rank g must receive logical chunk g2l[g]
         flat = x.reshape(-1).clone()
-        _comm.record(ctx.collectors, op="reduce_scatter", name="all_gather", axes=ax.names, n=ax.n,
-                     payload_bytes=flat.numel() * flat.element_size(), phase="backward", tag="async")
+        rec = _comm.record(ctx.collectors, op="reduce_scatter", name="all_gather", axes=ax.names, n=ax.n,
+                           payload_bytes=flat.numel() * flat.element_size(), phase="backward", tag="async")
         out = flat.new_empty(flat.numel() // ax.n)
         try:
             work = lax._REDUCE_SCATTER(out, flat, group=ax.group, async_op=True)
@@ -129,7 +130,7 @@ class _GatherScatterAsync(torch.autograd.Function):
 
             _faults.raise_collective_error(e, "all_gather", ax.names, ax.n)
             raise
-        ctx.works.append((work, flat, ax))
+        ctx.works.append((work, flat, ax, (ctx.collectors, rec)))
         # a bounded number in flight: the oldest is waited for (and its send buffer, a full-size gradient,
         # freed) when a new one would exceed it, as FSDP2 does
         _wait_older(ctx.works)
@@ -139,14 +140,14 @@ class _GatherScatterAsync(torch.autograd.Function):
 def _wait_older(works: list) -> None:
     """Wait for the oldest reduce-scatters until at most :data:`IN_FLIGHT` still hold their send buffers,
     and free those buffers."""
-    in_flight = [k for k, (_, flat, _) in enumerate(works) if flat is not None]
+    in_flight = [k for k, (_, flat, _, _) in enumerate(works) if flat is not None]
     for k in in_flight[: max(len(in_flight) - IN_FLIGHT, 0)]:
-        work, _, ax = works[k]
-        _wait(work, ax)
-        works[k] = (None, None, ax)
+        work, _, ax, note = works[k]
+        _wait(work, ax, note)
+        works[k] = (None, None, ax, note)
 
 
-def _wait(work: Any, ax: Any) -> None:
+def _wait(work: Any, ax: Any, note: tuple) -> None:
     if work is None:
         return
     try:
@@ -156,6 +157,7 @@ def _wait(work: Any, ax: Any) -> None:
 
         _faults.raise_collective_error(e, "all_gather", ax.names, ax.n)
         raise
+    _comm.waited(*note)
 
 
 def _parts(flat: torch.Tensor, shapes: list[torch.Size]) -> list[torch.Tensor]:
