@@ -101,7 +101,9 @@ def run_reductions_during_backward(plan_name: str) -> dict:
 def overlapping(stats, records, t: float) -> int:
     """How many of ``records`` were issued before ``t`` and waited for after it (the comm counter's issue
     and wait times): collectives in flight while the op that ran at ``t`` computed."""
-    waited = {id(w.record): w.waited_at for w in stats.waits}
+    waited: dict[int, float] = {}
+    for w in stats.waits:  # the first wait (a collective waited for early and again later was not in flight)
+        waited.setdefault(id(w.record), w.waited_at)
     return sum(1 for r in records if r.issued_at < t < waited.get(id(r), float("-inf")))
 
 
