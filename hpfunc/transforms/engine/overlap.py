@@ -7,9 +7,10 @@ one per layer, ``layers.3``, and one for the top-level parameters, per axes and 
 bucket's all-reduce is started (``async_op``) by a gradient hook as soon as the last of its members'
 gradients is final, so the collective runs on the process group's thread while autograd computes
 the layers below it; :meth:`Overlap.finish` waits for them after the backward (the optimizer reads
-the reduced gradients only then; the comm counter notes each wait, ``stats.waits``). The bytes are those of the one packed ``psum`` (each gradient is
-sent once); what changes is when, and the number of calls (one per bucket). The comm counter records
-each call with the phase it was issued in (``backward``).
+the reduced gradients only then; the comm counter notes each wait, ``stats.waits``). The bytes are
+those of the one packed ``psum`` (each gradient is sent once); what changes is when, and the number
+of calls (one per bucket). The comm counter records each call with the phase it was issued in
+(``backward``).
 
 Buckets start in their order only (a bucket finished early waits for the ones before it), and one
 whose member received no gradient (a parameter the loss does not use) is completed with zeros after
