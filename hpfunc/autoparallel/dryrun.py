@@ -48,8 +48,8 @@ from typing import Any, Iterator, Mapping, Sequence
 
 from hpfunc.autoparallel.memory_model import UNMODELLED
 
-__all__ = ["DryRunError", "check_request", "dry_run", "dry_runs", "rank_step", "rank_steps", "PeakTracker",
-           "format_report"]
+__all__ = ["DryRunError", "check_request", "dry_run", "dry_runs", "rank_step", "rank_steps", "measure_step",
+           "PeakTracker", "format_report"]
 
 
 class DryRunError(ValueError):
@@ -275,43 +275,26 @@ def _flop_mapping() -> dict:
             aten._grouped_mm: _grouped_mm_flops}
 
 
-def rank_step(raw: Mapping[str, Any], device_type: str = "cuda", progress: bool | str = False) -> dict:
-    """Build the trainer's parallel step for ``raw`` and run one step as this process's rank of the
-    fake world (call it through :func:`hpfunc.testing.fake_devices.run_on_fake_devices`); returns the
-    measurements (see the module). ``progress``: print each phase to stderr (``True``) or append it to
-    the file of that name (an isolated process's output is not shown)."""
+def _build(raw: Mapping[str, Any], device_type: str, say: Any) -> dict:
+    """What ``hpfunc train`` builds for ``raw`` on this process's (fake or real) world: the mesh, the
+    parallel step, the first sharded state, one batch and the list the optimizer records its gradients'
+    bytes into."""
     import functools
     import itertools
-    import os
-    import sys
 
     import torch
     import torch.distributed as dist
     from torch.utils._python_dispatch import _disable_current_modes
-    from torch.utils.flop_counter import FlopCounterMode
 
     from hpfunc import random
-    from hpfunc.comm import comm_stats
     from hpfunc.mesh import Mesh
     from hpfunc.models import qwen3
-    from hpfunc.testing.fake_devices import DeviceRecorder, answer_host_syncs
     from hpfunc.train.build import build_model_config, build_optimizer, build_schedule, model_dtype
     from hpfunc.train.config import load_config_dict
     from hpfunc.train.distributed import build_plan
     from hpfunc.train.step import init_train_state, make_train_step
     from hpfunc.transforms.parallelize import init_sharded, parallelize
 
-    t_start = time.perf_counter()
-
-    def say(msg: str) -> None:
-        line = f"[dryrun {time.perf_counter() - t_start:6.1f} s] {msg}"
-        if isinstance(progress, str):
-            with open(progress, "a") as f:
-                f.write(line + "\n")
-        elif progress:
-            print(line, file=sys.stderr, flush=True)
-
-    os.environ.pop("HPFUNC_CHECK_REP", None)  # the replication check reads values: fake tensors have none
     cfg = load_config_dict(dict(raw))
     mesh_axes = dict(cfg.parallel.mesh)
     with _disable_current_modes():  # a DeviceMesh is made of real rank tensors, and so are its groups
@@ -335,12 +318,49 @@ def rank_step(raw: Mapping[str, Any], device_type: str = "cuda", progress: bool 
     key = random.key(0, device=device_type)
     store_dtype = torch.float32 if cfg.model.dtype == "bfloat16" else model_dtype(cfg.model)
     init = functools.partial(qwen3.init, cfg=model_cfg, dtype=store_dtype)
-    say("initialising the sharded state (fake tensors)")
+    say("initialising the sharded state")
     params = init_sharded(init, mesh, plan, key, shapes=qwen3.param_shapes(model_cfg))
     state = train_step.init_state(lambda p: init_train_state(p, optimizer), params)
-    state_bytes = {"params": _local_bytes(state.params), "optimizer": _local_bytes(state.opt_state)}
     tokens = random.randint(random.fold_in(key, 100), (cfg.train.batch_size, cfg.train.seq_len + 1), 0,
                             model_cfg.vocab_size)
+    return {"cfg": cfg, "coordinate": dict(zip(names, coordinate)), "train_step": train_step, "state": state,
+            "batch": {"tokens": tokens}, "grads_seen": grads_seen}
+
+
+def _sayer(progress: bool | str) -> Any:
+    import sys
+
+    t_start = time.perf_counter()
+
+    def say(msg: str) -> None:
+        line = f"[dryrun {time.perf_counter() - t_start:6.1f} s] {msg}"
+        if isinstance(progress, str):
+            with open(progress, "a") as f:
+                f.write(line + "\n")
+        elif progress:
+            print(line, file=sys.stderr, flush=True)
+
+    return say
+
+
+def rank_step(raw: Mapping[str, Any], device_type: str = "cuda", progress: bool | str = False) -> dict:
+    """Build the trainer's parallel step for ``raw`` and run one step as this process's rank of the
+    fake world (call it through :func:`hpfunc.testing.fake_devices.run_on_fake_devices`); returns the
+    measurements (see the module). ``progress``: print each phase to stderr (``True``) or append it to
+    the file of that name (an isolated process's output is not shown)."""
+    import torch.distributed as dist
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from hpfunc.comm import comm_stats
+    from hpfunc.testing.fake_devices import DeviceRecorder, answer_host_syncs
+
+    import os
+
+    os.environ.pop("HPFUNC_CHECK_REP", None)  # the replication check reads values: fake tensors have none
+    say = _sayer(progress)
+    b = _build(raw, device_type, say)
+    cfg, state, train_step, grads_seen = b["cfg"], b["state"], b["train_step"], b["grads_seen"]
+    state_bytes = {"params": _local_bytes(state.params), "optimizer": _local_bytes(state.opt_state)}
     say(f"running one step: batch {cfg.train.batch_size} x {cfg.train.seq_len}, "
         f"{cfg.train.microbatches} microbatch(es)")
     rec = DeviceRecorder(device_type, on_host_sync=answer_host_syncs(1))
@@ -349,7 +369,7 @@ def rank_step(raw: Mapping[str, Any], device_type: str = "cuda", progress: bool 
     t0 = time.perf_counter()
     with FlopCounterMode(display=False, custom_mapping=_flop_mapping()) as flops, comm_stats() as stats, \
             rec, tracker, attention:
-        new_state, metrics = train_step(state, {"tokens": tokens})
+        new_state, metrics = train_step(state, b["batch"])
         del new_state, metrics
     step_s = time.perf_counter() - t0
     say(f"step done in {step_s:.1f} s")
@@ -367,7 +387,7 @@ def rank_step(raw: Mapping[str, Any], device_type: str = "cuda", progress: bool 
         grads.update(g)
     state_bytes["grads"] = dict(grads)
     return {
-        "rank": dist.get_rank(), "world": dist.get_world_size(), "coordinate": dict(zip(names, coordinate)),
+        "rank": dist.get_rank(), "world": dist.get_world_size(), "coordinate": b["coordinate"],
         "state_bytes": state_bytes,
         "step_peak_bytes": tracker.peak, "peak_by_op": dict(list(tracker.peak_by_op.items())[:10]),
         "comm": sorted(comm.values(), key=lambda e: (e["axes"], e["collective"], e["phase"])),
@@ -377,6 +397,38 @@ def rank_step(raw: Mapping[str, Any], device_type: str = "cuda", progress: bool 
         "attention": ("flash (16-bit cuda inputs without mask run as aten._scaled_dot_product_flash_attention)"
                       if device_type == "cuda" else "as torch chooses on cpu"),
     }
+
+
+def measure_step(raw: Mapping[str, Any], *, timed_steps: int = 3) -> dict:
+    """The trainer's step of ``raw`` on this process's **real** process group (every rank calls it, e.g.
+    through :meth:`hpfunc.testing.RankPool.run`), measured: the first step under :class:`PeakTracker`
+    (storage liveness on real storages: ``step_peak_bytes``; ``peak_bytes`` adds the state at rest, the
+    local shards of the parameters and optimizer state), then ``timed_steps`` more steps timed without
+    the tracker (``step_seconds``: each, wall clock; the first one is the warm-up and is not among them).
+
+    The step is the one :func:`rank_step` runs on fake tensors, on the CPU with real values.
+    """
+    import torch.distributed as dist
+
+    say = _sayer(False)
+    b = _build(raw, "cpu", say)
+    state, train_step = b["state"], b["train_step"]
+    at_rest = sum(_local_bytes(state.params).values()) + sum(_local_bytes(state.opt_state).values())
+    tracker = PeakTracker()
+    with tracker:
+        state, metrics = train_step(state, b["batch"])
+    loss = float(metrics["loss"])
+    del metrics
+    seconds = []
+    for _ in range(timed_steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        state, metrics = train_step(state, b["batch"])
+        float(metrics["loss"])
+        seconds.append(time.perf_counter() - t0)
+    return {"rank": dist.get_rank(), "coordinate": b["coordinate"], "at_rest_bytes": at_rest,
+            "step_peak_bytes": tracker.peak, "peak_bytes": at_rest + tracker.peak,
+            "peak_by_op": dict(list(tracker.peak_by_op.items())[:8]), "loss": loss, "step_seconds": seconds}
 
 
 def _recording_grads(tx: Any, sink: list) -> Any:

@@ -106,7 +106,7 @@ def tokens_per_microbatch(layout: Layout, work: Workload) -> float:
 
 def layer_activation_bytes_per_token(layer: LayerDescription, remat: str, layout: Layout, work: Workload) -> float:
     """What one layer keeps per token of the microbatch on one rank (tp / sp splits applied)."""
-    return _layer_bytes(layer, remat, layout.tp, layout.sp, work.routing_imbalance, work.flash_attention, work.seq_len)
+    return _layer_bytes(layer, remat, layout.tp, layout.sp, work.expert_rows_factor, work.flash_attention, work.seq_len)
 
 
 @functools.lru_cache(maxsize=4096)
