@@ -48,8 +48,12 @@ from typing import Any, Iterator, Mapping, Sequence
 
 from hpfunc.autoparallel.memory_model import UNMODELLED
 
-__all__ = ["DryRunError", "check_request", "dry_run", "dry_runs", "rank_step", "rank_steps", "measure_step",
+__all__ = ["DryRunError", "check_request", "dry_run", "dry_runs", "rank_step", "rank_steps", "measure_step", "positions",
+           "moe_cases", "DEFAULT_RESERVE",
            "PeakTracker", "format_report"]
+
+
+DEFAULT_RESERVE = 4 * 2**30  # added to the measured peak for what neither measures (UNMODELLED)
 
 
 class DryRunError(ValueError):
@@ -111,6 +115,28 @@ def check_request(raw: Mapping[str, Any], *, world: int | None = None, rank: int
     except (ConfigError, ValueError) as err:
         raise DryRunError(str(err)) from None
     return cfg, world
+
+
+def positions(mesh: Mapping[str, int]) -> list[int]:
+    """One rank of every distinct position of ``mesh`` (axes in order, the last varying fastest): every
+    coordinate of ``pp`` (each stage holds other layers) and the first and last coordinate of every
+    other axis (uneven dimensions shard like ``torch.chunk``: the first blocks are the larger, the last
+    the smaller; the ranks in between equal one of them).
+
+    >>> positions({"fsdp": 8, "ep": 8}), positions({"pp": 2, "fsdp": 4})
+    ([0, 7, 56, 63], [0, 3, 4, 7])
+    """
+    import itertools
+
+    names = list(mesh)
+    choices = [range(mesh[a]) if a == "pp" else sorted({0, mesh[a] - 1}) for a in names]
+    out = []
+    for coord in itertools.product(*choices):
+        r = 0
+        for a, c in zip(names, coord):
+            r = r * mesh[a] + c
+        out.append(r)
+    return out
 
 
 class PeakTracker:
@@ -331,9 +357,12 @@ def _build(raw: Mapping[str, Any], device_type: str, say: Any, *, fake: bool = F
     plan = build_plan(cfg.parallel, model_cfg)
     if cfg.model.dtype == "bfloat16":
         plan = plan.with_mixed_precision(torch.bfloat16)
-    step = make_train_step(model_cfg, optimizer, expert_bias_rate=cfg.train.expert_bias_rate, lr_schedule=lr,
-                           loss_fn=qwen3.parallel_plan.loss, num_microbatches=cfg.train.microbatches)
-    train_step = parallelize(step, mesh, plan, params="params")
+    def step_of(mcfg: Any) -> Any:
+        step = make_train_step(mcfg, optimizer, expert_bias_rate=cfg.train.expert_bias_rate, lr_schedule=lr,
+                               loss_fn=qwen3.parallel_plan.loss, num_microbatches=cfg.train.microbatches)
+        return parallelize(step, mesh, plan, params="params")
+
+    train_step = step_of(model_cfg)
     key = random.key(0, device=device_type)
     store_dtype = torch.float32 if cfg.model.dtype == "bfloat16" else model_dtype(cfg.model)
     init = functools.partial(qwen3.init, cfg=model_cfg, dtype=store_dtype)
@@ -344,8 +373,8 @@ def _build(raw: Mapping[str, Any], device_type: str, say: Any, *, fake: bool = F
     state = train_step.init_state(lambda p: init_train_state(p, optimizer), params)
     tokens = random.randint(random.fold_in(key, 100), (cfg.train.batch_size, cfg.train.seq_len + 1), 0,
                             model_cfg.vocab_size)
-    return {"cfg": cfg, "coordinate": dict(zip(names, coordinate)), "train_step": train_step, "state": state,
-            "batch": {"tokens": tokens}, "grads_seen": grads_seen}
+    return {"cfg": cfg, "model_cfg": model_cfg, "coordinate": dict(zip(names, coordinate)), "train_step": train_step,
+            "step_of": step_of, "state": state, "batch": {"tokens": tokens}, "grads_seen": grads_seen}
 
 
 def _sayer(progress: bool | str) -> Any:
@@ -384,24 +413,35 @@ def rank_step(raw: Mapping[str, Any], device_type: str = "cuda", progress: bool 
     state_bytes = {"params": _local_bytes(state.params), "optimizer": _local_bytes(state.opt_state)}
     say(f"running one step: batch {cfg.train.batch_size} x {cfg.train.seq_len}, "
         f"{cfg.train.microbatches} microbatch(es)")
-    rec = DeviceRecorder(device_type, on_host_sync=answer_host_syncs(1))
-    tracker = PeakTracker()
-    attention = _flash_attention_mode() if device_type == "cuda" else contextlib.nullcontext()
-    t0 = time.perf_counter()
-    with FlopCounterMode(display=False, custom_mapping=_flop_mapping()) as flops, comm_stats() as stats, \
-            rec, tracker, attention:
-        new_state, metrics = train_step(state, b["batch"])
-        del new_state, metrics
-    step_s = time.perf_counter() - t0
+    import attrs
+
+    mc = b["model_cfg"]
+    ep = _ep_size(cfg)
+    cases = moe_cases(mc, ep)
+    # without expert parallelism the dropless path's shapes do not depend on the routing (every rank
+    # computes its T k rows): the config's own step measures both cases
+    own = not cases or (ep == 1 and mc.moe_dispatcher != "padded")
+    runs: dict[float, dict] = {}
+    measured_cases: dict[str, dict] = {}
+    for name, factor in cases.items():  # MoE: each routing assumption on the padded dispatcher's shapes
+        if factor not in runs:
+            if own:
+                runs[factor] = _measure_fake_step(train_step, state, b["batch"], device_type)
+            else:
+                say(f"MoE {name}: the padded dispatcher with buffers of {factor:g} x the balanced rows")
+                mcfg = attrs.evolve(mc, moe_dispatcher="padded", moe_capacity_factor=None, moe_dispatch_chunks=1,
+                                    moe_buffer_factor=factor)
+                runs[factor] = _measure_fake_step(b["step_of"](mcfg), state, b["batch"], device_type)
+        case = runs[factor]
+        measured_cases[name] = {"moe_buffer_factor": factor, "step_peak_bytes": case["tracker"].peak,
+                                "flops": int(case["flops"].get_total_flops()),
+                                "comm": _comm_table(case["stats"]), "step_seconds_on_fake_tensors": case["seconds"]}
+    main = runs[cases["capacity_worst_case"]] if cases else _measure_fake_step(train_step, state, b["batch"],
+                                                                                device_type)
+    del grads_seen[:-max(1, len(grads_seen) // max(1, len(runs)))]  # the gradients of one step
+    rec, tracker, flops, stats, step_s = main["rec"], main["tracker"], main["flops"], main["stats"], main["seconds"]
     say(f"step done in {step_s:.1f} s")
-    comm: dict[tuple, dict] = {}
-    for r in stats.records:
-        k = (r.op, "+".join(r.axes), r.n, r.phase)
-        e = comm.setdefault(k, {"collective": r.op, "axes": "+".join(r.axes), "group": r.n, "phase": r.phase,
-                                "count": 0, "payload_bytes": 0, "sent_bytes": 0.0})
-        e["count"] += 1
-        e["payload_bytes"] += int(r.payload_bytes)
-        e["sent_bytes"] += float(r.sent_bytes)
+    comm = _comm_table(stats)
     by_op = {str(op).replace("aten.", ""): int(n) for op, n in flops.get_flop_counts().get("Global", {}).items()}
     grads: collections.Counter = collections.Counter()
     for g in grads_seen:
@@ -411,13 +451,71 @@ def rank_step(raw: Mapping[str, Any], device_type: str = "cuda", progress: bool 
         "rank": dist.get_rank(), "world": dist.get_world_size(), "coordinate": b["coordinate"],
         "state_bytes": state_bytes,
         "step_peak_bytes": tracker.peak, "peak_by_op": dict(list(tracker.peak_by_op.items())[:10]),
-        "comm": sorted(comm.values(), key=lambda e: (e["axes"], e["collective"], e["phase"])),
+        "comm": comm, "moe_cases": measured_cases,
         "flops": int(flops.get_total_flops()), "flops_by_op": by_op,
         "host_syncs": [f"{s.kind}: aten.{s.op} at {s.where}" for s in rec.host_syncs],
         "step_seconds_on_fake_tensors": step_s, "microbatches_seen": len(grads_seen),
         "attention": ("flash (16-bit cuda inputs without mask run as aten._scaled_dot_product_flash_attention)"
                       if device_type == "cuda" else "as torch chooses on cpu"),
     }
+
+
+def moe_cases(model_cfg: Any, ep: int) -> dict[str, float]:
+    """The routing assumptions a dry run measures for an MoE model (none for a dense one), as the
+    padded dispatcher's buffer factor (rows per destination over the balanced count) that gives their
+    shapes: ``forced_balanced`` (1: every rank receives exactly its share, as the published MoE
+    throughputs assume) and ``capacity_worst_case``: the most the config's dispatcher can hold, its own
+    ``moe_buffer_factor`` for the padded one, the capacity factor for a capped all-to-all, and ``ep``
+    for the dropless one (every pair of every source sent to one rank)."""
+    if not getattr(model_cfg, "num_experts", 0):
+        return {}
+    if model_cfg.moe_dispatcher == "padded":
+        worst = float(model_cfg.moe_buffer_factor)
+    elif model_cfg.moe_capacity_factor is not None:
+        worst = float(model_cfg.moe_capacity_factor)
+    else:
+        worst = float(max(1, ep))
+    return {"forced_balanced": 1.0, "capacity_worst_case": max(1.0, worst)}
+
+
+def _ep_size(cfg: Any) -> int:
+    n = 1
+    for e in cfg.parallel.plan:
+        if e.kind == "ep":
+            for a in e.axes:
+                n *= cfg.parallel.mesh[a]
+    return n
+
+
+def _measure_fake_step(train_step: Any, state: Any, batch: Any, device_type: str) -> dict:
+    """One step on fake tensors under the FLOP counter, the comm counter, the host-sync recorder and
+    the peak tracker."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from hpfunc.comm import comm_stats
+    from hpfunc.testing.fake_devices import DeviceRecorder, answer_host_syncs
+
+    rec = DeviceRecorder(device_type, on_host_sync=answer_host_syncs(1))
+    tracker = PeakTracker()
+    attention = _flash_attention_mode() if device_type == "cuda" else contextlib.nullcontext()
+    t0 = time.perf_counter()
+    with FlopCounterMode(display=False, custom_mapping=_flop_mapping()) as flops, comm_stats() as stats, \
+            rec, tracker, attention:
+        new_state, metrics = train_step(state, batch)
+        del new_state, metrics
+    return {"rec": rec, "tracker": tracker, "flops": flops, "stats": stats, "seconds": time.perf_counter() - t0}
+
+
+def _comm_table(stats: Any) -> list[dict]:
+    comm: dict[tuple, dict] = {}
+    for r in stats.records:
+        k = (r.op, "+".join(r.axes), r.n, r.phase)
+        e = comm.setdefault(k, {"collective": r.op, "axes": "+".join(r.axes), "group": r.n, "phase": r.phase,
+                                "count": 0, "payload_bytes": 0, "sent_bytes": 0.0})
+        e["count"] += 1
+        e["payload_bytes"] += int(r.payload_bytes)
+        e["sent_bytes"] += float(r.sent_bytes)
+    return sorted(comm.values(), key=lambda e: (e["axes"], e["collective"], e["phase"]))
 
 
 def measure_step(raw: Mapping[str, Any], *, timed_steps: int = 3) -> dict:
@@ -505,17 +603,18 @@ def _progress_file(wanted: bool) -> Iterator[str | None]:
 
 
 def dry_run(raw: Mapping[str, Any], *, world: int | None = None, rank: int = 0, device: str = "cuda",
-            hardware: str = "h100", progress: bool = False) -> dict:
+            hardware: Any = "h100", progress: bool = False, reserve_bytes: int = DEFAULT_RESERVE) -> dict:
     """The dry-run report of the raw config mapping ``raw`` for ``rank`` of ``world`` (default: the
     mesh's size): the measurements of :func:`rank_step` and the cost model's figures for the same
     layout (keys: docs/autoparallel.md#hpfunc-dryrun). ``device="cuda"`` runs in a fresh process
     (the fake CUDA runtime is loaded before torch there); ``cpu`` in this one, which must have no
     default process group."""
-    return dry_runs([raw], world=world, rank=rank, device=device, hardware=hardware, progress=progress)[0]
+    return dry_runs([raw], world=world, rank=rank, device=device, hardware=hardware, progress=progress,
+                    reserve_bytes=reserve_bytes)[0]
 
 
 def dry_runs(raws: Sequence[Mapping[str, Any]], *, world: int | None = None, rank: int = 0, device: str = "cuda",
-             hardware: str = "h100", progress: bool = False) -> list[dict]:
+             hardware: Any = "h100", progress: bool = False, reserve_bytes: int = DEFAULT_RESERVE) -> list[dict]:
     """:func:`dry_run` of several configs of one world size, one after the other in one (fresh) process."""
     import sys
 
@@ -536,7 +635,8 @@ def dry_runs(raws: Sequence[Mapping[str, Any]], *, world: int | None = None, ran
         run = run_on_fake_devices(rank_steps, [dict(r) for r in raws], device, path or progress, world_size=world,
                                   rank=rank, device_type=device, isolated=isolated)
     seconds = (time.perf_counter() - t0) / len(raws)
-    return [_assemble(cfg, measured, world=world, rank=rank, device=device, hardware=hardware, seconds=seconds)
+    return [_assemble(cfg, measured, world=world, rank=rank, device=device, hardware=hardware, seconds=seconds,
+                      reserve_bytes=reserve_bytes)
             for (cfg, _), measured in zip(checked, run.result)]
 
 
@@ -545,8 +645,10 @@ def rank_steps(raws: Sequence[Mapping[str, Any]], device_type: str = "cuda", pro
     return [rank_step(raw, device_type, progress) for raw in raws]
 
 
-def _assemble(cfg: Any, measured: dict, *, world: int, rank: int, device: str, hardware: str,
-              seconds: float) -> dict:
+def _assemble(cfg: Any, measured: dict, *, world: int, rank: int, device: str, hardware: Any,
+              seconds: float, reserve_bytes: int = 0) -> dict:
+    import attrs
+
     from hpfunc.autoparallel.comm_model import communication
     from hpfunc.autoparallel.flops import train_flops_per_token
     from hpfunc.autoparallel.hardware import hardware as _hardware
@@ -556,13 +658,15 @@ def _assemble(cfg: Any, measured: dict, *, world: int, rank: int, device: str, h
 
     hw = _hardware(hardware)
     _, desc = describe_model(cfg)
-    work = workload_of(cfg)
+    work = workload_of(cfg, reserve_bytes=reserve_bytes)
     report: dict[str, Any] = {"world": world, "rank": rank, "device": device, "hardware": hw.name,
                               "mesh": dict(cfg.parallel.mesh), "seconds": seconds, **measured}
     sb = measured["state_bytes"]
     report["state_total_bytes"] = {k: sum(v.values()) for k, v in sb.items()}
     at_rest = report["state_total_bytes"]["params"] + report["state_total_bytes"]["optimizer"]
     report["peak_bytes"] = at_rest + measured["step_peak_bytes"]
+    report["reserve_bytes"] = int(reserve_bytes)
+    report["peak_with_reserve_bytes"] = report["peak_bytes"] + int(reserve_bytes)
     seq = cfg.train.seq_len
     tokens_rank = None
     report["model"] = {"params": desc.params, "layers": desc.num_layers,
@@ -582,6 +686,11 @@ def _assemble(cfg: Any, measured: dict, *, world: int, rank: int, device: str, h
             "tokens_per_second_per_device": t.tokens_per_second_per_device,
             "rank_tokens": tokens_rank,
         }
+        for name, case in measured.get("moe_cases", {}).items():  # the cost model under the same assumption
+            w = attrs.evolve(work, moe_buffer_factor=case["moe_buffer_factor"])
+            case["peak_bytes"] = at_rest + case["step_peak_bytes"]
+            case["estimate_memory_total_bytes"] = memory(desc, lay, w).total
+            case["estimate_step_seconds"] = step_time(desc, lay, w, hw).total
     except ValueError as err:  # a layout the cost model does not describe: the measurements stand alone
         estimate = {"layout": None, "error": str(err)}
     report["estimate"] = estimate
@@ -606,6 +715,8 @@ def format_report(r: Mapping[str, Any]) -> str:
              f"  step peak  {format_bytes(r['step_peak_bytes']):>12}  (storages the step creates, alive at once; "
              f"on top of the state at rest)",
              f"  peak       {format_bytes(r['peak_bytes']):>12}  (params + optimizer state + step peak)",
+             f"  + reserve  {format_bytes(r['peak_with_reserve_bytes']):>12}  (the peak + the reserve "
+             f"{format_bytes(r['reserve_bytes'])} for what is not modelled: --reserve)",
              "  the step peak's composition (producing op): " + ", ".join(
                  f"{op} {format_bytes(n)}" for op, n in list(r["peak_by_op"].items())[:6]),
              f"  FLOPs      {r['flops'] / 1e12:.4f} TFLOP this step (torch's counter, attention unhalved)",
@@ -613,6 +724,13 @@ def format_report(r: Mapping[str, Any]) -> str:
     for c in r["comm"]:
         lines.append(f"    {c['collective']:15} {c['axes'] or '-':10} n={c['group']:<4} {c['phase']:8} x{c['count']:<5} "
                      f"{format_bytes(c['sent_bytes']):>12}")
+    for name, c in r.get("moe_cases", {}).items():
+        a2a = sum(e["sent_bytes"] for e in c["comm"] if e["collective"] == "all_to_all")
+        est = (f"; cost model {format_bytes(c['estimate_memory_total_bytes'])} with the reserve"
+               if "estimate_memory_total_bytes" in c else "")
+        lines.append(f"  MoE {name:20} (buffers {c['moe_buffer_factor']:g} x balanced): peak "
+                     f"{format_bytes(c.get('peak_bytes', c['step_peak_bytes']))}, all-to-all {format_bytes(a2a)}, "
+                     f"{c['flops'] / 1e12:.4f} TFLOP{est}")
     if r["host_syncs"]:
         lines.append(f"  host syncs answered with a stand-in: {len(r['host_syncs'])}")
     e = r["estimate"]

@@ -141,7 +141,7 @@ def test_communication_follows_the_reference_formulas():
 
 
 def test_bad_hardware_and_sizes_name_the_flag():
-    with pytest.raises(HardwareError, match=r"--hardware: unknown hardware 'tpu'.*known: h100, h200, a100, cpu"):
+    with pytest.raises(HardwareError, match=r"--hardware: unknown hardware 'tpu'.*known: h100, h200, a100, cpu, or a profile PATH.json"):
         hardware("tpu")
     with pytest.raises(HardwareError, match=r"--memory: expected a positive size"):
         parse_bytes("lots")
