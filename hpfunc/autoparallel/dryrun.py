@@ -28,8 +28,11 @@ model-state terms, communication, FLOPs and the step-time estimate on a hardware
 list of what neither models (:data:`~hpfunc.autoparallel.memory_model.UNMODELLED`).
 
 Assumptions: MoE routing is data-dependent; on fake tensors the router's choices have no values, so
-the dispatch runs on the shapes the dispatcher allocates (the padded dispatcher's capacity buffers).
-The step counter and learning rate are read as 1.
+the dispatch runs on the padded dispatcher's buffers, once per routing assumption of
+:func:`moe_cases` (forced-balanced, and the capacity worst case of the config's dispatcher), both
+reported (``moe_cases``). The step counter and learning rate are read as 1. On fake tensors the state's
+blocks are filled, not sampled (:func:`_blocks_like`). :func:`measure_step` runs the same step on real
+tensors and a real process group (the cost model's check against real runs).
 
     >>> from hpfunc.autoparallel.dryrun import check_request
     >>> check_request({"model": {"preset": "qwen3-moe-tiny"}, "parallel": {"mesh": {"fsdp": 4}, "plan": ["fsdp"]}},
@@ -380,10 +383,10 @@ def _build(raw: Mapping[str, Any], device_type: str, say: Any, *, fake: bool = F
 def _sayer(progress: bool | str) -> Any:
     import sys
 
-    t_start = time.perf_counter()
+    t_start, c_start = time.perf_counter(), time.process_time()
 
     def say(msg: str) -> None:
-        line = f"[dryrun {time.perf_counter() - t_start:6.1f} s] {msg}"
+        line = f"[dryrun {time.perf_counter() - t_start:6.1f} s, cpu {time.process_time() - c_start:6.1f} s] {msg}"
         if isinstance(progress, str):
             with open(progress, "a") as f:
                 f.write(line + "\n")
