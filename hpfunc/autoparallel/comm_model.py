@@ -5,16 +5,20 @@ reduce-scatter ``(n-1)/n M``, all-to-all ``(n-1)/n M`` (``M`` the full array; fo
 rank's buffer). Per step:
 
 * **fsdp / zero-3** (reshard after forward, docs/reference.md#ddp-zero-and-fsdp, ``3 Psi``): per
-  microbatch an all-gather of the rank's parameters forward and again backward, and a
-  reduce-scatter of their gradients, over the data ranks that shard them (``fsdp x ep`` for the
-  non-expert parameters, ``fsdp`` for the experts); **zero-1/2**: one reduce-scatter of gradients and
+  microbatch an all-gather of the rank's parameters forward and again backward (all but the
+  embedding, whose lookup needs no weights in its backward: ``3 Psi - Psi_embed``, as hpfunc's step
+  measures), and a reduce-scatter of their gradients in the reduce dtype
+  (:data:`~hpfunc.autoparallel.configuration.REDUCE_BYTES`: fp32 under mixed precision, as hpfunc
+  reduces), over the data ranks that shard them (``fsdp x ep`` for the non-expert parameters,
+  ``fsdp`` for the experts); **zero-1/2**: one reduce-scatter of gradients and
   one all-gather of parameters per step (``2 Psi``); **dp** (ddp, hsdp's replicas): one all-reduce of
   the (sharded) gradients per step.
 * **tp** (docs/reference.md#tensor-and-sequence-parallelism): 2 all-reduces forward and 2 backward of
   ``b s h`` per layer and microbatch, 2 more with full recompute; with sp each becomes an all-gather
   plus a reduce-scatter of the same volume.
 * **ep** (docs/reference.md#expert-parallel-all-to-all-volume): 4 all-to-alls per MoE layer and
-  microbatch of ``T k h`` elements, 2 more with full recompute.
+  microbatch of ``T k h`` elements times the workload's ``expert_rows_factor`` (the padded
+  dispatcher's buffers: ``moe_buffer_factor``, 1.5 by default), 2 more with full recompute.
 * **pp**: each stage boundary sends ``b s h`` forward and its gradient backward per microbatch.
 
     >>> from hpfunc.models.qwen3.describe import describe
@@ -31,7 +35,7 @@ from __future__ import annotations
 
 import attrs
 
-from hpfunc.autoparallel.configuration import STATE_BYTES, Layout, Workload
+from hpfunc.autoparallel.configuration import REDUCE_BYTES, STATE_BYTES, Layout, Workload
 from hpfunc.autoparallel.memory_model import rank_stages, stage_layers, tokens_per_microbatch, rank_params
 from hpfunc.models.description import ModelDescription
 
@@ -69,7 +73,8 @@ def _axes(*pairs: tuple[str, int]) -> tuple[str, int]:
 
 def communication(desc: ModelDescription, layout: Layout, work: Workload) -> list[Collective]:
     """The collectives of one step on pipeline rank 0 (for a pipeline: its busiest rank's layers)."""
-    p_b, g_b, _, _ = STATE_BYTES[work.precision]
+    p_b = STATE_BYTES[work.precision][0]
+    g_b = REDUCE_BYTES[work.precision]
     out: list[Collective] = []
     m = layout.microbatches
     counts = stage_layers(desc.num_layers, layout.num_stages, layout.layers_per_stage)
@@ -81,24 +86,34 @@ def communication(desc: ModelDescription, layout: Layout, work: Workload) -> lis
         layers = [i for s in stages for i in range(starts[s], starts[s] + counts[s])]
         dense, expert = rank_params(desc, layout, layers, 0 in stages, layout.num_stages - 1 in stages)
         if best is None or dense + expert > best[1] + best[2]:
-            best = (layers, dense, expert)
-    layers, dense, expert = best  # type: ignore[misc]
+            best = (layers, dense, expert, 0 in stages)
+    layers, dense, expert, first = best  # type: ignore[misc]
+    # the backward does not gather the embedding again: its lookup's gradient needs no weights
+    embed = desc.embed_params if first else 0
 
     def add(kind: str, axis: str, n: int, count: int, M: float, phase: str) -> None:
         if n > 1 and count and M:
-            out.append(Collective(kind, axis, n, count, count * M * ring_factor(kind, n), phase))
+            c = Collective(kind, axis, n, count, count * M * ring_factor(kind, n), phase)
+            for i, o in enumerate(out):  # one entry per collective, axis and phase
+                if (o.collective, o.axis, o.group, o.phase) == (kind, axis, n, phase):
+                    c = Collective(kind, axis, n, o.count + count, o.bytes + c.bytes, phase)
+                    out[i] = c
+                    return
+            out.append(c)
 
     d_axis, d_n = _axes(("fsdp", layout.fsdp), ("ep", layout.ep))
     if layout.zero == 3:
         same = layout.ep == 1  # experts and the rest are sharded over the same ranks: one collective each
-        add("all_gather", d_axis, d_n, 2 * m, (dense + (expert if same else 0)) * p_b, "data")
+        add("all_gather", d_axis, d_n, m, (dense + (expert if same else 0)) * p_b, "data")
+        add("all_gather", d_axis, d_n, m, (dense - embed + (expert if same else 0)) * p_b, "data")
         add("reduce_scatter", d_axis, d_n, m, (dense + (expert if same else 0)) * g_b, "data")
         if not same:
             add("all_gather", "fsdp", layout.fsdp, 2 * m, expert * p_b, "data")
             add("reduce_scatter", "fsdp", layout.fsdp, m, expert * g_b, "data")
         shard_d, shard_e = d_n, layout.fsdp
     else:  # zero-1/2 on fsdp: once per step; ep still shards the non-experts as fsdp
-        add("all_gather", "ep", layout.ep, 2 * m, dense / layout.fsdp * p_b, "data")
+        add("all_gather", "ep", layout.ep, m, dense / layout.fsdp * p_b, "data")
+        add("all_gather", "ep", layout.ep, m, (dense - embed) / layout.fsdp * p_b, "data")
         add("reduce_scatter", "ep", layout.ep, m, dense / layout.fsdp * g_b, "data")
         add("reduce_scatter", "fsdp", layout.fsdp, 1, (dense + expert) * g_b, "data")
         add("all_gather", "fsdp", layout.fsdp, 1, (dense + expert) * p_b, "data")
@@ -120,7 +135,7 @@ def communication(desc: ModelDescription, layout: Layout, work: Workload) -> lis
         moe = [i for i in layers if desc.layers[i].is_moe]
         if moe:
             k = desc.layers[moe[0]].top_k
-            M = tokens * k * h * a / (layout.tp if layout.sp else 1)
+            M = tokens * k * h * a * work.expert_rows_factor / (layout.tp if layout.sp else 1)
             add("all_to_all", "ep", layout.ep, per_layer * len(moe) * m, M, "model")
     if layout.pp > 1:
         sends = 2 * m * layout.stages_per_rank

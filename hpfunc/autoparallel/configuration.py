@@ -20,7 +20,7 @@ import attrs
 
 from hpfunc.models.description import REMAT_KINDS
 
-__all__ = ["Layout", "Workload", "LayoutError", "STATE_BYTES", "AXIS_ORDER", "PP_SCHEDULES"]
+__all__ = ["Layout", "Workload", "LayoutError", "STATE_BYTES", "REDUCE_BYTES", "AXIS_ORDER", "PP_SCHEDULES"]
 
 AXIS_ORDER = ("pp", "dp", "fsdp", "ep", "tp")
 # schedules the planner considers (names of hpfunc.schedules.GENERATORS), and stages per rank
@@ -32,6 +32,12 @@ STATE_BYTES = {
     "fp32": (4, 4, 0, 8),   # fp32 everything: 16 bytes
     "bf16": (2, 2, 0, 4),   # bf16 everything, no master copy: 8 bytes
 }
+
+
+# Bytes per gradient element a data-parallel reduction moves: hpfunc reduces gradients in the dtype the
+# parameters are stored in (fp32 under mixed precision: bf16 compute over fp32 storage), measured by
+# `hpfunc dryrun` (its reduce-scatters carry fp32); bf16 storage reduces in bf16.
+REDUCE_BYTES = {"mixed": 4, "fp32": 4, "bf16": 2}
 
 
 class LayoutError(ValueError):
@@ -53,6 +59,10 @@ class Workload:
     flash_attention: bool = True
     reserve_bytes: int = 4 * 2**30
     routing_imbalance: float = 1.0  # expert tokens on the busiest rank / the balanced count
+    # The padded MoE dispatcher's fixed buffers: rows per (source, destination) = factor x the balanced
+    # count, whatever the routing (overflow dropped); None: the dropless dispatcher, whose rows follow
+    # the routing (routing_imbalance)
+    moe_buffer_factor: float | None = None
 
     def __attrs_post_init__(self) -> None:
         if self.precision not in STATE_BYTES:
@@ -61,6 +71,12 @@ class Workload:
             if getattr(self, key) < 1:
                 raise LayoutError(f"train.{'batch_size' if key == 'global_batch' else key}: expected >= 1, "
                                   f"found {getattr(self, key)}")
+
+    @property
+    def expert_rows_factor(self) -> float:
+        """Rows the experts compute (and the all-to-alls move) per balanced row on the busiest rank: the
+        padded dispatcher's buffer factor, else the routing imbalance."""
+        return float(self.routing_imbalance if self.moe_buffer_factor is None else self.moe_buffer_factor)
 
     @property
     def act_bytes(self) -> int:

@@ -28,8 +28,11 @@ model-state terms, communication, FLOPs and the step-time estimate on a hardware
 list of what neither models (:data:`~hpfunc.autoparallel.memory_model.UNMODELLED`).
 
 Assumptions: MoE routing is data-dependent; on fake tensors the router's choices have no values, so
-the dispatch runs on the shapes the dispatcher allocates (the padded dispatcher's capacity buffers).
-The step counter and learning rate are read as 1.
+the dispatch runs on the padded dispatcher's buffers, once per routing assumption of
+:func:`moe_cases` (forced-balanced, and the capacity worst case of the config's dispatcher), both
+reported (``moe_cases``). The step counter and learning rate are read as 1. On fake tensors the state's
+blocks are filled, not sampled (:func:`_blocks_like`). :func:`measure_step` runs the same step on real
+tensors and a real process group (the cost model's check against real runs).
 
     >>> from hpfunc.autoparallel.dryrun import check_request
     >>> check_request({"model": {"preset": "qwen3-moe-tiny"}, "parallel": {"mesh": {"fsdp": 4}, "plan": ["fsdp"]}},
@@ -48,8 +51,12 @@ from typing import Any, Iterator, Mapping, Sequence
 
 from hpfunc.autoparallel.memory_model import UNMODELLED
 
-__all__ = ["DryRunError", "check_request", "dry_run", "dry_runs", "rank_step", "rank_steps", "PeakTracker",
-           "format_report"]
+__all__ = ["DryRunError", "check_request", "dry_run", "dry_runs", "rank_step", "rank_steps", "measure_step", "positions",
+           "moe_cases", "DEFAULT_RESERVE",
+           "PeakTracker", "format_report"]
+
+
+DEFAULT_RESERVE = 4 * 2**30  # added to the measured peak for what neither measures (UNMODELLED)
 
 
 class DryRunError(ValueError):
@@ -111,6 +118,28 @@ def check_request(raw: Mapping[str, Any], *, world: int | None = None, rank: int
     except (ConfigError, ValueError) as err:
         raise DryRunError(str(err)) from None
     return cfg, world
+
+
+def positions(mesh: Mapping[str, int]) -> list[int]:
+    """One rank of every distinct position of ``mesh`` (axes in order, the last varying fastest): every
+    coordinate of ``pp`` (each stage holds other layers) and the first and last coordinate of every
+    other axis (uneven dimensions shard like ``torch.chunk``: the first blocks are the larger, the last
+    the smaller; the ranks in between equal one of them).
+
+    >>> positions({"fsdp": 8, "ep": 8}), positions({"pp": 2, "fsdp": 4})
+    ([0, 7, 56, 63], [0, 3, 4, 7])
+    """
+    import itertools
+
+    names = list(mesh)
+    choices = [range(mesh[a]) if a == "pp" else sorted({0, mesh[a] - 1}) for a in names]
+    out = []
+    for coord in itertools.product(*choices):
+        r = 0
+        for a, c in zip(names, coord):
+            r = r * mesh[a] + c
+        out.append(r)
+    return out
 
 
 class PeakTracker:
@@ -275,43 +304,45 @@ def _flop_mapping() -> dict:
             aten._grouped_mm: _grouped_mm_flops}
 
 
-def rank_step(raw: Mapping[str, Any], device_type: str = "cuda", progress: bool | str = False) -> dict:
-    """Build the trainer's parallel step for ``raw`` and run one step as this process's rank of the
-    fake world (call it through :func:`hpfunc.testing.fake_devices.run_on_fake_devices`); returns the
-    measurements (see the module). ``progress``: print each phase to stderr (``True``) or append it to
-    the file of that name (an isolated process's output is not shown)."""
+def _blocks_like(init: Any, key: Any, *, shardings: Any) -> Any:
+    """What ``init(key, shardings=shardings)`` makes (each leaf's shape, dtype and sharding), filled with
+    zeros instead of sampled: on fake tensors the values do not exist, and sampling a counter-based
+    normal runs ~30 elementwise ops per leaf through the fake mode (most of the 48-layer x 128-expert
+    Qwen3 state's 73 s). The dtypes come from ``init`` on the meta device (no work)."""
+    from hpfunc import tree
+    from hpfunc.sharding import NamedSharding, full
+
+    meta = init(key, device="meta")
+    by_path = dict(tree.leaves_with_paths(shardings, is_leaf=lambda x: isinstance(x, NamedSharding)))
+
+    def make(path: str, m: Any) -> Any:
+        if path not in by_path:
+            return None  # a leaf this (pipeline) rank does not hold
+        return full(tuple(m.shape), 0.0, dtype=m.dtype, sharding=by_path[path])
+
+    return tree.map_with_path(make, meta)
+
+
+def _build(raw: Mapping[str, Any], device_type: str, say: Any, *, fake: bool = False) -> dict:
+    """What ``hpfunc train`` builds for ``raw`` on this process's (fake or real) world: the mesh, the
+    parallel step, the first sharded state, one batch and the list the optimizer records its gradients'
+    bytes into."""
     import functools
     import itertools
-    import os
-    import sys
 
     import torch
     import torch.distributed as dist
     from torch.utils._python_dispatch import _disable_current_modes
-    from torch.utils.flop_counter import FlopCounterMode
 
     from hpfunc import random
-    from hpfunc.comm import comm_stats
     from hpfunc.mesh import Mesh
     from hpfunc.models import qwen3
-    from hpfunc.testing.fake_devices import DeviceRecorder, answer_host_syncs
     from hpfunc.train.build import build_model_config, build_optimizer, build_schedule, model_dtype
     from hpfunc.train.config import load_config_dict
     from hpfunc.train.distributed import build_plan
     from hpfunc.train.step import init_train_state, make_train_step
     from hpfunc.transforms.parallelize import init_sharded, parallelize
 
-    t_start = time.perf_counter()
-
-    def say(msg: str) -> None:
-        line = f"[dryrun {time.perf_counter() - t_start:6.1f} s] {msg}"
-        if isinstance(progress, str):
-            with open(progress, "a") as f:
-                f.write(line + "\n")
-        elif progress:
-            print(line, file=sys.stderr, flush=True)
-
-    os.environ.pop("HPFUNC_CHECK_REP", None)  # the replication check reads values: fake tensors have none
     cfg = load_config_dict(dict(raw))
     mesh_axes = dict(cfg.parallel.mesh)
     with _disable_current_modes():  # a DeviceMesh is made of real rank tensors, and so are its groups
@@ -329,30 +360,156 @@ def rank_step(raw: Mapping[str, Any], device_type: str = "cuda", progress: bool 
     plan = build_plan(cfg.parallel, model_cfg)
     if cfg.model.dtype == "bfloat16":
         plan = plan.with_mixed_precision(torch.bfloat16)
-    step = make_train_step(model_cfg, optimizer, expert_bias_rate=cfg.train.expert_bias_rate, lr_schedule=lr,
-                           loss_fn=qwen3.parallel_plan.loss, num_microbatches=cfg.train.microbatches)
-    train_step = parallelize(step, mesh, plan, params="params")
+    def step_of(mcfg: Any) -> Any:
+        step = make_train_step(mcfg, optimizer, expert_bias_rate=cfg.train.expert_bias_rate, lr_schedule=lr,
+                               loss_fn=qwen3.parallel_plan.loss, num_microbatches=cfg.train.microbatches)
+        return parallelize(step, mesh, plan, params="params")
+
+    train_step = step_of(model_cfg)
     key = random.key(0, device=device_type)
     store_dtype = torch.float32 if cfg.model.dtype == "bfloat16" else model_dtype(cfg.model)
     init = functools.partial(qwen3.init, cfg=model_cfg, dtype=store_dtype)
-    say("initialising the sharded state (fake tensors)")
+    if fake:  # a fake tensor has no values: fill the blocks instead of sampling them (see _blocks_like)
+        init = functools.partial(_blocks_like, init)
+    say("initialising the sharded state")
     params = init_sharded(init, mesh, plan, key, shapes=qwen3.param_shapes(model_cfg))
     state = train_step.init_state(lambda p: init_train_state(p, optimizer), params)
-    state_bytes = {"params": _local_bytes(state.params), "optimizer": _local_bytes(state.opt_state)}
     tokens = random.randint(random.fold_in(key, 100), (cfg.train.batch_size, cfg.train.seq_len + 1), 0,
                             model_cfg.vocab_size)
+    return {"cfg": cfg, "model_cfg": model_cfg, "coordinate": dict(zip(names, coordinate)), "train_step": train_step,
+            "step_of": step_of, "state": state, "batch": {"tokens": tokens}, "grads_seen": grads_seen}
+
+
+def _sayer(progress: bool | str) -> Any:
+    import sys
+
+    t_start, c_start = time.perf_counter(), time.process_time()
+
+    def say(msg: str) -> None:
+        line = f"[dryrun {time.perf_counter() - t_start:6.1f} s, cpu {time.process_time() - c_start:6.1f} s] {msg}"
+        if isinstance(progress, str):
+            with open(progress, "a") as f:
+                f.write(line + "\n")
+        elif progress:
+            print(line, file=sys.stderr, flush=True)
+
+    return say
+
+
+def rank_step(raw: Mapping[str, Any], device_type: str = "cuda", progress: bool | str = False) -> dict:
+    """Build the trainer's parallel step for ``raw`` and run one step as this process's rank of the
+    fake world (call it through :func:`hpfunc.testing.fake_devices.run_on_fake_devices`); returns the
+    measurements (see the module). ``progress``: print each phase to stderr (``True``) or append it to
+    the file of that name (an isolated process's output is not shown)."""
+    import torch.distributed as dist
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from hpfunc.comm import comm_stats
+    from hpfunc.testing.fake_devices import DeviceRecorder, answer_host_syncs
+
+    import os
+
+    os.environ.pop("HPFUNC_CHECK_REP", None)  # the replication check reads values: fake tensors have none
+    say = _sayer(progress)
+    b = _build(raw, device_type, say, fake=True)
+    cfg, state, train_step, grads_seen = b["cfg"], b["state"], b["train_step"], b["grads_seen"]
+    state_bytes = {"params": _local_bytes(state.params), "optimizer": _local_bytes(state.opt_state)}
     say(f"running one step: batch {cfg.train.batch_size} x {cfg.train.seq_len}, "
         f"{cfg.train.microbatches} microbatch(es)")
+    import attrs
+
+    mc = b["model_cfg"]
+    ep = _ep_size(cfg)
+    cases = moe_cases(mc, ep)
+    # without expert parallelism the dropless path's shapes do not depend on the routing (every rank
+    # computes its T k rows): the config's own step measures both cases
+    own = not cases or (ep == 1 and mc.moe_dispatcher != "padded")
+    runs: dict[float, dict] = {}
+    measured_cases: dict[str, dict] = {}
+    for name, factor in cases.items():  # MoE: each routing assumption on the padded dispatcher's shapes
+        if factor not in runs:
+            if own:
+                runs[factor] = _measure_fake_step(train_step, state, b["batch"], device_type)
+            else:
+                say(f"MoE {name}: the padded dispatcher with buffers of {factor:g} x the balanced rows")
+                mcfg = attrs.evolve(mc, moe_dispatcher="padded", moe_capacity_factor=None, moe_dispatch_chunks=1,
+                                    moe_buffer_factor=factor)
+                runs[factor] = _measure_fake_step(b["step_of"](mcfg), state, b["batch"], device_type)
+        case = runs[factor]
+        measured_cases[name] = {"moe_buffer_factor": factor, "step_peak_bytes": case["tracker"].peak,
+                                "flops": int(case["flops"].get_total_flops()),
+                                "comm": _comm_table(case["stats"]), "step_seconds_on_fake_tensors": case["seconds"]}
+    main = runs[cases["capacity_worst_case"]] if cases else _measure_fake_step(train_step, state, b["batch"],
+                                                                                device_type)
+    del grads_seen[:-max(1, len(grads_seen) // max(1, len(runs)))]  # the gradients of one step
+    rec, tracker, flops, stats, step_s = main["rec"], main["tracker"], main["flops"], main["stats"], main["seconds"]
+    say(f"step done in {step_s:.1f} s")
+    comm = _comm_table(stats)
+    by_op = {str(op).replace("aten.", ""): int(n) for op, n in flops.get_flop_counts().get("Global", {}).items()}
+    grads: collections.Counter = collections.Counter()
+    for g in grads_seen:
+        grads.update(g)
+    state_bytes["grads"] = dict(grads)
+    return {
+        "rank": dist.get_rank(), "world": dist.get_world_size(), "coordinate": b["coordinate"],
+        "state_bytes": state_bytes,
+        "step_peak_bytes": tracker.peak, "peak_by_op": dict(list(tracker.peak_by_op.items())[:10]),
+        "comm": comm, "moe_cases": measured_cases,
+        "flops": int(flops.get_total_flops()), "flops_by_op": by_op,
+        "host_syncs": [f"{s.kind}: aten.{s.op} at {s.where}" for s in rec.host_syncs],
+        "step_seconds_on_fake_tensors": step_s, "microbatches_seen": len(grads_seen),
+        "attention": ("flash (16-bit cuda inputs without mask run as aten._scaled_dot_product_flash_attention)"
+                      if device_type == "cuda" else "as torch chooses on cpu"),
+    }
+
+
+def moe_cases(model_cfg: Any, ep: int) -> dict[str, float]:
+    """The routing assumptions a dry run measures for an MoE model (none for a dense one), as the
+    padded dispatcher's buffer factor (rows per destination over the balanced count) that gives their
+    shapes: ``forced_balanced`` (1: every rank receives exactly its share, as the published MoE
+    throughputs assume) and ``capacity_worst_case``: the most the config's dispatcher can hold, its own
+    ``moe_buffer_factor`` for the padded one, the capacity factor for a capped all-to-all, and ``ep``
+    for the dropless one (every pair of every source sent to one rank)."""
+    if not getattr(model_cfg, "num_experts", 0):
+        return {}
+    if model_cfg.moe_dispatcher == "padded":
+        worst = float(model_cfg.moe_buffer_factor)
+    elif model_cfg.moe_capacity_factor is not None:
+        worst = float(model_cfg.moe_capacity_factor)
+    else:
+        worst = float(max(1, ep))
+    return {"forced_balanced": 1.0, "capacity_worst_case": max(1.0, worst)}
+
+
+def _ep_size(cfg: Any) -> int:
+    n = 1
+    for e in cfg.parallel.plan:
+        if e.kind == "ep":
+            for a in e.axes:
+                n *= cfg.parallel.mesh[a]
+    return n
+
+
+def _measure_fake_step(train_step: Any, state: Any, batch: Any, device_type: str) -> dict:
+    """One step on fake tensors under the FLOP counter, the comm counter, the host-sync recorder and
+    the peak tracker."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from hpfunc.comm import comm_stats
+    from hpfunc.testing.fake_devices import DeviceRecorder, answer_host_syncs
+
     rec = DeviceRecorder(device_type, on_host_sync=answer_host_syncs(1))
     tracker = PeakTracker()
     attention = _flash_attention_mode() if device_type == "cuda" else contextlib.nullcontext()
     t0 = time.perf_counter()
     with FlopCounterMode(display=False, custom_mapping=_flop_mapping()) as flops, comm_stats() as stats, \
             rec, tracker, attention:
-        new_state, metrics = train_step(state, {"tokens": tokens})
+        new_state, metrics = train_step(state, batch)
         del new_state, metrics
-    step_s = time.perf_counter() - t0
-    say(f"step done in {step_s:.1f} s")
+    return {"rec": rec, "tracker": tracker, "flops": flops, "stats": stats, "seconds": time.perf_counter() - t0}
+
+
+def _comm_table(stats: Any) -> list[dict]:
     comm: dict[tuple, dict] = {}
     for r in stats.records:
         k = (r.op, "+".join(r.axes), r.n, r.phase)
@@ -361,22 +518,39 @@ def rank_step(raw: Mapping[str, Any], device_type: str = "cuda", progress: bool 
         e["count"] += 1
         e["payload_bytes"] += int(r.payload_bytes)
         e["sent_bytes"] += float(r.sent_bytes)
-    by_op = {str(op).replace("aten.", ""): int(n) for op, n in flops.get_flop_counts().get("Global", {}).items()}
-    grads: collections.Counter = collections.Counter()
-    for g in grads_seen:
-        grads.update(g)
-    state_bytes["grads"] = dict(grads)
-    return {
-        "rank": dist.get_rank(), "world": dist.get_world_size(), "coordinate": dict(zip(names, coordinate)),
-        "state_bytes": state_bytes,
-        "step_peak_bytes": tracker.peak, "peak_by_op": dict(list(tracker.peak_by_op.items())[:10]),
-        "comm": sorted(comm.values(), key=lambda e: (e["axes"], e["collective"], e["phase"])),
-        "flops": int(flops.get_total_flops()), "flops_by_op": by_op,
-        "host_syncs": [f"{s.kind}: aten.{s.op} at {s.where}" for s in rec.host_syncs],
-        "step_seconds_on_fake_tensors": step_s, "microbatches_seen": len(grads_seen),
-        "attention": ("flash (16-bit cuda inputs without mask run as aten._scaled_dot_product_flash_attention)"
-                      if device_type == "cuda" else "as torch chooses on cpu"),
-    }
+    return sorted(comm.values(), key=lambda e: (e["axes"], e["collective"], e["phase"]))
+
+
+def measure_step(raw: Mapping[str, Any], *, timed_steps: int = 3) -> dict:
+    """The trainer's step of ``raw`` on this process's **real** process group (every rank calls it, e.g.
+    through :meth:`hpfunc.testing.RankPool.run`), measured: the first step under :class:`PeakTracker`
+    (storage liveness on real storages: ``step_peak_bytes``; ``peak_bytes`` adds the state at rest, the
+    local shards of the parameters and optimizer state), then ``timed_steps`` more steps timed without
+    the tracker (``step_seconds``: each, wall clock; the first one is the warm-up and is not among them).
+
+    The step is the one :func:`rank_step` runs on fake tensors, on the CPU with real values.
+    """
+    import torch.distributed as dist
+
+    say = _sayer(False)
+    b = _build(raw, "cpu", say)
+    state, train_step = b["state"], b["train_step"]
+    at_rest = sum(_local_bytes(state.params).values()) + sum(_local_bytes(state.opt_state).values())
+    tracker = PeakTracker()
+    with tracker:
+        state, metrics = train_step(state, b["batch"])
+    loss = float(metrics["loss"])
+    del metrics
+    seconds = []
+    for _ in range(timed_steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        state, metrics = train_step(state, b["batch"])
+        float(metrics["loss"])
+        seconds.append(time.perf_counter() - t0)
+    return {"rank": dist.get_rank(), "coordinate": b["coordinate"], "at_rest_bytes": at_rest,
+            "step_peak_bytes": tracker.peak, "peak_bytes": at_rest + tracker.peak,
+            "peak_by_op": dict(list(tracker.peak_by_op.items())[:8]), "loss": loss, "step_seconds": seconds}
 
 
 def _recording_grads(tx: Any, sink: list) -> Any:
@@ -432,17 +606,18 @@ def _progress_file(wanted: bool) -> Iterator[str | None]:
 
 
 def dry_run(raw: Mapping[str, Any], *, world: int | None = None, rank: int = 0, device: str = "cuda",
-            hardware: str = "h100", progress: bool = False) -> dict:
+            hardware: Any = "h100", progress: bool = False, reserve_bytes: int = DEFAULT_RESERVE) -> dict:
     """The dry-run report of the raw config mapping ``raw`` for ``rank`` of ``world`` (default: the
     mesh's size): the measurements of :func:`rank_step` and the cost model's figures for the same
     layout (keys: docs/autoparallel.md#hpfunc-dryrun). ``device="cuda"`` runs in a fresh process
     (the fake CUDA runtime is loaded before torch there); ``cpu`` in this one, which must have no
     default process group."""
-    return dry_runs([raw], world=world, rank=rank, device=device, hardware=hardware, progress=progress)[0]
+    return dry_runs([raw], world=world, rank=rank, device=device, hardware=hardware, progress=progress,
+                    reserve_bytes=reserve_bytes)[0]
 
 
 def dry_runs(raws: Sequence[Mapping[str, Any]], *, world: int | None = None, rank: int = 0, device: str = "cuda",
-             hardware: str = "h100", progress: bool = False) -> list[dict]:
+             hardware: Any = "h100", progress: bool = False, reserve_bytes: int = DEFAULT_RESERVE) -> list[dict]:
     """:func:`dry_run` of several configs of one world size, one after the other in one (fresh) process."""
     import sys
 
@@ -463,7 +638,8 @@ def dry_runs(raws: Sequence[Mapping[str, Any]], *, world: int | None = None, ran
         run = run_on_fake_devices(rank_steps, [dict(r) for r in raws], device, path or progress, world_size=world,
                                   rank=rank, device_type=device, isolated=isolated)
     seconds = (time.perf_counter() - t0) / len(raws)
-    return [_assemble(cfg, measured, world=world, rank=rank, device=device, hardware=hardware, seconds=seconds)
+    return [_assemble(cfg, measured, world=world, rank=rank, device=device, hardware=hardware, seconds=seconds,
+                      reserve_bytes=reserve_bytes)
             for (cfg, _), measured in zip(checked, run.result)]
 
 
@@ -472,8 +648,10 @@ def rank_steps(raws: Sequence[Mapping[str, Any]], device_type: str = "cuda", pro
     return [rank_step(raw, device_type, progress) for raw in raws]
 
 
-def _assemble(cfg: Any, measured: dict, *, world: int, rank: int, device: str, hardware: str,
-              seconds: float) -> dict:
+def _assemble(cfg: Any, measured: dict, *, world: int, rank: int, device: str, hardware: Any,
+              seconds: float, reserve_bytes: int = 0) -> dict:
+    import attrs
+
     from hpfunc.autoparallel.comm_model import communication
     from hpfunc.autoparallel.flops import train_flops_per_token
     from hpfunc.autoparallel.hardware import hardware as _hardware
@@ -483,13 +661,15 @@ def _assemble(cfg: Any, measured: dict, *, world: int, rank: int, device: str, h
 
     hw = _hardware(hardware)
     _, desc = describe_model(cfg)
-    work = workload_of(cfg)
+    work = workload_of(cfg, reserve_bytes=reserve_bytes)
     report: dict[str, Any] = {"world": world, "rank": rank, "device": device, "hardware": hw.name,
                               "mesh": dict(cfg.parallel.mesh), "seconds": seconds, **measured}
     sb = measured["state_bytes"]
     report["state_total_bytes"] = {k: sum(v.values()) for k, v in sb.items()}
     at_rest = report["state_total_bytes"]["params"] + report["state_total_bytes"]["optimizer"]
     report["peak_bytes"] = at_rest + measured["step_peak_bytes"]
+    report["reserve_bytes"] = int(reserve_bytes)
+    report["peak_with_reserve_bytes"] = report["peak_bytes"] + int(reserve_bytes)
     seq = cfg.train.seq_len
     tokens_rank = None
     report["model"] = {"params": desc.params, "layers": desc.num_layers,
@@ -509,6 +689,11 @@ def _assemble(cfg: Any, measured: dict, *, world: int, rank: int, device: str, h
             "tokens_per_second_per_device": t.tokens_per_second_per_device,
             "rank_tokens": tokens_rank,
         }
+        for name, case in measured.get("moe_cases", {}).items():  # the cost model under the same assumption
+            w = attrs.evolve(work, moe_buffer_factor=case["moe_buffer_factor"])
+            case["peak_bytes"] = at_rest + case["step_peak_bytes"]
+            case["estimate_memory_total_bytes"] = memory(desc, lay, w).total
+            case["estimate_step_seconds"] = step_time(desc, lay, w, hw).total
     except ValueError as err:  # a layout the cost model does not describe: the measurements stand alone
         estimate = {"layout": None, "error": str(err)}
     report["estimate"] = estimate
@@ -533,6 +718,8 @@ def format_report(r: Mapping[str, Any]) -> str:
              f"  step peak  {format_bytes(r['step_peak_bytes']):>12}  (storages the step creates, alive at once; "
              f"on top of the state at rest)",
              f"  peak       {format_bytes(r['peak_bytes']):>12}  (params + optimizer state + step peak)",
+             f"  + reserve  {format_bytes(r['peak_with_reserve_bytes']):>12}  (the peak + the reserve "
+             f"{format_bytes(r['reserve_bytes'])} for what is not modelled: --reserve)",
              "  the step peak's composition (producing op): " + ", ".join(
                  f"{op} {format_bytes(n)}" for op, n in list(r["peak_by_op"].items())[:6]),
              f"  FLOPs      {r['flops'] / 1e12:.4f} TFLOP this step (torch's counter, attention unhalved)",
@@ -540,6 +727,13 @@ def format_report(r: Mapping[str, Any]) -> str:
     for c in r["comm"]:
         lines.append(f"    {c['collective']:15} {c['axes'] or '-':10} n={c['group']:<4} {c['phase']:8} x{c['count']:<5} "
                      f"{format_bytes(c['sent_bytes']):>12}")
+    for name, c in r.get("moe_cases", {}).items():
+        a2a = sum(e["sent_bytes"] for e in c["comm"] if e["collective"] == "all_to_all")
+        est = (f"; cost model {format_bytes(c['estimate_memory_total_bytes'])} with the reserve"
+               if "estimate_memory_total_bytes" in c else "")
+        lines.append(f"  MoE {name:20} (buffers {c['moe_buffer_factor']:g} x balanced): peak "
+                     f"{format_bytes(c.get('peak_bytes', c['step_peak_bytes']))}, all-to-all {format_bytes(a2a)}, "
+                     f"{c['flops'] / 1e12:.4f} TFLOP{est}")
     if r["host_syncs"]:
         lines.append(f"  host syncs answered with a stand-in: {len(r['host_syncs'])}")
     e = r["estimate"]

@@ -22,7 +22,8 @@ from typing import Mapping
 
 import attrs
 
-__all__ = ["Hardware", "HARDWARE", "hardware", "parse_bytes", "HardwareError", "format_bytes"]
+__all__ = ["Hardware", "HARDWARE", "hardware", "parse_bytes", "HardwareError", "format_bytes", "to_json",
+           "load_profile"]
 
 
 class HardwareError(ValueError):
@@ -90,6 +91,27 @@ HARDWARE: dict[str, Hardware] = {
 }
 
 
+def to_json(hw: Hardware) -> dict:
+    """``hw`` as plain data (what ``hpfunc dryrun --calibrate`` writes and :func:`hardware` reads back)."""
+    d = attrs.asdict(hw)
+    d["flops"] = dict(hw.flops)
+    return d
+
+
+def load_profile(path: str) -> Hardware:
+    """The hardware profile in the JSON file ``path`` (the keys of :class:`Hardware`)."""
+    import json
+    import pathlib
+
+    try:
+        data = json.loads(pathlib.Path(path).read_text())
+        return Hardware(**data)
+    except (OSError, ValueError, TypeError) as err:
+        raise HardwareError(f"--hardware: {path!r} is not a hardware profile (a JSON object with the fields of "
+                            f"hpfunc.autoparallel.hardware.Hardware, as `hpfunc dryrun --calibrate` writes): {err}"
+                            ) from None
+
+
 def hardware(name: str | Hardware) -> Hardware:
     """The preset called ``name`` (``h100``, ``h200``, ``a100``, ``cpu``); a :class:`Hardware` as is.
 
@@ -97,15 +119,18 @@ def hardware(name: str | Hardware) -> Hardware:
     ...     hardware("h800")
     ... except HardwareError as e:
     ...     print(e)
-    --hardware: unknown hardware 'h800'; did you mean 'h200'? known: h100, h200, a100, cpu
+    --hardware: unknown hardware 'h800'; did you mean 'h200'? known: h100, h200, a100, cpu, or a profile PATH.json
     """
     if isinstance(name, Hardware):
         return name
     if name in HARDWARE:
         return HARDWARE[name]
+    if str(name).endswith(".json"):  # a measured profile (hpfunc dryrun --calibrate)
+        return load_profile(str(name))
     close = difflib.get_close_matches(str(name), list(HARDWARE), n=1)
     hint = f"did you mean {close[0]!r}? " if close else ""
-    raise HardwareError(f"--hardware: unknown hardware {name!r}; {hint}known: {', '.join(HARDWARE)}")
+    raise HardwareError(f"--hardware: unknown hardware {name!r}; {hint}known: {', '.join(HARDWARE)}, or a profile "
+                        f"PATH.json")
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,

@@ -15,7 +15,9 @@ Terms (bytes, per rank; the largest rank of the pipeline is reported):
   ``tp`` only with sequence parallelism); times the tokens of a microbatch; times the rank's
   layers; times the stage-microbatches in flight, ``peak_resident_until_w`` of
   :func:`hpfunc.schedules.simulate` for the schedule (1 without a pipeline). Flash attention keeps no
-  ``s^2`` term; without it the float32 probabilities ``4 a s`` per token are added.
+  ``s^2`` term; without it the float32 probabilities ``4 a s`` per token are added. The dispatched MoE
+  values scale with the workload's ``expert_rows_factor`` (the padded dispatcher's buffers, 1.5 x by
+  default, or the routing imbalance of the dropless one).
 * ``recompute``: with remat, one layer's full activations are rebuilt in its backward.
 * ``loss``: the last stage's logits for one microbatch, bf16 plus float32 log-softmax and its gradient.
 * ``reserve``: the workload's reserve for what is not modelled (:data:`UNMODELLED`).
@@ -106,7 +108,7 @@ def tokens_per_microbatch(layout: Layout, work: Workload) -> float:
 
 def layer_activation_bytes_per_token(layer: LayerDescription, remat: str, layout: Layout, work: Workload) -> float:
     """What one layer keeps per token of the microbatch on one rank (tp / sp splits applied)."""
-    return _layer_bytes(layer, remat, layout.tp, layout.sp, work.routing_imbalance, work.flash_attention, work.seq_len)
+    return _layer_bytes(layer, remat, layout.tp, layout.sp, work.expert_rows_factor, work.flash_attention, work.seq_len)
 
 
 @functools.lru_cache(maxsize=4096)

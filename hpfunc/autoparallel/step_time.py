@@ -85,7 +85,7 @@ def layer_seconds(layer: LayerDescription, layout: Layout, work: Workload, hw: H
     expert = 2.0 * layer.expert_params * layer.top_k / layer.num_experts if layer.num_experts else 0.0
     t = layout.tp
     f_mm = tokens * ((mm - expert) / t / (peak * hw.matmul_efficiency)
-                     + expert * work.routing_imbalance / t / (peak * hw.moe_efficiency))
+                     + expert * work.expert_rows_factor / t / (peak * hw.moe_efficiency))
     f_attn = tokens * attn / t / (peak * hw.attention_efficiency)
     elementwise = sum(v.bytes_per_token / (t if (v.tp_split or layout.sp) else 1)
                       for v in layer.saved if not v.matmul)
@@ -96,7 +96,7 @@ def layer_seconds(layer: LayerDescription, layout: Layout, work: Workload, hw: H
         rec = fwd
     elif remat == "selective":  # attention, the elementwise values and uncached (grouped) GEMMs again
         uncached = sum(v.recompute_flops_per_token for v in layer.saved if not v.matmul)
-        rec = f_attn + f_mem + tokens * uncached * work.routing_imbalance / t / (peak * hw.moe_efficiency)
+        rec = f_attn + f_mem + tokens * uncached * work.expert_rows_factor / t / (peak * hw.moe_efficiency)
     return fwd, 2.0 * (f_mm + f_attn) + 2.0 * f_mem + rec
 
 

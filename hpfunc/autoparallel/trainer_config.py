@@ -38,7 +38,12 @@ def workload_of(cfg: Any, *, precision: str | None = None, reserve_bytes: int | 
     (model states ``mixed`` for bf16, ``fp32`` for fp32 unless ``precision`` says)."""
     dtype = cfg.model.dtype
     prec = precision or ("mixed" if dtype == "bfloat16" else "fp32")
-    extra = {} if reserve_bytes is None else {"reserve_bytes": int(reserve_bytes)}
+    extra: dict[str, Any] = {} if reserve_bytes is None else {"reserve_bytes": int(reserve_bytes)}
+    from hpfunc.train.build import build_model_config
+
+    model_cfg = build_model_config(cfg.model)
+    if getattr(model_cfg, "moe_dispatcher", None) == "padded":  # fixed capacity buffers (see Workload)
+        extra["moe_buffer_factor"] = float(model_cfg.moe_buffer_factor)
     return Workload(global_batch=cfg.train.batch_size, seq_len=cfg.train.seq_len, dtype=dtype, precision=prec,
                     **extra)
 

@@ -170,3 +170,58 @@ def test_cli_exits_2_naming_the_key(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         hpfunc_main(["dryrun", str(path), "--rank", "9"])
     assert e.value.code == 2 and "--rank" in capsys.readouterr().err
+
+
+def test_moe_is_reported_forced_balanced_and_at_the_capacity_worst_case(reports):
+    r = reports[1]  # the padded dispatcher, moe_buffer_factor 1.5, ep 4
+    bal, worst = r["moe_cases"]["forced_balanced"], r["moe_cases"]["capacity_worst_case"]
+    assert (bal["moe_buffer_factor"], worst["moe_buffer_factor"]) == (1.0, 1.5)
+
+    def a2a(case):
+        return sum(e["payload_bytes"] for e in case["comm"] if e["collective"] == "all_to_all")
+
+    # the dispatch buffers (and so the all-to-all payloads) scale with the buffer factor
+    assert a2a(worst) == pytest.approx(1.5 * a2a(bal), rel=0.02)
+    assert bal["flops"] < worst["flops"] and bal["step_peak_bytes"] <= worst["step_peak_bytes"]
+    # the cost model follows the same assumption; the report's main figures are the worst case
+    assert bal["estimate_memory_total_bytes"] < worst["estimate_memory_total_bytes"]
+    assert r["step_peak_bytes"] == worst["step_peak_bytes"]
+    # without ep the dropless path's shapes do not depend on the routing: one run, both names
+    c = reports[0]["moe_cases"]
+    assert c["forced_balanced"]["step_peak_bytes"] == c["capacity_worst_case"]["step_peak_bytes"]
+
+
+def test_reserve_is_added_to_the_measured_peak(report):
+    assert report["reserve_bytes"] == 4 * 2**30
+    assert report["peak_with_reserve_bytes"] == report["peak_bytes"] + 4 * 2**30
+    assert report["estimate"]["memory_bytes"]["reserve"] == 4 * 2**30
+
+
+def test_hardware_profile_round_trip(tmp_path):
+    from hpfunc.autoparallel.hardware import HardwareError, hardware, to_json
+
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps({**to_json(hardware("cpu")), "name": "mine"}))
+    assert hardware(str(path)) == attrs_evolve(hardware("cpu"), name="mine")
+    (tmp_path / "bad.json").write_text("{\"name\": 1}")
+    with pytest.raises(HardwareError, match="--hardware: .*bad.json.* is not a hardware profile"):
+        hardware(str(tmp_path / "bad.json"))
+
+
+def attrs_evolve(x, **kw):
+    import attrs
+
+    return attrs.evolve(x, **kw)
+
+
+def test_cli_reads_and_checks_the_dryrun_section(tmp_path, capsys):
+    import yaml
+
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({**RAW, "dryrun": {"reserve": "lots"}}))
+    with pytest.raises(SystemExit) as e:
+        dryrun_main([str(path)])
+    assert e.value.code == 2 and "dryrun.reserve" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        dryrun_main([str(path), "--reserve", "-1GiB"])
+    assert e.value.code == 2 and "--reserve" in capsys.readouterr().err
