@@ -184,6 +184,12 @@ def _backend_detail(e: BaseException) -> tuple[str, str, float | None]:
 
 
 def _rank() -> str:
+    """This rank's number: its process group's (also right for a rank simulated in a thread of one
+    process, hpfunc.autoparallel.simulate), else the launcher's ``RANK``."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return str(dist.get_rank())
     return os.environ.get("RANK", "?")
 
 

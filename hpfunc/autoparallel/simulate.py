@@ -290,6 +290,19 @@ def _preimport() -> None:
     del model_spec
 
 
+def _clear_frames(error: BaseException) -> None:
+    """Clear the locals of every frame in ``error``'s tracebacks, its causes and contexts included."""
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [error]
+    while pending:
+        e = pending.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)
+        pending += [e.__cause__, e.__context__]
+
+
 @attrs.define
 class _Failure:
     rank: int
@@ -373,7 +386,7 @@ def simulate(config: Any, *, world: int | None = None, steps: int | None = None,
                 with lock:
                     failures.append(_Failure(rank, time.monotonic(), f"{type(e).__name__}: {e}",
                                              "".join(traceback.format_exception(e)), is_comm_failure(e)))
-                traceback.clear_frames(e.__traceback__)  # the frames hold this rank's groups alive
+                _clear_frames(e)  # the frames hold this rank's groups alive
                 del e
             finally:
                 if dist.distributed_c10d._world is world_obj and dist.is_initialized():
