@@ -22,9 +22,11 @@ What a simulation is not: it computes every rank on this host's CPU (``parallel.
 ``cpu``), one rank at a time under Python's GIL, so its wall time says nothing about the real run's;
 the memory it needs is the sum of all ranks'. Use small sizes (``--set``) and few steps.
 
-A rank that raises is reported as :class:`SimulationError` naming it (the others stop at once: the
-failed rank's gloo connections close, as a dead process's do); a rank that waits forever fails after
-``parallel.timeout_s``, as in a real run.
+A rank that raises is reported as :class:`SimulationError` naming it, once every rank has stopped:
+the failed rank's process groups are destroyed and its frames cleared, so that its gloo connections
+close as a dead process's do and the peers waiting on it fail at once. Not always: in the tests a peer
+that entered a collective with the failed rank after that rank had gone waited out
+``parallel.timeout_s`` (as a rank waiting forever does).
 
 Example (two ranks of a tiny dense model, fsdp over 2, two steps; ~2 s)::
 
@@ -442,8 +444,8 @@ def compare_records(simulated: Sequence[Mapping[str, Any]], real: Sequence[Mappi
     problems)``; ``problems`` lists the steps beyond ``rtol`` and the steps one run logged and the other not.
 
     >>> compare_records([{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.5}],
-    ...                 [{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.6}])[1:]
-    (0.0625, ['step 2: loss 1.5 simulated, 1.6 real (relative difference 6.25e-02 > rtol 1e-05)'])
+    ...                 [{"step": 1, "loss": 2.0}, {"step": 2, "loss": 2.0}, {"step": 3, "loss": 1.0}])[1:]
+    (0.25, ['step 2: loss 1.5 simulated, 2.0 real (relative difference 2.50e-01 > rtol 1e-05)', 'step 3: logged by the real run only'])
     """
     sim = {int(r["step"]): float(r["loss"]) for r in simulated if "loss" in r}
     ref = {int(r["step"]): float(r["loss"]) for r in real if "loss" in r}

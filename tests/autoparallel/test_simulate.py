@@ -166,7 +166,7 @@ def test_bad_requests_name_the_key_before_anything_starts(tmp_path, capsys):
 def test_a_failing_rank_is_named_as_the_cause(tmp_path, monkeypatch):
     """Rank 2 raises before its first step; the others, waiting in collectives for it, fail after it (their
     peer's connections close when its gloo groups are freed, or, should something still hold them, on
-    the collective timeout, 15 s here), and the error names rank 2 with its own error."""
+    the collective timeout, 10 s here), and the error names rank 2 with its own error."""
     import torch.distributed as dist
 
     import hpfunc.train.loop as loop
@@ -181,7 +181,7 @@ def test_a_failing_rank_is_named_as_the_cause(tmp_path, monkeypatch):
     monkeypatch.setattr(loop, "sample_batch", fail_on_rank2)
     with pytest.raises(SimulationError, match=r"simulated rank 2 of 4 failed: OSError: the disk of rank 2 is gone; "
                                               r"ranks \[.*\] failed after it") as e:
-        simulate(_config(tmp_path, "fsdp_tp"), overrides=["parallel.timeout_s=15"])
+        simulate(_config(tmp_path, "fsdp_tp"), overrides=["parallel.timeout_s=10"])
     assert sorted(r for r, _, _ in e.value.failures) == [0, 1, 2, 3]
     assert e.value.failures[0][0] == 2 and "fail_on_rank2" in e.value.failures[0][2]  # the cause's traceback
     for rank, text, _ in e.value.failures[1:]:
