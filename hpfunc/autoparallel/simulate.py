@@ -282,7 +282,9 @@ def _thread_local_world() -> Iterator[Any]:
 
 def _preimport() -> None:
     """Import what the ranks run here first: N threads importing one module at once is slow and can
-    trip over a module half-initialised by another."""
+    trip over a module half-initialised by another, and a rank importing for seconds keeps its peers
+    waiting in a collective (against ``parallel.timeout_s``)."""
+    import torch._dynamo  # noqa: F401 -- DTensor.from_local imports it on first use: seconds, once
     import hpfunc.train.callbacks.base  # noqa: F401
     import hpfunc.train.distributed  # noqa: F401
     import hpfunc.train.loop  # noqa: F401
