@@ -1,5 +1,6 @@
 """The ``hpfunc`` command: ``hpfunc launch ...``, ``hpfunc train CONFIG.yaml``, ``hpfunc convert SRC DST``,
-``hpfunc plan CONFIG.yaml``, ``hpfunc dryrun CONFIG.yaml`` and ``hpfunc --version``.
+``hpfunc plan CONFIG.yaml``, ``hpfunc dryrun CONFIG.yaml``, ``hpfunc simulate CONFIG.yaml`` and
+``hpfunc --version``.
 
 An argparse parser with one subparser per command; each command parses its own arguments (its module's
 ``main``), so ``hpfunc COMMAND --help`` is that command's help. Exit status 2 for a usage error: an
@@ -53,6 +54,12 @@ def _dryrun(argv: list[str]) -> None:
     dryrun_main(argv)
 
 
+def _simulate(argv: list[str]) -> None:
+    from hpfunc.autoparallel.simulate_cli import main as simulate_main
+
+    simulate_main(argv)
+
+
 def _usage_of(command: str) -> str:
     if command == "launch":
         from hpfunc.launch import USAGE
@@ -60,6 +67,8 @@ def _usage_of(command: str) -> str:
         from hpfunc.train.cli import USAGE
     elif command == "plan":
         return "usage: hpfunc plan CONFIG.yaml --devices N [--memory 80GiB] [--hardware h100] ... (hpfunc plan --help)\n"
+    elif command == "simulate":
+        return "usage: hpfunc simulate CONFIG.yaml [--world N] [--steps K] ... (hpfunc simulate --help)\n"
     elif command == "dryrun":
         return "usage: hpfunc dryrun CONFIG.yaml [--world N] [--device cuda|cpu] [--rank R] ... (hpfunc dryrun --help)\n"
     else:
@@ -77,6 +86,8 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], None], str]] = {
                     "plan CONFIG.yaml --devices N"),
     "dryrun": (_dryrun, "run one training step of a config as one rank of N on fake tensors and the fake process "
                         "group; report its memory, communication, FLOPs and the estimated step time"),
+    "simulate": (_simulate, "run all N ranks of a config's parallel training run in one process (a thread per "
+                            "rank, real gloo groups, real values): per-step losses equal hpfunc train's"),
 }
 
 

@@ -28,14 +28,14 @@ The launcher tells its ranks what they need in the environment: :data:`ENV_LAUNC
 :data:`ENV_TIMEOUT`, :data:`ENV_HEARTBEAT_DIR` (see :meth:`Watchdog.env`). This module imports only
 the standard library, so the core (:mod:`hpfunc.lax`, :mod:`hpfunc.mesh`) can use it.
 
-Example (the message of a collective that timed out, built from gloo's error; in a rank, ``RANK``
-replaces the ``?`` and the heartbeats say which rank is silent):
+Example (the message of a collective that timed out, built from gloo's error; in a rank, its number
+(its process group's, else ``RANK``) replaces the ``?`` and the heartbeats say which rank is silent):
 
     >>> gloo = RuntimeError("[third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 10000ms "
     ...                     "for recv operation to complete")
     >>> print(collective_error(gloo, name="psum", axes=("dp",), n=2, frames=[("script.py", 7)]))
     ... # doctest: +ELLIPSIS
-    rank ?: psum over mesh axis 'dp' (2 ranks), issued at ...script.py:7, timed out after 10 s (the
+    rank ...: psum over mesh axis 'dp' (2 ranks), issued at ...script.py:7, timed out after 10 s (the
     collective timeout; gloo: Timed out waiting 10000ms for recv operation to complete); the ranks are
     not watched by an hpfunc launcher (no heartbeat): ...
 """
@@ -184,6 +184,12 @@ def _backend_detail(e: BaseException) -> tuple[str, str, float | None]:
 
 
 def _rank() -> str:
+    """This rank's number: its default process group's when one is running (also right for a rank
+    simulated in a thread of one process, hpfunc.autoparallel.simulate), else the launcher's ``RANK``.
+    torch is not imported here: only read when the program has loaded it."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return str(dist.get_rank())
     return os.environ.get("RANK", "?")
 
 

@@ -29,7 +29,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from hpfunc import faults as _faults
 
-__all__ = ["Mesh", "make_mesh", "current_mesh", "AxisName", "normalize_axes", "init_distributed"]
+__all__ = ["Mesh", "make_mesh", "current_mesh", "AxisName", "normalize_axes", "init_distributed",
+           "forget_process_group"]
 
 AxisName = str | tuple[str, ...]
 
@@ -37,6 +38,8 @@ _CURRENT: contextvars.ContextVar["Mesh | None"] = contextvars.ContextVar("hpfunc
 
 # DeviceMeshes are cached per process group and layout: building one creates process groups, and
 # tests and notebooks build the same mesh many times. The cache never changes what a Mesh means.
+# Keys start with id(default group): forget_process_group drops a group's entries before it is
+# destroyed, so that a later group Python gives the same id never finds them.
 _DEVICE_MESH_CACHE: dict[tuple, DeviceMesh] = {}
 _GROUP_CACHE: dict[tuple, dist.ProcessGroup] = {}
 
@@ -75,6 +78,20 @@ def init_distributed(backend: str | None = None, *, timeout_s: float | None = No
         return
     store = dist.HashStore()
     dist.init_process_group(backend, store=store, rank=0, world_size=1)
+
+
+def forget_process_group() -> None:
+    """Drop the DeviceMeshes and axis groups cached for the current default process group; call it
+    before destroying that group. A later default group may get the same ``id`` (the cache's key), and
+    must not find meshes whose groups are gone: the single-card simulation
+    (:mod:`hpfunc.autoparallel.simulate`) makes and destroys one default group per simulated rank.
+
+    >>> forget_process_group()  # no default group: nothing is cached for it
+    """
+    world_id = id(dist.group.WORLD)
+    for cache in (_DEVICE_MESH_CACHE, _GROUP_CACHE):
+        for key in [k for k in list(cache) if k[0] == world_id]:
+            cache.pop(key, None)
 
 
 def _same_timeout_as_world(group: dist.ProcessGroup) -> None:
