@@ -216,8 +216,9 @@ def build_optimizer(oc: OptimizerConfig, factor: Callable[[int], float],
 
 def check_buildable(cfg: Config) -> Any:
     """Build what can be built without data (model config, schedule) and check the parallel plan
-    against the model and the ``callbacks:`` entries (names, import paths, options), so errors come
-    before any work (and before any rank starts). Also checked:
+    against the model, the ``precision:`` and ``activations:`` sections against the model and the plan
+    (:func:`hpfunc.train.step_transforms.check_step_transforms`) and the ``callbacks:`` entries (names,
+    import paths, options), so errors come before any work (and before any rank starts). Also checked:
     ``train.seq_len`` fits in the model's longest sequence (its spec's ``positions_field``).
 
     Returns the model config.
@@ -237,6 +238,9 @@ def check_buildable(cfg: Config) -> Any:
         )
     build_schedule(cfg.schedule, cfg.train.steps)
     check_parallel(cfg, model_cfg)
+    from hpfunc.train.step_transforms import check_step_transforms
+
+    check_step_transforms(cfg, model_cfg, spec)  # precision: and activations: against the model and the plan
     from hpfunc.train.callbacks import build_callbacks
 
     build_callbacks(cfg)  # names, import paths and option types: errors before any rank starts

@@ -85,7 +85,7 @@ def check_layer_policies(value: Any, path: str, num_layers: int, where: str) -> 
     """Raise :class:`ConfigError` naming ``path`` when a per-layer policy does not fit a model of
     ``num_layers`` layers (``where``: the key that says so, e.g. ``model.num_hidden_layers``)."""
     if isinstance(value, tuple) and len(value) != num_layers:
-        raise ConfigError(f"{path}: {len(value)} entries, but the model has {num_layers} layers ({where}); give "
+        raise ConfigError(f"{path}: {len(value)} {'entry' if len(value) == 1 else 'entries'}, but the model has {num_layers} layers ({where}); give "
                           f"one policy (or none) per layer, or a mapping {{layer index: policy}}")
     if isinstance(value, dict):
         for k in value:

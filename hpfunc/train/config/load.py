@@ -38,6 +38,7 @@ STRUCTURER = Structurer(
         "activations.offload": lambda v, path: parse_layer_policies(v, path, OFFLOAD_POLICIES),
     },
     open_fields=OPEN_SECTIONS,
+    moved={"precision.param_dtype": "the parameters' own dtype (storage, gradients, optimizer state) is model.dtype"},
 )
 
 

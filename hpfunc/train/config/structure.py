@@ -81,12 +81,14 @@ class Structurer:
 
     ``hooks``: dotted key path -> ``fn(value, path)`` for a section with a grammar of its own (the
     ``parallel:`` section); ``open_fields``: attrs class -> the name of its field that collects the
-    section's keys that are not fields (checked later, e.g. model-config overrides).
+    section's keys that are not fields (checked later, e.g. model-config overrides); ``moved``: the
+    hint for a key users look for in a section where it is not (``precision.param_dtype``).
     """
 
     root: type
     hooks: Mapping[str, Callable[[Any, str], Any]] = attrs.field(factory=dict)
     open_fields: Mapping[type, str] = attrs.field(factory=dict)
+    moved: Mapping[str, str] = attrs.field(factory=dict)  # "section.key" users may look for -> where it is
 
     def structure(self, data: Any) -> Any:
         """``data`` (a mapping, or ``None`` for every default) as an instance of ``root``."""
@@ -110,7 +112,9 @@ class Structurer:
         same key elsewhere in the schema, or the key sharing the longest words with it."""
         hint = ""
         close = difflib.get_close_matches(key, allowed, n=1, cutoff=0.6)
-        if close:
+        if join(path, key) in self.moved:
+            hint = f"{self.moved[join(path, key)]}; "
+        elif close:
             hint = f"did you mean {close[0]!r}? "
         else:
             keys = self.schema_keys()

@@ -129,9 +129,16 @@ class _Reads:
         specs = [cfg.leaves[j].gather for j in members]
         flight = self.flights.pop(members[0], None)
         forward = torch._C._current_graph_task_id() == -1  # not a recompute in the backward
+        # Inside a remat region the forward gathers as its recompute in the backward will (synchronously, in
+        # the region): selective checkpointing requires the recompute to repeat the forward's ops, and the
+        # recompute never finds a group prefetched or gathers through the asynchronous scatter's path.
+        in_remat = saved_tensors.in_recompute_region() is not None
+        if in_remat and flight is not None:
+            flight.wait()
+            flight = None
         if self.seen is not None and forward and members[0] not in self.seen:
             self.seen.append(members[0])
-        if (self.scatters is not None and forward and prefetch.eligible(specs, cfg.mixed)
+        if (self.scatters is not None and forward and not in_remat and prefetch.eligible(specs, cfg.mixed)
                 and all(j in self.differentiated for j in members)):
             full = self.scatters.gather(cfg.mesh, blocks, members, specs[0][0][1], flight)
             fulls = _unpack_gathered(full, blocks, [g[0][0] for g in specs], full.shape[0])
@@ -142,7 +149,7 @@ class _Reads:
             fulls = gather_group(blocks, specs, cfg.mixed)
         detached = [b.detach() for b in blocks]
         self.layer.own_gathered(fulls, next(self.gids), lambda: gather_group(detached, specs, cfg.mixed))
-        if self.order is not None and forward:
+        if self.order is not None and forward and not in_remat:
             self._prefetch_after(members[0])
         return fulls
 
