@@ -277,6 +277,27 @@ def _check_pipeline(cfg: Config, model_cfg: Any, spec: Any) -> None:
             what = ("layers_per_stage" if "layers_per_stage" in str(err) else
                     "remat" if "remat" in str(err) else "schedule")
             raise ConfigError(f"{key}.{what}: {err}") from None
+        _check_layer_remat(cfg, model_cfg, spec, e, key)
+
+
+def _check_layer_remat(cfg: Config, model_cfg: Any, spec: Any, e: PlanEntry, key: str) -> None:
+    """``activations.remat`` (per layer) with a ``pp`` entry: not beside the entry's own ``remat`` (per
+    stage), and no selective policy when the schedule splits the backward into B and W (a selectively
+    recomputed region allows one backward)."""
+    from hpfunc.train.step_transforms import policy_names
+
+    remat = cfg.activations.remat
+    if remat is None:
+        return
+    if e.options.get("remat") is not None:
+        raise ConfigError(f"activations.remat: {key}.remat recomputes whole stages already; set one of the two "
+                          f"(activations.remat per layer, or {key}.remat per stage)")
+    selective = sorted(p for p in policy_names(remat) if p not in ("nothing_saveable", "everything_saveable"))
+    if selective and pipeline_splits_backward(cfg, model_cfg, spec, e):
+        raise ConfigError(f"activations.remat: the selective policy {selective[0]!r} recomputes a layer once, but "
+                          f"the schedule {e.options['schedule']!r} ({key}.schedule) splits each backward into B "
+                          f"and W; use nothing_saveable, or a schedule without the split (gpipe, 1f1b, "
+                          f"interleaved)")
 
 
 def _check_context(cfg: Config, model_cfg: Any, spec: Any) -> None:

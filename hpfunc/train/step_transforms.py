@@ -36,7 +36,7 @@ from hpfunc import tree as _tree
 from hpfunc.train.config import ActivationsConfig, Config, ConfigError, PrecisionConfig
 from hpfunc.train.config.grammars import check_layer_policies, layer_policy
 
-__all__ = ["layer_transform", "train_loss", "with_precision", "check_step_transforms", "DTYPES"]
+__all__ = ["layer_transform", "train_loss", "with_precision", "check_step_transforms", "policy_names", "DTYPES"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
@@ -138,8 +138,8 @@ def with_precision(plan: Any, pc: PrecisionConfig) -> Any:
 def check_step_transforms(cfg: Config, model_cfg: Any, spec: Any) -> None:
     """Raise :class:`ConfigError` naming the key when ``precision:`` or ``activations:`` does not fit the run:
     a layer index outside the model, a per-layer list of the wrong length, ``precision.reduce_dtype``
-    without a mesh (nothing is reduced), ``activations.remat`` beside a pipeline's own ``remat``, a
-    selective remat policy on a pipeline whose schedule splits the backward into B and W."""
+    without a mesh (nothing is reduced). (``activations.remat`` with a ``pp`` entry is checked with the
+    pipeline, by :func:`hpfunc.train.distributed.check_parallel`.)"""
     ac, pc = cfg.activations, cfg.precision
     if pc.reduce_dtype is not None and cfg.parallel.size == 1:
         raise ConfigError(f"precision.reduce_dtype: {pc.reduce_dtype} on a single device, where no gradient is "
@@ -149,26 +149,10 @@ def check_step_transforms(cfg: Config, model_cfg: Any, spec: Any) -> None:
         where = f"model.{spec.layers_field}"
         check_layer_policies(ac.remat, "activations.remat", n, where)
         check_layer_policies(ac.offload, "activations.offload", n, where)
-    if ac.remat is None:
-        return
-    for i, e in enumerate(cfg.parallel.plan):
-        if e.kind != "pp":
-            continue
-        key = f"parallel.plan[{i}].pp"
-        if e.options.get("remat") is not None:
-            raise ConfigError(f"activations.remat: {key}.remat recomputes whole stages already; set one of the two "
-                              f"(activations.remat per layer, or {key}.remat per stage)")
-        from hpfunc.train.distributed import pipeline_splits_backward
-
-        selective = sorted({p for p in _names(ac.remat) if p not in ("nothing_saveable", "everything_saveable")})
-        if selective and pipeline_splits_backward(cfg, model_cfg, spec, e):
-            raise ConfigError(f"activations.remat: the selective policy {selective[0]!r} recomputes a layer once, but "
-                              f"the schedule {e.options['schedule']!r} ({key}.schedule) splits each backward into "
-                              f"B and W; use nothing_saveable, or a schedule without the split (gpipe, 1f1b, "
-                              f"interleaved)")
 
 
-def _names(value: Any) -> set[str]:
+def policy_names(value: Any) -> set[str]:
+    """The policy names a per-layer key uses."""
     if isinstance(value, tuple):
         return {v for v in value if v is not None}
     if isinstance(value, dict):
