@@ -87,6 +87,23 @@ def test_remat_and_offload_leave_every_plan_s_losses_unchanged(pools, corpus, tm
         assert [r[key] for r in got[0]] == pytest.approx([r[key] for r in want], rel=1e-5), key
 
 
+DENSE = {"preset": "qwen3-dense-tiny", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4}
+
+
+@pytest.mark.multirank
+def test_offload_and_full_remat_under_a_schedule_that_splits_the_backward(pools, corpus, tmp_path):
+    """zbv on pp 2 (four stages, each backward split into B and W: the saved activations are read twice):
+    the dense model's losses and gradient norms equal the single-device run without the keys."""
+    parallel = {"mesh": {"pp": 2}, "plan": [{"pp": {"schedule": "zbv", "microbatches": 2}}]}
+    activations = {"remat": {1: "nothing_saveable", 2: "nothing_saveable"},
+                   "offload": {0: "everything", 2: "everything", 3: "dots"}}
+    got = pools(2).run(train_in_rank, _raw(corpus, tmp_path / "out", model=DENSE, parallel=parallel,
+                                           activations=activations))[0]
+    want = train_in_rank(_raw(corpus, tmp_path / "single", model=DENSE))
+    for key in ("loss", "grad_norm"):
+        assert [r[key] for r in got] == pytest.approx([r[key] for r in want], rel=1e-5), key
+
+
 def mixed_in_rank(raw: dict) -> dict:
     """This rank's per-step losses from ``Trainer(raw)`` (``precision:`` set) and from the matching
     ``hpfunc.parallelize`` call written by hand: the same model, data, optimizer and initial key, the

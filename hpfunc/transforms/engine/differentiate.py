@@ -97,6 +97,14 @@ def reduce_wanted(program: Any, grads: list[torch.Tensor], wanted: list[int]) ->
     return out
 
 
+def _selective_checkpoint() -> bool:
+    """Whether torch's selective checkpoint records this region's ops (its caching dispatch mode is active)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+    from torch.utils.checkpoint import _CachingTorchDispatchMode
+
+    return any(isinstance(m, _CachingTorchDispatchMode) for m in _get_current_dispatch_mode_stack())
+
+
 class _Reads:
     """The parameters of one differentiation as used: gathered with their group on first read; from the
     second differentiation of a lowered step on, the forward prefetches the group read next
@@ -129,10 +137,11 @@ class _Reads:
         specs = [cfg.leaves[j].gather for j in members]
         flight = self.flights.pop(members[0], None)
         forward = torch._C._current_graph_task_id() == -1  # not a recompute in the backward
-        # Inside a remat region the forward gathers as its recompute in the backward will (synchronously, in
-        # the region): selective checkpointing requires the recompute to repeat the forward's ops, and the
-        # recompute never finds a group prefetched or gathers through the asynchronous scatter's path.
-        in_remat = saved_tensors.in_recompute_region() is not None
+        # Inside a selectively recomputed region the forward gathers as its recompute in the backward will
+        # (synchronously, in the region): selective checkpointing requires the recompute to repeat the
+        # forward's ops, and the recompute never finds a group prefetched or gathers through the
+        # asynchronous scatter's path. (A full recompute replays without that check: it keeps both.)
+        in_remat = saved_tensors.in_recompute_region() is not None and _selective_checkpoint()
         if in_remat and flight is not None:
             flight.wait()
             flight = None
