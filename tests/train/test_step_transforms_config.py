@@ -160,6 +160,12 @@ def test_precision_equals_the_matching_parallelize_call(pools, corpus, tmp_path,
     fp32 = [r["loss"] for r in _single(corpus, tmp_path)]
     # the key changes the math: bf16 compute is not fp32's (so a run that ignored it would fail above)
     assert max(abs(a - b) / b for a, b in zip(got["trainer"], fp32)) > 1e-4
+    # on one process the loss reads the parameters cast to bf16: the mesh's bf16 losses to bf16's 1e-2
+    if "bf16" not in _SINGLE:
+        _SINGLE["bf16"] = train_in_rank(_raw(corpus, tmp_path / "single-bf16", precision={"compute_dtype": "bfloat16"}))
+    one = [r["loss"] for r in _SINGLE["bf16"]]
+    assert one == pytest.approx(got["trainer"], rel=1e-2)
+    assert max(abs(a - b) / b for a, b in zip(one, fp32)) > 1e-4
 
 
 def test_policies_take_effect_per_layer(corpus, tmp_path):
