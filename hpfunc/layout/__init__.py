@@ -29,6 +29,8 @@ What you can ask:
 :func:`runner`, :class:`Stages`      the pipeline binding: a model split into stages runs through the
                                      bound runner (:mod:`hpfunc.layout.pipeline`)
 :func:`model_paths` (tree)           every parameter path of the model (a pipeline rank holds some)
+:func:`run_layer` (i, fn, ...)       a model's layer ``i``, through the bound per-layer transform (remat,
+                                     offload per layer: :mod:`hpfunc.layout.layers`)
 :func:`tp_axis`, ...                 the tensor-parallel binding (:mod:`hpfunc.layout.tensor_parallel`)
                                      and its building blocks :func:`scatter_sequence`,
                                      :func:`gather_sequence`, :func:`reduce_partial`
@@ -66,6 +68,7 @@ from hpfunc.layout.step import (Accumulation, LeafLayout, LeafSpec, PlanError, S
                                 local_block, varying_axes)
 from hpfunc.layout.expert_parallel import ep_axis, expert_parallel
 from hpfunc.layout.context_parallel import ContextParallel, context_parallel, cp_binding
+from hpfunc.layout.layers import LayerTransform, layer_transforms, run_layer
 from hpfunc.layout.pipeline import PipelineRunner, Stages, model_parameter_paths, model_paths, pipeline, runner
 from hpfunc.layout.styles import ColwiseParallel, Replicate, RowwiseParallel, SequenceParallel, Style, VocabParallel
 from hpfunc.layout.tensor_parallel import (check_sequence, gather_sequence, reduce_partial, scatter_sequence,
@@ -80,5 +83,5 @@ __all__ = [
     "ContextParallel", "context_parallel", "cp_binding",
     "Stages", "PipelineRunner", "pipeline", "runner", "model_paths", "model_parameter_paths",
     "Style", "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "VocabParallel", "Replicate",
-    "Binding", "binding", "bound", "rebind",
+    "Binding", "binding", "bound", "rebind", "run_layer", "layer_transforms", "LayerTransform",
 ]

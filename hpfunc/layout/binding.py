@@ -38,7 +38,8 @@ class Binding:
     binding; ``ep_axis``: the expert-parallel axis; ``context_parallel``: the
     :class:`~hpfunc.layout.ContextParallel` of a ``cp`` plan layer; ``pipeline``: the
     :class:`~hpfunc.layout.PipelineRunner` of a pipelined differentiation; ``model_paths``: every
-    parameter path of the model (a pipeline rank holds only some).
+    parameter path of the model (a pipeline rank holds only some); ``layer_transform``: what
+    :func:`~hpfunc.layout.run_layer` wraps each layer of a model in (:mod:`hpfunc.layout.layers`).
     """
 
     step: Any = None
@@ -50,6 +51,7 @@ class Binding:
     context_parallel: Any = None
     pipeline: Any = None
     model_paths: tuple[str, ...] | None = None
+    layer_transform: Any = None
 
 
 _BOUND: contextvars.ContextVar[Binding] = contextvars.ContextVar("hpfunc_layout", default=Binding())

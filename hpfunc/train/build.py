@@ -20,7 +20,7 @@ import attrs
 import torch
 
 from hpfunc.models.spec import ModelSpec
-from hpfunc.train.config import Config, ConfigError, ModelConfig, OptimizerConfig, ScheduleConfig, _convert
+from hpfunc.train.config import Config, ConfigError, ModelConfig, OptimizerConfig, ScheduleConfig, convert
 from hpfunc.train.model_spec import model_spec
 
 __all__ = ["model_spec", "build_model_config", "build_schedule", "build_optimizer", "model_dtype", "check_buildable"]
@@ -62,16 +62,16 @@ def build_model_config(mc: ModelConfig) -> Any:
 
 def _overrides(mc: ModelConfig, spec: ModelSpec, own_keys: list[str]) -> dict[str, Any]:
     """``model.<field>`` keys checked against the spec's config class and converted to its field types."""
-    from hpfunc.train.config import _unknown_key_message
+    from hpfunc.train.config import unknown_key_message
 
     hints = typing.get_type_hints(spec.config_class)
     fields = [f.name for f in attrs.fields(spec.config_class) if f.name not in spec.not_overridable]
     overrides = {}
     for key, value in mc.overrides.items():
         if key not in fields:
-            raise ConfigError(_unknown_key_message("model", key, [*own_keys, *fields]))
+            raise ConfigError(unknown_key_message("model", key, [*own_keys, *fields]))
         tp = hints[key]
-        overrides[key] = value if tp is Any else _convert(value, tp, f"model.{key}")
+        overrides[key] = value if tp is Any else convert(value, tp, f"model.{key}")
     return overrides
 
 
@@ -216,8 +216,9 @@ def build_optimizer(oc: OptimizerConfig, factor: Callable[[int], float],
 
 def check_buildable(cfg: Config) -> Any:
     """Build what can be built without data (model config, schedule) and check the parallel plan
-    against the model and the ``callbacks:`` entries (names, import paths, options), so errors come
-    before any work (and before any rank starts). Also checked:
+    against the model, the ``precision:`` and ``activations:`` sections against the model and the plan
+    (:func:`hpfunc.train.step_transforms.check_step_transforms`) and the ``callbacks:`` entries (names,
+    import paths, options), so errors come before any work (and before any rank starts). Also checked:
     ``train.seq_len`` fits in the model's longest sequence (its spec's ``positions_field``).
 
     Returns the model config.
@@ -237,6 +238,9 @@ def check_buildable(cfg: Config) -> Any:
         )
     build_schedule(cfg.schedule, cfg.train.steps)
     check_parallel(cfg, model_cfg)
+    from hpfunc.train.step_transforms import check_step_transforms
+
+    check_step_transforms(cfg, model_cfg, spec)  # precision: and activations: against the model and the plan
     from hpfunc.train.callbacks import build_callbacks
 
     build_callbacks(cfg)  # names, import paths and option types: errors before any rank starts

@@ -43,6 +43,7 @@ from hpfunc.train.config import Config, ConfigError, ParallelConfig, PlanEntry
 __all__ = [
     "AbstractMesh",
     "build_plan",
+    "run_plan",
     "check_parallel",
     "describe_plan",
     "is_distributed",
@@ -137,6 +138,23 @@ def build_plan(pc: ParallelConfig, model_cfg: Any, spec: Any = None) -> Any:
     order = {a: i for i, a in enumerate(pc.mesh)}
     entries = sorted(pc.plan, key=lambda e: order[e.axes[0]])
     return functools.reduce(operator.add, (_entry_plan(e, model_cfg, pc.mesh, spec) for e in entries))
+
+
+def run_plan(cfg: Config, model_cfg: Any, spec: Any) -> Any:
+    """The plan the run's steps use: :func:`build_plan` of ``parallel:`` with ``precision:`` applied
+    (:func:`hpfunc.train.step_transforms.with_precision`)."""
+    from hpfunc.train.step_transforms import with_precision
+
+    return with_precision(build_plan(cfg.parallel, model_cfg, spec), cfg.precision)
+
+
+def pipeline_splits_backward(cfg: Config, model_cfg: Any, spec: Any, e: PlanEntry) -> bool:
+    """Whether the schedule of the ``pp`` entry ``e`` splits the backward into B and W passes (a
+    selectively recomputed region allows one backward)."""
+    from hpfunc.schedules import ActionKind
+
+    schedule = _entry_plan(e, model_cfg, cfg.parallel.mesh, spec).pipeline.schedule(cfg.parallel.mesh[e.axes[0]])
+    return any(a.kind is ActionKind.W for row in schedule.actions.values() for a in row)
 
 
 def _tp_entry(pc: ParallelConfig) -> tuple[int, PlanEntry] | None:
@@ -259,6 +277,27 @@ def _check_pipeline(cfg: Config, model_cfg: Any, spec: Any) -> None:
             what = ("layers_per_stage" if "layers_per_stage" in str(err) else
                     "remat" if "remat" in str(err) else "schedule")
             raise ConfigError(f"{key}.{what}: {err}") from None
+        _check_layer_remat(cfg, model_cfg, spec, e, key)
+
+
+def _check_layer_remat(cfg: Config, model_cfg: Any, spec: Any, e: PlanEntry, key: str) -> None:
+    """``activations.remat`` (per layer) with a ``pp`` entry: not beside the entry's own ``remat`` (per
+    stage), and no selective policy when the schedule splits the backward into B and W (a selectively
+    recomputed region allows one backward)."""
+    from hpfunc.train.step_transforms import policy_names
+
+    remat = cfg.activations.remat
+    if remat is None:
+        return
+    if e.options.get("remat") is not None:
+        raise ConfigError(f"activations.remat: {key}.remat recomputes whole stages already; set one of the two "
+                          f"(activations.remat per layer, or {key}.remat per stage)")
+    selective = sorted(p for p in policy_names(remat) if p not in ("nothing_saveable", "everything_saveable"))
+    if selective and pipeline_splits_backward(cfg, model_cfg, spec, e):
+        raise ConfigError(f"activations.remat: the selective policy {selective[0]!r} recomputes a layer once, but "
+                          f"the schedule {e.options['schedule']!r} ({key}.schedule) splits each backward into B "
+                          f"and W; use nothing_saveable, or a schedule without the split (gpipe, 1f1b, "
+                          f"interleaved)")
 
 
 def _check_context(cfg: Config, model_cfg: Any, spec: Any) -> None:
@@ -440,14 +479,15 @@ def build_parallel_step(cfg: Config, model_cfg: Any, optimizer: Any, lr: Callabl
     with the plan's storage specs."""
     from hpfunc.train.model_spec import model_spec
     from hpfunc.train.step import init_train_state, make_train_step
+    from hpfunc.train.step_transforms import train_loss
     from hpfunc.transforms.parallelize import init_sharded, parallelize
 
     spec = model_spec(cfg.model)
-    plan = build_plan(cfg.parallel, model_cfg, spec)
+    plan = run_plan(cfg, model_cfg, spec)
     if cfg.parallel.sdc_check != "off":
         plan = plan.with_sdc_check(cfg.parallel.sdc_check)
     step = make_train_step(model_cfg, optimizer, expert_bias_rate=cfg.train.expert_bias_rate, lr_schedule=lr,
-                           loss_fn=spec.step_loss(), num_microbatches=cfg.train.microbatches)
+                           loss_fn=train_loss(cfg, spec, on_mesh=True), num_microbatches=cfg.train.microbatches)
     train_step = parallelize(step, mesh, plan, params="params")
     if cfg.model.pretrained is not None:
         params = _pretrained_params(cfg.model.pretrained, model_cfg, mesh, train_step, dtype, spec)
@@ -464,11 +504,13 @@ def build_grad_check_step(cfg: Config, model_cfg: Any, mesh: Any) -> Callable:
     name the parameter. Built on demand, so a run that stays finite never pays for it."""
     from hpfunc.train.model_spec import model_spec
     from hpfunc.train.step import make_grad_check_step
+    from hpfunc.train.step_transforms import train_loss
     from hpfunc.transforms.parallelize import parallelize
 
     spec = model_spec(cfg.model)
-    check = make_grad_check_step(model_cfg, loss_fn=spec.step_loss(), num_microbatches=cfg.train.microbatches)
-    return parallelize(check, mesh, build_plan(cfg.parallel, model_cfg, spec), params="params")
+    check = make_grad_check_step(model_cfg, loss_fn=train_loss(cfg, spec, on_mesh=True),
+                                 num_microbatches=cfg.train.microbatches)
+    return parallelize(check, mesh, run_plan(cfg, model_cfg, spec), params="params")
 
 
 def build_eval_step(cfg: Config, model_cfg: Any, mesh: Any) -> Callable | None:
@@ -484,7 +526,7 @@ def build_eval_step(cfg: Config, model_cfg: Any, mesh: Any) -> Callable | None:
         return None
     spec = model_spec(cfg.model)
     return parallelize(make_state_eval_step(model_cfg, loss_fn=spec.step_loss()), mesh,
-                       build_plan(cfg.parallel, model_cfg, spec), params="params")
+                       run_plan(cfg, model_cfg, spec), params="params")
 
 
 def _pretrained_params(folder: str, model_cfg: Any, mesh: Any, train_step: Any, dtype: Any, spec: Any) -> Any:

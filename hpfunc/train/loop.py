@@ -54,6 +54,7 @@ from hpfunc.train.output import MetricsWriter, Progress, RunFolder, format_summa
 from hpfunc.train.distributed import is_distributed
 from hpfunc.train.fault_hooks import FaultHooks
 from hpfunc.train.last_words import LastWords, StopSignals, Stopped, stop_message
+from hpfunc.train.step_transforms import train_loss
 from hpfunc.train.step import TrainState, init_train_state, make_eval_step, make_grad_check_step, make_train_step
 
 __all__ = ["RunResult", "TrainingDiverged", "Stopped", "execute", "data_keys"]
@@ -303,11 +304,11 @@ def _train(cfg: Config, model_cfg: Any, out: pathlib.Path, folder: RunFolder | N
             params = spec.init(init_key, model_cfg, dtype=model_dtype(cfg.model))
         state = init_train_state(params, optimizer)
         train_step = make_train_step(model_cfg, optimizer, expert_bias_rate=tc.expert_bias_rate, lr_schedule=lr,
-                                     num_microbatches=tc.microbatches, loss_fn=spec.loss)
+                                     num_microbatches=tc.microbatches, loss_fn=train_loss(cfg, spec, on_mesh=False))
         full_params: Callable[[Any], Any] = lambda p: p  # noqa: E731
         sharded_eval = None
         check_step = functools.partial(make_grad_check_step, model_cfg, num_microbatches=tc.microbatches,
-                                       loss_fn=spec.loss)
+                                       loss_fn=train_loss(cfg, spec, on_mesh=False))
     else:
         from hpfunc.train.distributed import (build_eval_step, build_grad_check_step, build_parallel_step,
                                               parallel_summary)

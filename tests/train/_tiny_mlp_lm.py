@@ -4,11 +4,13 @@ no one: a config names it by import path (``model.name: _tiny_mlp_lm:SPEC``)."""
 
 from __future__ import annotations
 
+import contextvars
+
 import attrs
 import torch
 import torch.nn.functional as F
 
-from hpfunc import layout
+from hpfunc import layout, saved_tensors
 from hpfunc import random as hrandom
 from hpfunc import tree
 from hpfunc.layout import ColwiseParallel, RowwiseParallel
@@ -51,11 +53,24 @@ def init(key, cfg: MLPConfig, dtype=torch.float32, *, shardings=None) -> dict:
     return tree.map_with_path(make, param_shapes(cfg), is_leaf=lambda x: isinstance(x, torch.Size))
 
 
+# A test that sets this to a list sees every layer call: (layer index, inside a recompute, the saved-tensor
+# layers in force), e.g. to count what a remat policy recomputes.
+CALLS: contextvars.ContextVar[list | None] = contextvars.ContextVar("tiny_mlp_lm_calls", default=None)
+
+
+def block(layer: dict, h: torch.Tensor, index: int) -> torch.Tensor:
+    calls = CALLS.get()
+    if calls is not None:
+        calls.append((index, saved_tensors.in_recompute_region() is not None,
+                      tuple(type(x).__name__ for x in saved_tensors.layers())))
+    inner = F.gelu(F.linear(layout.gather_sequence(h), layer["w_in"]))
+    return h + layout.reduce_partial(F.linear(inner, layer["w_out"]))
+
+
 def apply(params: dict, tokens: torch.Tensor, cfg: MLPConfig) -> torch.Tensor:
     h = F.embedding(tokens, params["embed"])
-    for layer in params["layers"]:
-        inner = F.gelu(F.linear(layout.gather_sequence(h), layer["w_in"]))
-        h = h + layout.reduce_partial(F.linear(inner, layer["w_out"]))
+    for i, layer in enumerate(params["layers"]):
+        h = layout.run_layer(i, block, layer, h, i)
     return F.linear(h, params["head"])
 
 

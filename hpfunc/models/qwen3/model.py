@@ -334,10 +334,12 @@ def apply(params: dict, tokens: torch.Tensor, cfg: Qwen3Config, *, positions: to
     if moe_dispatchers is not None and len(moe_dispatchers) != moe_layers:
         raise ValueError(f"apply: moe_dispatchers has {len(moe_dispatchers)} entries, expected one per MoE layer "
                          f"({moe_layers})")
-    for layer in params["layers"]:
-        h, routing = decoder_layer(layer, h, cos, sin, cfg, moe_impl=moe_impl, gather_input=gather_input,
-                                   reduce_partial=reduce_partial, attend=attend,
-                                   dispatcher=dispatcher if moe_dispatchers is None else moe_dispatchers[len(routings)])
+    for i, layer in enumerate(params["layers"]):
+        # through the layout seam: a bound per-layer transform (remat, offload) wraps the layer
+        h, routing = layout.run_layer(i, decoder_layer, layer, h, cos, sin, cfg, moe_impl=moe_impl,
+                                      gather_input=gather_input, reduce_partial=reduce_partial, attend=attend,
+                                      dispatcher=dispatcher if moe_dispatchers is None
+                                      else moe_dispatchers[len(routings)])
         if routing is not None:
             routings.append(routing)
     eps = cfg.rms_norm_eps

@@ -138,10 +138,10 @@ def pipeline_stages(cfg: Qwen3Config, num_stages: int, *, layers: Sequence[int] 
                                        doc_ids=_model.check_doc_ids(mb["doc_ids"], tokens.shape))
         a, b = bounds[s]
         for i in range(a, b):
-            h, routing = _model.decoder_layer(params["layers"][i], h, cos, sin, cfg, moe_impl=moe_impl,
-                                              gather_input=hk.get("gather_input"),
-                                              reduce_partial=hk.get("reduce_partial"), dispatcher=dispatcher,
-                                              attend=attend)
+            h, routing = layout.run_layer(i, _model.decoder_layer, params["layers"][i], h, cos, sin, cfg,
+                                          moe_impl=moe_impl, gather_input=hk.get("gather_input"),
+                                          reduce_partial=hk.get("reduce_partial"), dispatcher=dispatcher,
+                                          attend=attend)
             if routing is not None:
                 if counted is not None:  # context parallelism's padding is not counted
                     keep = counted.reshape(-1)
