@@ -244,6 +244,17 @@ Dtype = Literal["float32", "bfloat16", "float16", "float64"]
 
 
 @attrs.frozen
+class DryrunConfig:
+    """``dryrun:``: read by ``hpfunc dryrun`` alone (``hpfunc train`` accepts and ignores it).
+
+    ``reserve``: bytes added to the measured peak for what a dry run never models (allocator reserve
+    and fragmentation, NCCL buffers, the CUDA context), e.g. ``4GiB`` or a number of bytes.
+    """
+
+    reserve: Union[str, int, None] = None
+
+
+@attrs.frozen
 class PrecisionConfig:
     """``precision:``: mixed precision, the plan's :meth:`~hpfunc.transforms.plans.Plan.with_mixed_precision`.
 
@@ -295,6 +306,7 @@ class Config:
     callbacks: tuple = ()  # of CallbackEntry: what runs beside the loop (hpfunc.train.callbacks)
     precision: PrecisionConfig = attrs.field(factory=PrecisionConfig)
     activations: ActivationsConfig = attrs.field(factory=ActivationsConfig)
+    dryrun: DryrunConfig = attrs.field(factory=DryrunConfig)
 
 
 # Sections whose unknown keys are collected rather than rejected (checked later against the model).
