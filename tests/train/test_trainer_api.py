@@ -90,7 +90,7 @@ class SlowWrites(Callback):
 
     def on_step_end(self, trainer, step, metrics):
         def write():
-            opened = self.gate.wait(timeout=120)
+            opened = self.gate.wait(timeout=60)
             self.ran.append((step, opened))
 
         trainer.writer.submit(write)
