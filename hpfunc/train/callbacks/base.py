@@ -57,7 +57,9 @@ import contextvars
 import sys
 from typing import Any, Sequence
 
-__all__ = ["CALLER", "Callback", "CallbackError", "CallbackList", "open_lines", "scalars"]
+from hpfunc.train.output import OutputWriteError
+
+__all__ = ["BackgroundWriteError", "CALLER", "Callback", "CallbackError", "CallbackList", "open_lines", "scalars"]
 
 # The label of the callback whose hook is running (``callbacks[1] (moe_monitor)``), set by the dispatch
 # for the duration of one hook call: a write handed to the background writer then is reported under it.
@@ -134,6 +136,15 @@ class CallbackError(RuntimeError):
     """A callback raised; the message names it (its ``callbacks[i]`` entry), the hook and the step."""
 
 
+class BackgroundWriteError(OutputWriteError):
+    """A file write handed to the run's background writer failed; the message names the file and the
+    callback that handed the write over (``label``)."""
+
+    def __init__(self, message: str, path: Any, label: str):
+        super().__init__(message, path)
+        self.label = label
+
+
 class CallbackList:
     """The run's callbacks as ``(label, callback)`` pairs, called in order on the ranks they run on.
 
@@ -200,6 +211,4 @@ class CallbackList:
 
 def _named(error: BaseException) -> bool:
     """A failed background write, which names its callback already."""
-    from hpfunc.train.callbacks.writer import BackgroundWriteError
-
     return isinstance(error, BackgroundWriteError)

@@ -30,18 +30,10 @@ import sys
 import threading
 from typing import Any, Callable
 
-from hpfunc.train.callbacks.base import CALLER, CallbackError
+from hpfunc.train.callbacks.base import CALLER, BackgroundWriteError, CallbackError
 from hpfunc.train.output import OutputWriteError
 
 __all__ = ["BackgroundWriter", "BackgroundLines", "BackgroundWriteError", "CALLER"]
-
-class BackgroundWriteError(OutputWriteError):
-    """A file write handed to the background writer failed; the message names the file and the callback."""
-
-    def __init__(self, message: str, path: Any, label: str):
-        super().__init__(message, path)
-        self.label = label
-
 
 class BackgroundWriter:
     """One writer thread and its queue (see the module docstring)."""
