@@ -26,3 +26,10 @@ class Checkpoints(Callback):
         last = step == trainer.cfg.train.steps
         if last or step % trainer.cfg.checkpoint.every == 0:
             trainer.save(wait=last)
+
+    def on_train_end(self, trainer: Any, summary: dict[str, Any]) -> None:
+        # a last step that was skipped (not finite) had no on_step_end: its state (that of the step
+        # before) is still saved as the last step's, so the run can be extended (once per step: a no-op
+        # after the save above)
+        if trainer.cfg.checkpoint.every > 0 and trainer.done > trainer.start_step:
+            trainer.save()
