@@ -9,12 +9,14 @@ token data, a pure ``train_step`` and the loop.
 
 Modules: ``config`` (schema, YAML, ``--set`` overrides), ``build`` (model config, schedule,
 optimizer), ``data`` (corpora, tokenising, seeded batches), ``step`` (``make_train_step``),
-``output`` (metrics JSONL, progress, plot), ``loop`` (``run``), ``distributed`` (``parallel:`` -> a plan,
+``output`` (metrics JSONL, progress, plot), ``loop`` (:class:`~hpfunc.train.loop.TrainingRun`: the run in
+pieces: open, step, evaluate, save, finish), ``distributed`` (``parallel:`` -> a plan,
 checked against the model; the sharded step inside the ranks), ``launch`` (starting the ranks through
 ``torch.distributed.run``), ``checkpointing`` (what a run saves, ``--resume``, config compatibility),
 ``last_words`` (the save on SIGTERM / SIGINT / a failed step), ``fault_hooks`` (test hooks that
-inject faults), ``trainer`` (:class:`Trainer`: a run as an object), ``callbacks`` (what runs beside the
-loop: metrics log, MoE monitor, per-layer norms, checkpoint log, TensorBoard, your own), ``cli``
+inject faults), ``trainer`` (:class:`Trainer`: a run as an object: ``step``, ``run``, ``evaluate``, ``save``),
+``callbacks`` (what runs beside the loop: the run's own outputs, metrics log, MoE monitor, per-layer
+norms, checkpoint log, TensorBoard, your own; their writes on a background writer), ``cli``
 (``hpfunc train``). The model comes from its :class:`~hpfunc.models.spec.ModelSpec` (``model.name``).
 See ``docs/train.md``.
 """

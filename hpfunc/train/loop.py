@@ -1,21 +1,25 @@
-"""The training loop: config -> data, model, optimizer -> steps -> outputs.
+"""The training loop, in pieces a reader can follow: :class:`TrainingRun` opens a run, steps it, evaluates,
+saves and finishes it; :class:`hpfunc.train.trainer.Trainer` drives it (``step()``, ``run(n)``,
+``evaluate()``, ``save()``).
 
-:func:`execute` (what :meth:`hpfunc.train.Trainer.run` and :func:`hpfunc.train.run` call) does, in order:
-build and check the model config, claim the output folder (:class:`hpfunc.train.output.RunFolder`: a lock
-held for the run; a folder holding another run is refused unless ``overwrite``), read and check the data, ``init`` the params from ``key(seed)``, build
-the optimizer, then for each step sample a batch (a pure function of seed and step), call the pure
-``train_step`` and log. It writes into ``output.dir`` (each file atomically, ``metrics.jsonl`` a whole
-line at a time): ``config.yaml`` (the resolved config), ``metrics.jsonl``, ``sample.txt``, ``loss.png``
-and, last, ``summary.json``. A non-finite loss or gradient norm, a non-finite validation loss, or
-non-finite parameters after the last update stop the run with :class:`TrainingDiverged` naming the
-step (no ``summary.json`` is written: the run did not finish).
+:meth:`TrainingRun.open` builds and checks the model config, claims the output folder
+(:class:`hpfunc.train.output.RunFolder`: a lock held for the run; a folder holding another run is refused
+unless ``overwrite``), reads and checks the data, ``init``\\ s the params from ``key(seed)`` (or loads a
+checkpoint), builds the optimizer and writes ``config.yaml``. :meth:`TrainingRun.step` samples a batch
+(a pure function of seed and step), calls the pure ``train_step``, logs and tells the callbacks;
+:meth:`TrainingRun.evaluate` computes the validation loss; :meth:`TrainingRun.save` a checkpoint;
+:meth:`TrainingRun.finish` the end of the run. Every output file is written by a built-in callback
+(:mod:`hpfunc.train.callbacks.defaults`): ``metrics.jsonl``, ``loss.png`` and, last, ``summary.json``
+(``sample.txt`` by the run's end). A non-finite loss or gradient norm, a non-finite validation loss, or
+non-finite parameters after the last update stop the run with :class:`TrainingDiverged` naming the step
+(no ``summary.json`` is written: the run did not finish).
 
 With a ``parallel.mesh`` of more than one process, it runs in every rank of a launch
-(``hpfunc train`` starts them): each rank builds the same global batch, the step is
-``hpfunc.parallelize(train_step, mesh, plan)`` on parameters created sharded
-(:mod:`hpfunc.train.distributed`), and only rank 0 prints and writes. Evaluation and sampling gather
-the parameters to full tensors (every rank takes part in the gather) and run the single-device
-code on rank 0.
+(``hpfunc train`` starts them, or a rank pool calls it in each rank): each rank builds the same global
+batch, the step is ``hpfunc.parallelize(train_step, mesh, plan)`` on parameters created sharded
+(:mod:`hpfunc.train.distributed`), and only rank 0 prints and writes. Evaluation runs on the sharded
+state (under ``pp``: on a gathered copy on rank 0, its value sent to every rank); sampling gathers the
+parameters to full tensors (every rank takes part in the gather) and runs on rank 0.
 
 Example:
     >>> from hpfunc.train.config import load_config_dict
@@ -36,7 +40,7 @@ import math
 import pathlib
 import sys
 import time
-from typing import Any, Callable, Sequence, TextIO
+from typing import Any, Callable, Iterator
 
 import attrs
 import torch
@@ -50,14 +54,14 @@ from hpfunc.train.checkpointing import (ResumePlan, TrainCheckpoints, checkpoint
                                         restore_state, truncate_metrics)
 from hpfunc.train.config import Config, ConfigError, config_to_dict
 from hpfunc.train.data import check_data, data_inputs, eval_batches, load_data, sample_batch
-from hpfunc.train.output import MetricsWriter, Progress, RunFolder, format_summary, plot_losses
+from hpfunc.train.output import RunFolder
 from hpfunc.train.distributed import is_distributed
 from hpfunc.train.fault_hooks import FaultHooks
 from hpfunc.train.last_words import LastWords, StopSignals, Stopped, stop_message
 from hpfunc.train.step_transforms import train_loss
 from hpfunc.train.step import TrainState, init_train_state, make_eval_step, make_grad_check_step, make_train_step
 
-__all__ = ["RunResult", "TrainingDiverged", "Stopped", "execute", "data_keys"]
+__all__ = ["RunResult", "TrainingDiverged", "Stopped", "TrainingRun", "execute", "data_keys"]
 
 
 class TrainingDiverged(RuntimeError):
@@ -67,6 +71,604 @@ class TrainingDiverged(RuntimeError):
 
 _DIVERGED_FIX = ("lower optimizer.lr, add warmup (schedule.warmup_steps) or clipping (optimizer.clip_norm); "
                  "the metrics logged before are kept in metrics.jsonl")
+
+
+@attrs.frozen
+class RunResult:
+    """What :meth:`Trainer.run <hpfunc.train.trainer.Trainer.run>` returns: the state, the logged records
+    and the summary (None while the run is not finished: ``run(n)`` short of ``train.steps``)."""
+
+    state: TrainState
+    records: list
+    summary: dict | None
+    out_dir: pathlib.Path
+
+
+def data_keys(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(init_key, train_data_key, val_data_key)`` derived from the run's seed."""
+    root = random.key(seed)
+    return random.fold_in(root, 0), random.fold_in(root, 1), random.fold_in(root, 2)
+
+
+def execute(trainer: Any) -> RunResult:
+    """The whole run of a :class:`~hpfunc.train.trainer.Trainer` in this process (one rank of a launch, or
+    the only process): open, step to ``train.steps``, finish."""
+    trainer._run = run = TrainingRun(trainer)
+    run.open()
+    run.advance(trainer.cfg.train.steps - run.done)
+    return run.finish()
+
+
+class Tally:
+    """What a run counts between metrics lines and carries across a resume (saved in each checkpoint's
+    metadata as ``loop``): the losses for the summary, the window of steps since the last metrics line,
+    the training time and the skipped steps.
+
+    >>> t = Tally({})
+    >>> t.add(5.0, {"ce_loss": 5.0, "aux_loss": 0.0}, grad_norm=1.0, seconds=0.5)
+    >>> t.add(4.0, {"ce_loss": 4.0, "aux_loss": 0.0}, grad_norm=3.0, seconds=0.5)
+    >>> t.line(2, lr=0.1, tokens_per_step=8)["grad_norm"], t.window
+    (2.0, [])
+    """
+
+    def __init__(self, loop: dict[str, Any]):
+        self.losses: list[float] = list(loop.get("recent", []))  # the last ones before a resume: the summary's mean
+        self.first_loss: float | None = loop.get("first_loss")
+        self.min_loss: float | None = loop.get("min_loss")
+        self.train_time = float(loop.get("train_time_s", 0.0))
+        self.window: list[float] = list(loop.get("window", []))
+        self.window_time = float(loop.get("window_time_s", 0.0))
+        # the window's other per-step values: a record logs every loss and the gradient norm the same way,
+        # as the mean over the steps since the previous record
+        self.window_parts: dict[str, list[float]] = {k: list(v) for k, v in loop.get("window_parts", {}).items()}
+        self.skipped = int(loop.get("skipped", 0))
+        self.in_a_row = int(loop.get("in_a_row", 0))
+
+    def saved(self) -> dict[str, Any]:
+        """The checkpoint's ``loop`` metadata."""
+        return {"first_loss": self.first_loss, "recent": self.losses[-10:], "min_loss": self.min_loss,
+                "train_time_s": self.train_time, "window": self.window, "window_time_s": self.window_time,
+                "window_parts": self.window_parts, "skipped": self.skipped, "in_a_row": self.in_a_row}
+
+    def add(self, loss: float, metrics: dict[str, Any], *, grad_norm: float, seconds: float) -> None:
+        """An applied step."""
+        self.in_a_row = 0
+        self.window_time += seconds
+        self.losses.append(loss)
+        self.window.append(loss)
+        for key, value in (("ce_loss", metrics["ce_loss"]), ("aux_loss", metrics["aux_loss"]), ("grad_norm", grad_norm)):
+            self.window_parts.setdefault(key, []).append(float(value))
+        self.first_loss = loss if self.first_loss is None else self.first_loss
+        self.min_loss = loss if self.min_loss is None else min(self.min_loss, loss)
+
+    def line(self, step: int, *, lr: float, tokens_per_step: int) -> dict[str, Any]:
+        """The metrics line of ``step``: the window's means (the window starts afresh)."""
+        record = {
+            "step": step,
+            # means over the window (the steps since the previous record), all four alike
+            "loss": sum(self.window) / len(self.window),
+            **{k: sum(v) / len(v) for k, v in self.window_parts.items()},
+            "lr": lr,  # the record's step's, as the expert statistics
+            "tokens_per_s": tokens_per_step * len(self.window) / max(self.window_time, 1e-9),
+            "elapsed_s": self.train_time,
+        }
+        self.window, self.window_time, self.window_parts = [], 0.0, {}
+        return record
+
+
+def _step_extras(metrics: dict[str, Any], ep_size: int) -> dict[str, Any]:
+    """The MoE entries of a metrics line: expert load and imbalance, dropped pairs."""
+    return {**(_expert_stats(metrics["expert_load"], ep_size) if "expert_load" in metrics else {}),
+            **(_dropped_stats(metrics["dropped_pairs"]) if "dropped_pairs" in metrics else {})}
+
+
+class TrainingRun:
+    """One run in this process, open between :meth:`open` and :meth:`finish` (or :meth:`close`).
+
+    Every method is a collective on a mesh (every rank calls it, in the same order). An error in any of
+    them tells the callbacks (``on_exception``), closes the run (the folder's lock, the checkpoints, the
+    background writer; on a mesh the process group it created) and is raised; the run is then ended.
+    """
+
+    def __init__(self, trainer: Any):
+        self.trainer = trainer
+        self.cfg: Config = trainer.cfg
+        self.tc = self.cfg.train
+        self.spec = trainer.spec
+        self._stack = contextlib.ExitStack()
+        self._told = False  # the callbacks were started: they hear of a failure
+        self.ended = False
+        self.finished = False
+        self.done = 0
+        self.signals: Any = None
+        self.saved_step: int | None = None
+        self._depth = 0  # nested _failing (a save from a callback within a step): the outermost one handles
+
+    # ---------------------------------------------------------------------------------------------
+    # opening
+
+    def open(self) -> None:
+        """Build the run (see the module docstring) and start the callbacks."""
+        with self._failing():
+            self._open()
+
+    def _open(self) -> None:
+        cfg, trainer = self.cfg, self.trainer
+        threads = torch.get_num_threads()
+        if self.tc.num_threads is not None:
+            # Process-wide in torch; restored on close. On a shared or small machine one thread is often
+            # much faster than oversubscribed ones for a tiny model.
+            torch.set_num_threads(self.tc.num_threads)
+        self._stack.callback(torch.set_num_threads, threads)
+        self.mesh = None
+        if is_distributed(cfg.parallel):
+            from hpfunc.train.distributed import start_mesh
+
+            self.mesh = self._stack.enter_context(start_mesh(cfg.parallel))
+        self.main = self.mesh is None or torch.distributed.get_rank() == 0  # the rank that prints and writes
+        self.rank = torch.distributed.get_rank() if self.mesh is not None else 0
+        self.model_cfg = check_buildable(cfg)  # config errors first: nothing is created for a config that cannot run
+        self._claim_folder()
+        self.quiet = not trainer.options["echo"] or (cfg.output.progress if self.main else "none") == "none"
+        self._build()
+        self._restore()
+        self._start_outputs()
+        self._start_checkpoints()
+        trainer._bind_run(self)
+        self.calls = trainer._callback_list(main=self.main)
+        self._told = True
+        self.calls.train_start(trainer)
+
+    def say(self, text: str) -> None:
+        """A line of the run's console output (rank 0, unless ``echo=False`` or ``output.progress: none``)."""
+        if not self.quiet:
+            print(text, file=self.trainer.options["stream"], flush=True)
+
+    def _claim_folder(self) -> None:
+        """Where the run starts (rank 0 decides), and on rank 0 the output folder, held to the run's end."""
+        o = self.trainer.options
+        self.out = pathlib.Path(self.cfg.output.dir if o["out_dir"] is None else o["out_dir"])
+        claim = {"overwrite": o["overwrite"], "inputs": o["inputs"], "lock_token": o["lock_token"], "resume": o["resume"]}
+        self.plan: ResumePlan = _plan_on_rank0(self.cfg, self.out, claim, self.mesh)  # before any file is written
+        self.folder: RunFolder | None = None
+        if not self.main:
+            return
+        for line in self.plan.skipped:  # damaged newer checkpoints, renamed: said once, before the run starts
+            print(f"hpfunc train: {line}", file=sys.stderr, flush=True)
+        hint = ("; or continue it from its newest checkpoint with --resume auto"
+                if latest(checkpoint_root(self.cfg, self.out)) is not None else "")
+        folder = RunFolder(self.out, overwrite=claim["overwrite"] and not self.plan.restart,
+                           inputs=[*claim["inputs"], *data_inputs(self.cfg.data)], inherited=claim["lock_token"],
+                           resume=self.plan.resume, hint=hint)
+        self.folder = self._stack.enter_context(folder)  # a second run into the folder is refused meanwhile
+
+    def _build(self) -> None:
+        """The schedule, optimizer, data, model state and the steps (one process, or parallelized)."""
+        cfg, tc, spec = self.cfg, self.tc, self.spec
+        if tc.aux_loss_coef is not None and spec.with_aux_loss_coef is not None:
+            self.model_cfg = spec.with_aux_loss_coef(self.model_cfg, tc.aux_loss_coef)
+        model_cfg = self.model_cfg
+        optimizer, lr = build_optimizer(cfg.optimizer, build_schedule(cfg.schedule, tc.steps), spec)
+
+        t0 = time.perf_counter()
+        data = self.data = load_data(cfg.data)
+        check_data(data, cfg, spec.vocab_size(model_cfg))  # before the first write: a bad corpus leaves the folder alone
+        self.say(f"data: {data.description} ({data.train.numel():,} train / {data.val.numel():,} val) "
+                 f"in {time.perf_counter() - t0:.1f} s")
+        init_key, self.train_key, val_key = data_keys(cfg.seed)
+        self.n_params = spec.count_params(model_cfg)
+        self.say(f"model: {cfg.model.preset}, {spec.describe(model_cfg)}")
+        self.say(f"train: {tc.steps} steps of {tc.batch_size} x {tc.seq_len} tokens, {cfg.optimizer.name}, "
+                 f"{cfg.schedule.name} schedule")
+
+        if self.mesh is None:
+            if cfg.model.pretrained is not None:  # the Hugging Face folder's weights, checked against the config
+                params = spec.hf.load_params(cfg.model.pretrained, model_cfg, dtype=model_dtype(cfg.model))
+            else:
+                params = spec.init(init_key, model_cfg, dtype=model_dtype(cfg.model))
+            self.state = init_train_state(params, optimizer)
+            self.train_step = make_train_step(model_cfg, optimizer, expert_bias_rate=tc.expert_bias_rate,
+                                              lr_schedule=lr, num_microbatches=tc.microbatches,
+                                              loss_fn=train_loss(cfg, spec, on_mesh=False))
+            self.full_params: Callable[[Any], Any] = lambda p: p  # noqa: E731
+            self.sharded_eval = None
+            self.check_step = functools.partial(make_grad_check_step, model_cfg, num_microbatches=tc.microbatches,
+                                                loss_fn=train_loss(cfg, spec, on_mesh=False))
+        else:
+            from hpfunc.train.distributed import (build_eval_step, build_grad_check_step, build_parallel_step,
+                                                  parallel_summary)
+
+            self.say(parallel_summary(cfg))
+            self.state, self.train_step = build_parallel_step(cfg, model_cfg, optimizer, lr, init_key, self.mesh,
+                                                              model_dtype(cfg.model))
+            self.full_params = self.train_step.full_params  # a collective (a pipeline's stages come from their ranks)
+            self.check_step = functools.partial(build_grad_check_step, cfg, model_cfg, self.mesh)
+            self.sharded_eval = build_eval_step(cfg, model_cfg, self.mesh)
+        self.eval_step = make_eval_step(model_cfg, loss_fn=spec.loss)
+        self.val_batches = (
+            eval_batches(data.val, val_key, tc.eval_batches, tc.batch_size, tc.seq_len, data.val_docs)
+            if data.val.numel() > tc.seq_len and tc.eval_batches
+            else []
+        )
+        self.ep_size = next((cfg.parallel.mesh[e.axes[0]] for e in cfg.parallel.plan if e.kind == "ep"), 1)
+        self.tokens_per_step = tc.batch_size * tc.seq_len
+
+    def _restore(self) -> None:
+        """Where the run starts: step 0, or a checkpoint loaded into this run's layout (resharded)."""
+        loop: dict[str, Any] = {}
+        self.start = 0
+        if self.plan.path is not None:
+            from hpfunc import checkpoint
+
+            t = time.perf_counter()
+            loop = dict(checkpoint.info(self.plan.path)["metadata"]["loop"])
+            self.state, self.start = restore_state(self.plan.path, self.state)
+            notes = f"; changed: {', '.join(self.plan.notes)}" if self.plan.notes else ""
+            self.say(f"resume: from {self.plan.path} (step {self.start} of {self.tc.steps}, {int(self.state.step)} "
+                     f"optimizer steps) in {time.perf_counter() - t:.2f} s{notes}")
+        elif self.plan.restart:
+            self.say(f"resume: no checkpoint yet under {checkpoint_root(self.cfg, self.out)}; attempt "
+                     f"{self.plan.restart + 1} starts over")
+        self.done = self.start
+        self.tally = Tally(loop)
+        self.last: dict[str, float] = {}  # the last applied step's loss, gradient norm and lr (for messages)
+        self.failure = pop_failure() if self.main and self.plan.restart else None
+        self.failure_seen = time.time()
+        self.recovery_s: float | None = None
+
+    def _start_outputs(self) -> None:
+        """Rank 0's first writes: a previous run's files go now (with overwrite), not before; config.yaml."""
+        from hpfunc.train.callbacks.writer import BackgroundWriter
+
+        self.root = checkpoint_root(self.cfg, self.out)
+        self.records: list[dict[str, Any]] = []
+        self.writer = BackgroundWriter()
+        self._stack.callback(lambda: self.writer.close(raise_errors=self.finished))
+        if not self.main:
+            return
+        folder = self.folder
+        folder.start()
+        if not self.plan.resume and folder.overwrite:
+            clear_checkpoints(self.root)
+        if self.plan.resume:
+            self.records = truncate_metrics(folder.file("metrics.jsonl"), self.start)  # no step twice
+        folder.write_text("config.yaml", yaml.safe_dump(config_to_dict(self.cfg), sort_keys=False))
+
+    def _start_checkpoints(self) -> None:
+        """The checkpoints and the last words (collective on a mesh: their process groups, in this order)."""
+        cc = self.cfg.checkpoint
+        self.ckpts = TrainCheckpoints(self.cfg, self.root) if cc.every > 0 else None
+        self.words = LastWords(self.ckpts, distributed=self.mesh is not None, timeout_s=cc.last_words_timeout_s)
+        self.use_words = self.ckpts is not None and cc.last_words
+        self.hooks = FaultHooks.from_env()
+        self._stack.callback(self._close_checkpoints)
+
+    def _close_checkpoints(self) -> None:
+        try:
+            if self.ckpts is not None:
+                self.ckpts.close()
+        except Exception:
+            if self.finished:  # an error of the checkpoints' closing must not hide the error that ends the run
+                raise
+        finally:
+            self.words.close()
+
+    # ---------------------------------------------------------------------------------------------
+    # failing and closing
+
+    @contextlib.contextmanager
+    def _failing(self) -> Iterator[None]:
+        """Within: an error ends the run (callbacks told, everything closed) and is raised."""
+        if self.ended:
+            raise RuntimeError("this run has ended (it finished, failed or was closed); make a new Trainer to "
+                               "train again, or continue from a checkpoint with resume='auto'")
+        self._depth += 1
+        try:
+            yield
+        except BaseException as e:
+            if self._depth > 1:
+                raise
+            self.ended = True
+            if self._told:
+                self.calls.exception(self.trainer, e)
+            # the exception goes through the contexts (start_mesh names a lost peer) and is raised
+            if not self._stack.__exit__(type(e), e, e.__traceback__):
+                raise
+        finally:
+            self._depth -= 1
+
+    def close(self) -> None:
+        """End a run that is not finished: the callbacks' files flushed and closed, the folder released
+        (no summary.json: the run did not finish)."""
+        if self.ended:
+            return
+        self.ended = True
+        self._stack.close()
+
+    # ---------------------------------------------------------------------------------------------
+    # steps
+
+    def advance(self, steps: int) -> list[dict[str, Any]]:
+        """``steps`` more steps (each one :meth:`step`), with SIGTERM / SIGINT turned into a stop after the
+        step (last words); the metrics each step returned."""
+        if steps < 0 or self.done + steps > self.tc.steps:
+            raise ValueError(f"steps: expected 0 to {self.tc.steps - self.done} more steps ({self.done} of "
+                             f"train.steps {self.tc.steps} are done), found {steps}; raise train.steps to train "
+                             f"longer")
+        out = []
+        with self._failing():
+            signals = StopSignals() if self.use_words or self.mesh is None else contextlib.nullcontext()
+            with signals as self.signals:
+                for _ in range(steps):
+                    out.append(self._step())
+            self.signals = None
+        return out
+
+    def step(self) -> dict[str, Any]:
+        """One step: the metrics the step returned (local tensors; on a skipped step too)."""
+        return self.advance(1)[0]
+
+    def _step(self) -> dict[str, Any]:
+        n = self.done + 1
+        self.hooks.maybe_kill(n, rank=self.rank, attempt=self.plan.restart)
+        batch = self.hooks.batch(n, sample_batch(self.data.train, self.train_key, n - 1, self.tc.batch_size,
+                                                 self.tc.seq_len, self.data.train_docs), self.spec.ignore_index)
+        t = time.perf_counter()
+        try:
+            new_state, metrics = self.train_step(self.state, batch)  # pure: `state` stays the last completed step's
+            if self.mesh is not None:
+                metrics = _local_metrics(metrics)
+            loss = float(metrics["loss"])  # the host read also ends the step's work
+        except Exception as e:
+            if is_comm_failure(e):
+                record_failure(f"rank {self.rank} lost a peer in step {n}")
+            self.last_words(f"step {n} failed: {type(e).__name__}")
+            raise
+        grad_norm, lr = float(metrics["grad_norm"]), float(metrics["lr"])
+        seconds = time.perf_counter() - t
+        self.tally.train_time += seconds
+        if not _finite_step(loss, grad_norm):  # every rank holds the same values
+            self._skip(n, batch, loss=loss, grad_norm=grad_norm, lr=lr)
+            return metrics
+        self._apply(n, new_state, metrics, loss=loss, grad_norm=grad_norm, lr=lr, seconds=seconds)
+        self._between_steps()
+        return metrics
+
+    def _skip(self, n: int, batch: Any, *, loss: float, grad_norm: float, lr: float) -> None:
+        """A step that is not finite: not applied; logged as skipped, or the run stops (train.on_nonfinite)."""
+        tc, tally = self.tc, self.tally
+        tally.skipped += 1
+        tally.in_a_row += 1
+        what = _nonfinite_text(loss, grad_norm, lr)
+        if tc.on_nonfinite == "stop" or tally.in_a_row > tc.max_skips:
+            grad = _first_nonfinite_grad(self.check_step(), self.state, batch, on_mesh=self.mesh is not None)
+            cap = (f"; {tally.in_a_row} steps in a row were not finite, more than train.max_skips "
+                   f"({tc.max_skips})" if tc.on_nonfinite == "skip" else "")
+            saved = self.last_words(f"step {n} not finite")
+            raise TrainingDiverged(
+                f"step {n}: {what}{grad}{cap}; the step was not applied (the state is that "
+                f"of step {self.done}{f'; last words: {saved}' if saved else ''}); {_DIVERGED_FIX}")
+        self.done = n
+        self._log({"step": n, "skipped": True, "reason": f"{what}; the step was not applied",
+                   "skipped_steps": tally.skipped})
+
+    def _apply(self, n: int, state: Any, metrics: dict[str, Any], *, loss: float, grad_norm: float, lr: float,
+               seconds: float) -> None:
+        """An applied step: the new state, its metrics line (every ``log_every``), the callbacks, and the
+        validation when it is due."""
+        tc, trainer = self.tc, self.trainer
+        self.state, self.done = state, n
+        self.last = {"loss": loss, "grad_norm": grad_norm, "lr": lr}
+        self.tally.add(loss, metrics, grad_norm=grad_norm, seconds=seconds)
+        self._say_recovery()
+        record = None
+        if n % tc.log_every == 0 or n == 1 or n == tc.steps:
+            record = {**self.tally.line(n, lr=lr, tokens_per_step=self.tokens_per_step),
+                      **_step_extras(metrics, self.ep_size)}
+            if self.tally.skipped:
+                record["skipped_steps"] = self.tally.skipped
+            self._log(record)
+        trainer.state, trainer.record = self.state, record
+        self.calls.step_end(trainer, n, metrics)
+        if tc.eval_every and n % tc.eval_every == 0 and n != tc.steps and self.val_batches:
+            self._validate()
+
+    def _say_recovery(self) -> None:
+        """After an elastic restart, at the first resumed step: how long the run was down."""
+        if self.recovery_s is not None or not self.plan.restart or not self.main:
+            return
+        failure = self.failure
+        self.recovery_s = time.time() - (failure["time"] if failure else self.failure_seen)
+        since = (f"{self.recovery_s:.1f} s from the failure ({failure['what']}) to the first resumed step" if failure
+                 else f"{self.recovery_s:.1f} s from this attempt's start to its first step (no rank noted the "
+                      f"failure's time)")
+        out = sys.stdout if self.trainer.options["stream"] is None else self.trainer.options["stream"]
+        print(f"hpfunc train: elastic restart {self.plan.restart} of {self.cfg.parallel.max_restarts}: resumed at "
+              f"step {self.start}; {since}", file=out, flush=True)
+
+    def _log(self, record: dict[str, Any]) -> None:
+        """A line of the run's record (metrics.jsonl, through the ``metrics_file`` callback)."""
+        self.records.append(record)
+        self.calls.log(self.trainer, record)
+
+    def _between_steps(self) -> None:
+        """After an applied step, on every rank alike: a signal (any rank's) or a failed asynchronous save
+        stops the run here, after saving the last words."""
+        done, signals, ckpts = self.done, self.signals, self.ckpts
+        save_failed = ckpts is not None and ckpts.failed()  # an async save: known at the next step
+        if signals is not None:
+            self.hooks.maybe_term(done, handled=signals.signum is None and signals.installed)
+        if self.use_words:
+            try:
+                signum, save_failed = self.words.any_stop(signals.signum, save_failed)
+            except Exception as e:  # a peer lost between two steps: the state of `done` is whole
+                if is_comm_failure(e):
+                    record_failure(f"rank {self.rank} lost a peer after step {done}")
+                self.last_words(f"a peer was lost after step {done}: {type(e).__name__}")
+                raise
+            if signum is not None and done != self.tc.steps:
+                raise Stopped(stop_message(signum, done, self.last_words(_sig_name(signum))), signum)
+        elif self.mesh is not None and ckpts is not None and ckpts.in_flight():
+            save_failed = _any_rank(save_failed)  # every rank stops at the same step
+        elif signals is not None and signals.signum is not None and done != self.tc.steps:
+            # one process without last words: still a message and 128 + the signal, after the step
+            why = ("checkpoints are off (checkpoint.every: 0), so the run cannot be continued" if ckpts is None
+                   else "no checkpoint on the way out (checkpoint.last_words: false); continue from the "
+                        "newest one with `hpfunc train CONFIG --resume auto`")
+            raise Stopped(f"stopped by {_sig_name(signals.signum)} after step {done}; {why}; the metrics up "
+                          f"to step {done} are kept", signals.signum)
+        if save_failed:
+            with _save_errors(self.root, done):
+                ckpts.wait()  # raises the save's error, the same on every rank
+
+    def last_words(self, why: str) -> str:
+        """Save the state of the last completed step on the way out; the message says what happened."""
+        if not self.use_words:
+            return ""
+        _, message = self.words.save(self.state, self.done, self.tally.saved(), why=why)
+        if self.main or message.startswith("no checkpoint"):
+            where = f" [rank {self.rank}]" if self.mesh is not None else ""
+            print(f"hpfunc train{where}: last words ({why}): {message}", file=sys.stderr, flush=True)
+        return message
+
+    # ---------------------------------------------------------------------------------------------
+    # evaluation and checkpoints
+
+    def evaluate(self) -> float | None:
+        """The validation loss of the current state (None without validation batches), logged and told
+        to the callbacks (``on_eval``, on every rank that asks)."""
+        with self._failing():
+            return self._validate()
+
+    def _validate(self, full: Any = None) -> float | None:
+        if not self.val_batches:
+            return None
+        if self.sharded_eval is not None:  # every rank, on its shards: no gathered copy
+            val = _evaluate_sharded(self.sharded_eval, self.state, self.val_batches)
+        else:
+            full = self.full_params(self.state.params) if full is None else full  # a collective: every rank
+            val = _evaluate(self.eval_step, full, self.val_batches) if self.main else None
+            if self.mesh is not None:
+                from hpfunc.checkpoint import _ranks
+
+                val = _ranks.from_rank0(val, None)  # every rank holds the value
+        _check_val_finite(self.done, val, self.last)
+        self._log({"step": self.done, "val_loss": val})
+        self.calls.eval(self.trainer, self.done, val)
+        return val
+
+    def save(self, *, wait: bool = True) -> pathlib.Path:
+        """Save the state of the last completed step (once per step) through the run's checkpoints; the
+        background writer is flushed first. ``wait``: return once it is written (else an asynchronous
+        save may still be writing). The checkpoint's folder."""
+        from hpfunc.checkpoint import step_dir
+
+        with self._failing():
+            if self.ckpts is None:  # checkpoint.every: 0, and asked for one (a collective on a mesh)
+                self.ckpts = self.trainer.checkpoints = TrainCheckpoints(self.cfg, self.root)
+            self.writer.flush()
+            with _save_errors(self.root, self.done):
+                if self.saved_step != self.done:
+                    self.ckpts.save(self.state, self.done, self.tally.saved())
+                    self.saved_step = self.done
+                    if wait:
+                        self.ckpts.wait()
+                    self.calls.save(self.trainer, self.done, self.root)
+                elif wait:
+                    self.ckpts.wait()
+            return step_dir(self.root, self.done)
+
+    # ---------------------------------------------------------------------------------------------
+    # the end
+
+    def finish(self) -> RunResult:
+        """The end of the run (after ``train.steps``): the last update checked, the final validation, the
+        summary, the sample, ``on_train_end`` (the built-in plot and summary.json among them); then
+        everything is closed."""
+        if self.done != self.tc.steps and not self.ended:
+            raise ValueError(f"the run is at step {self.done} of train.steps {self.tc.steps}; run the remaining "
+                             f"steps first (or close() it unfinished)")
+        with self._failing():
+            final_params = self.full_params(self.state.params)  # a collective: every rank
+            self._check_final(final_params)
+            val = self._validate(final_params)
+            summary = self._summary(val)
+            self.trainer.state, self.trainer.summary = self.state, summary
+            if self.main:
+                self._sample(final_params, summary)
+            self.calls.train_end(self.trainer, summary)  # a failing callback leaves no summary.json
+            self.finished = True
+        self.ended = True
+        self._stack.close()
+        return RunResult(state=self.state, records=self.records, summary=summary, out_dir=self.out)
+
+    def _check_final(self, final_params: Any) -> None:
+        bad = _first_nonfinite(final_params)  # the last update has no later loss to show it
+        if bad is None:
+            return
+        path, n_bad, n = bad
+        last = self.last
+        raise TrainingDiverged(
+            f"step {self.tc.steps} (the last): its update left non-finite parameters ({n_bad} of the {n} values "
+            f"of {path!r} are NaN or infinite) although the step's loss ({last.get('loss', math.nan):.4f}) "
+            f"and gradient norm ({last.get('grad_norm', math.nan):.3g}) were finite "
+            f"(lr {last.get('lr', math.nan):.3g}); {_DIVERGED_FIX}")
+
+    def _summary(self, val: float | None) -> dict[str, Any]:
+        tc, tally, ckpts = self.tc, self.tally, self.ckpts
+        last_window = min(10, len(tally.losses))
+        summary = {
+            "steps": tc.steps,
+            "tokens": self.tokens_per_step * tc.steps,
+            "train_time_s": tally.train_time,
+            "tokens_per_s": self.tokens_per_step * tc.steps / max(tally.train_time, 1e-9),
+            "first_loss": tally.first_loss,
+            "last_loss": sum(tally.losses[-last_window:]) / last_window if last_window else None,
+            "last_window": last_window,
+            "min_loss": tally.min_loss,
+            "val_loss": val if self.main else None,
+            "params": self.n_params,
+            "out_dir": str(self.out),
+        }
+        if tally.skipped:
+            summary["skipped_steps"] = tally.skipped
+        if self.plan.path is not None:
+            summary["resumed_from_step"] = self.start
+        if self.plan.restart:
+            summary["restarts"] = self.plan.restart
+            summary["recovery_s"] = self.recovery_s
+        if ckpts is not None:
+            summary["checkpoints"] = {"dir": str(self.root), "saves": len(ckpts.blocked_s),
+                                      "blocked_s_per_save": sum(ckpts.blocked_s) / max(len(ckpts.blocked_s), 1),
+                                      "write_s_per_save": sum(ckpts.write_s) / max(len(ckpts.write_s), 1),
+                                      "async": ckpts.asynchronous}
+        if self.mesh is not None:
+            summary["processes"] = self.cfg.parallel.size
+            summary["mesh"] = dict(self.cfg.parallel.mesh)
+        return summary
+
+    def _sample(self, final_params: Any, summary: dict[str, Any]) -> None:
+        """``sample.txt``: text generated from the prompt by the final parameters (byte-level data only)."""
+        cfg, oc = self.cfg, self.cfg.output
+        byte_level = cfg.data.source != "ids" and not cfg.data.tokenizer
+        if oc.sample_tokens and byte_level and oc.sample_prompt:
+            from hpfunc.train.sample import sample_text
+
+            text = sample_text(final_params, self.model_cfg, oc.sample_prompt, oc.sample_tokens,
+                               random.fold_in(random.key(cfg.seed), 3), temperature=oc.sample_temperature,
+                               apply=self.spec.apply)
+            folder = self.folder
+            self.writer.submit(lambda: folder.write_text("sample.txt", text), label="the run (sample.txt)")
+            summary["sample"] = text
+            self.say(f"sample (temperature {oc.sample_temperature}):\n{'-' * 60}\n{text}\n{'-' * 60}")
+        elif oc.sample_tokens and oc.sample_prompt:  # said, not silently skipped
+            what = f"data.tokenizer {cfg.data.tokenizer}" if cfg.data.tokenizer else "data.source: ids"
+            self.say(f"sample: none written: output.sample_tokens generates bytes, and this run's data is token ids "
+                     f"({what}); set output.sample_tokens: 0 to silence this")
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
 
 
 def _finite_step(loss: float, grad_norm: float) -> bool:
@@ -91,22 +693,6 @@ def _first_nonfinite(params: Any) -> tuple[str, int, int] | None:
             if bad:
                 return path, bad, x.numel()
     return None
-
-
-@attrs.frozen
-class RunResult:
-    """What :func:`run` returns: the final state, the logged records and the summary."""
-
-    state: TrainState
-    records: list
-    summary: dict
-    out_dir: pathlib.Path
-
-
-def data_keys(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(init_key, train_data_key, val_data_key)`` derived from the run's seed."""
-    root = random.key(seed)
-    return random.fold_in(root, 0), random.fold_in(root, 1), random.fold_in(root, 2)
 
 
 def _expert_stats(load: torch.Tensor, ep_size: int = 1) -> dict[str, Any]:
@@ -162,47 +748,11 @@ def _evaluate_sharded(eval_step: Callable, state: Any, batches: list) -> float |
     return float(torch.stack([eval_step(state, b)[1]["ce_loss"] for b in batches]).mean())
 
 
-class _NoWriter:
-    """Stands in for the metrics file on ranks other than 0."""
-
-    def write(self, record: dict[str, Any]) -> None:
-        del record
-
-    def __enter__(self) -> "_NoWriter":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
-
-
 def _local_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
     """Replicated metrics of a parallel step as plain tensors (DTensors hold the value on every rank)."""
     from torch.distributed.tensor import DTensor
 
     return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in metrics.items()}
-
-
-def execute(trainer: Any) -> RunResult:
-    """The run of a :class:`~hpfunc.train.trainer.Trainer` (its config and options), in this process (one
-    rank of a launch, or the only process)."""
-    cfg, o = trainer.cfg, trainer.options
-    out_dir, stream, echo = o["out_dir"], o["stream"], o["echo"]
-    overwrite, inputs, lock_token, resume = o["overwrite"], o["inputs"], o["lock_token"], o["resume"]
-    threads = torch.get_num_threads()
-    if cfg.train.num_threads is not None:
-        # Process-wide in torch; restored on exit. On a shared or small machine one thread is often
-        # much faster than oversubscribed ones for a tiny model.
-        torch.set_num_threads(cfg.train.num_threads)
-    try:
-        claim = {"overwrite": overwrite, "inputs": inputs, "lock_token": lock_token, "resume": resume}
-        if not is_distributed(cfg.parallel):
-            return _run(cfg, out_dir=out_dir, stream=stream, echo=echo, claim=claim, trainer=trainer)
-        from hpfunc.train.distributed import start_mesh
-
-        with start_mesh(cfg.parallel) as mesh:
-            return _run(cfg, out_dir=out_dir, stream=stream, echo=echo, mesh=mesh, claim=claim, trainer=trainer)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _plan_on_rank0(cfg: Config, out: pathlib.Path, claim: dict[str, Any], mesh: Any) -> ResumePlan:
@@ -223,26 +773,6 @@ def _plan_on_rank0(cfg: Config, out: pathlib.Path, claim: dict[str, Any], mesh: 
     return answer
 
 
-def _run(cfg: Config, *, out_dir: str | pathlib.Path | None, stream: TextIO | None, echo: bool,
-         mesh: Any = None, claim: dict[str, Any], trainer: Any) -> RunResult:
-    main = mesh is None or torch.distributed.get_rank() == 0  # the rank that prints and writes
-    model_cfg = check_buildable(cfg)  # config errors first: nothing is created for a config that cannot run
-    out = pathlib.Path(cfg.output.dir if out_dir is None else out_dir)
-    plan = _plan_on_rank0(cfg, out, claim, mesh)  # before any file is written
-    if main:
-        for line in plan.skipped:  # damaged newer checkpoints, renamed: said once, before the run starts
-            print(f"hpfunc train: {line}", file=sys.stderr, flush=True)
-    if not main:
-        return _train(cfg, model_cfg, out, None, stream=stream, echo=echo, mesh=mesh, plan=plan, trainer=trainer)
-    hint = ("; or continue it from its newest checkpoint with --resume auto"
-            if latest(checkpoint_root(cfg, out)) is not None else "")
-    folder = RunFolder(out, overwrite=claim["overwrite"] and not plan.restart,
-                       inputs=[*claim["inputs"], *data_inputs(cfg.data)], inherited=claim["lock_token"],
-                       resume=plan.resume, hint=hint)
-    with folder:  # held to the last write; a second run into the folder is refused meanwhile
-        return _train(cfg, model_cfg, out, folder, stream=stream, echo=echo, mesh=mesh, plan=plan, trainer=trainer)
-
-
 def _first_nonfinite_grad(check_step: Callable, state: Any, batch: Any, *, on_mesh: bool) -> str:
     """The message part naming the first parameter whose gradient on ``batch`` is not finite: the
     failure path recomputes the step's gradient once (one more forward and backward; on a mesh every
@@ -260,366 +790,6 @@ def _first_nonfinite_grad(check_step: Callable, state: Any, batch: Any, *, on_me
                   f"{count} of {x.numel()} values")
             return f"; the first parameter whose gradient is not finite: {path!r} ({of})"
     return "; every parameter's gradient is finite"
-
-
-def _train(cfg: Config, model_cfg: Any, out: pathlib.Path, folder: RunFolder | None, *, stream: TextIO | None,
-           echo: bool, mesh: Any, plan: ResumePlan, trainer: Any) -> RunResult:
-    from hpfunc.train.callbacks import CallbackList
-
-    spec = trainer.spec
-    main = folder is not None  # the rank that prints and writes
-    calls = CallbackList(trainer.callbacks, main=main)
-    progress_mode = cfg.output.progress if main else "none"
-    quiet = not echo or progress_mode == "none"
-    out_stream = sys.stdout if stream is None else stream
-
-    def say(text: str) -> None:
-        if not quiet:
-            print(text, file=stream, flush=True)
-
-    tc = cfg.train
-    cc = cfg.checkpoint
-
-    if tc.aux_loss_coef is not None and spec.with_aux_loss_coef is not None:
-        model_cfg = spec.with_aux_loss_coef(model_cfg, tc.aux_loss_coef)
-    factor = build_schedule(cfg.schedule, tc.steps)
-    optimizer, lr = build_optimizer(cfg.optimizer, factor, spec)
-
-    t0 = time.perf_counter()
-    data = load_data(cfg.data)
-    check_data(data, cfg, spec.vocab_size(model_cfg))  # before the first write: a bad corpus leaves the folder alone
-    say(f"data: {data.description} ({data.train.numel():,} train / {data.val.numel():,} val) "
-        f"in {time.perf_counter() - t0:.1f} s")
-
-    init_key, train_key, val_key = data_keys(cfg.seed)
-    n_params = spec.count_params(model_cfg)
-    say(f"model: {cfg.model.preset}, {spec.describe(model_cfg)}")
-    say(f"train: {tc.steps} steps of {tc.batch_size} x {tc.seq_len} tokens, {cfg.optimizer.name}, "
-        f"{cfg.schedule.name} schedule")
-
-    if mesh is None:
-        if cfg.model.pretrained is not None:  # the Hugging Face folder's weights, checked against the config
-            params = spec.hf.load_params(cfg.model.pretrained, model_cfg, dtype=model_dtype(cfg.model))
-        else:
-            params = spec.init(init_key, model_cfg, dtype=model_dtype(cfg.model))
-        state = init_train_state(params, optimizer)
-        train_step = make_train_step(model_cfg, optimizer, expert_bias_rate=tc.expert_bias_rate, lr_schedule=lr,
-                                     num_microbatches=tc.microbatches, loss_fn=train_loss(cfg, spec, on_mesh=False))
-        full_params: Callable[[Any], Any] = lambda p: p  # noqa: E731
-        sharded_eval = None
-        check_step = functools.partial(make_grad_check_step, model_cfg, num_microbatches=tc.microbatches,
-                                       loss_fn=train_loss(cfg, spec, on_mesh=False))
-    else:
-        from hpfunc.train.distributed import (build_eval_step, build_grad_check_step, build_parallel_step,
-                                              parallel_summary)
-
-        say(parallel_summary(cfg))
-        state, train_step = build_parallel_step(cfg, model_cfg, optimizer, lr, init_key, mesh,
-                                                model_dtype(cfg.model))
-        full_params = train_step.full_params  # a collective (a pipeline's stages come from their ranks)
-        check_step = functools.partial(build_grad_check_step, cfg, model_cfg, mesh)
-        sharded_eval = build_eval_step(cfg, model_cfg, mesh)
-    eval_step = make_eval_step(model_cfg, loss_fn=spec.loss)
-
-    # where the run starts: step 0, or a checkpoint loaded into this run's layout (resharded)
-    start = 0
-    loop: dict[str, Any] = {}
-    if plan.path is not None:
-        from hpfunc import checkpoint
-
-        t = time.perf_counter()
-        loop = dict(checkpoint.info(plan.path)["metadata"]["loop"])
-        state, start = restore_state(plan.path, state)
-        say(f"resume: from {plan.path} (step {start} of {tc.steps}, {int(state.step)} optimizer steps) in "
-            f"{time.perf_counter() - t:.2f} s" + (f"; changed: {', '.join(plan.notes)}" if plan.notes else ""))
-    elif plan.restart:
-        say(f"resume: no checkpoint yet under {checkpoint_root(cfg, out)}; attempt {plan.restart + 1} starts over")
-    failure = pop_failure() if main and plan.restart else None
-    failure_seen = time.time()
-
-    root = checkpoint_root(cfg, out)
-    kept: list[dict[str, Any]] = []
-    if main:  # the first write: a previous run's files go now (with overwrite), not before
-        folder.start()
-        if not plan.resume and folder.overwrite:
-            clear_checkpoints(root)
-        if plan.resume:
-            kept = truncate_metrics(folder.file("metrics.jsonl"), start)  # no step twice
-        folder.write_text("config.yaml", yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
-    val_batches = (
-        eval_batches(data.val, val_key, tc.eval_batches, tc.batch_size, tc.seq_len, data.val_docs)
-        if data.val.numel() > tc.seq_len and tc.eval_batches
-        else []
-    )
-
-    # collective on a mesh (process groups of the async saver and of the last words), in this order
-    ckpts = TrainCheckpoints(cfg, root) if cc.every > 0 else None
-    words = LastWords(ckpts, distributed=mesh is not None, timeout_s=cc.last_words_timeout_s)
-    use_words = ckpts is not None and cc.last_words
-    hooks = FaultHooks.from_env()
-    rank = torch.distributed.get_rank() if mesh is not None else 0
-    trainer._bind_run(state=state, model_cfg=model_cfg, out_dir=out, main=main, rank=rank, mesh=mesh,
-                      checkpoint_root=root, folder=folder, start_step=start, checkpoints=ckpts)
-
-    ep_size = next((cfg.parallel.mesh[e.axes[0]] for e in cfg.parallel.plan if e.kind == "ep"), 1)
-    records: list[dict[str, Any]] = list(kept)
-    trainer.records = records
-    losses: list[float] = list(loop.get("recent", []))  # the last ones before a resume: the summary's mean
-    first_loss = loop.get("first_loss")
-    min_loss = loop.get("min_loss")
-    tokens_per_step = tc.batch_size * tc.seq_len
-    train_time = float(loop.get("train_time_s", 0.0))
-    window: list[float] = list(loop.get("window", []))
-    window_time = float(loop.get("window_time_s", 0.0))
-    # the window's other per-step values: a record logs every loss and the gradient norm the same way,
-    # as the mean over the steps since the previous record
-    window_parts: dict[str, list[float]] = {k: list(v) for k, v in loop.get("window_parts", {}).items()}
-    skipped = int(loop.get("skipped", 0))
-    in_a_row = int(loop.get("in_a_row", 0))
-    recovery_s: float | None = None
-    last: dict[str, float] = {}
-    progress = Progress(tc.steps, progress_mode, stream)
-    progress.update(start)
-
-    def loop_state() -> dict[str, Any]:
-        return {"first_loss": first_loss, "recent": losses[-10:], "min_loss": min_loss, "train_time_s": train_time,
-                "window": window, "window_time_s": window_time, "window_parts": window_parts, "skipped": skipped,
-                "in_a_row": in_a_row}
-
-    def last_words(done: int, why: str) -> str:
-        """Save the state after ``done`` steps on the way out; the message says what happened."""
-        if not use_words:
-            return ""
-        _, message = words.save(state, done, loop_state(), why=why)
-        if main or message.startswith("no checkpoint"):
-            print(f"hpfunc train{f' [rank {rank}]' if mesh is not None else ''}: last words ({why}): {message}",
-                  file=sys.stderr, flush=True)
-        return message
-
-    done = start
-    finished = False  # an error of the checkpoints' closing must not hide the error that ends the run
-    try:
-        calls.train_start(trainer)
-        with MetricsWriter(folder.file("metrics.jsonl")) if main else _NoWriter() as writer, \
-                StopSignals() if use_words or mesh is None else contextlib.nullcontext() as signals:
-            for step in range(start, tc.steps):
-                hooks.maybe_kill(step + 1, rank=rank, attempt=plan.restart)
-                batch = hooks.batch(step + 1, sample_batch(data.train, train_key, step, tc.batch_size, tc.seq_len, data.train_docs),
-                                    spec.ignore_index)
-                t = time.perf_counter()
-                try:
-                    new_state, metrics = train_step(state, batch)  # pure: `state` stays the last completed step's
-                    if mesh is not None:
-                        metrics = _local_metrics(metrics)
-                    loss = float(metrics["loss"])  # the host read also ends the step's work
-                except Exception as e:
-                    if is_comm_failure(e):
-                        record_failure(f"rank {rank} lost a peer in step {step + 1}")
-                    last_words(done, f"step {step + 1} failed: {type(e).__name__}")
-                    raise
-                grad_norm, step_lr = float(metrics["grad_norm"]), float(metrics["lr"])
-                dt = time.perf_counter() - t
-                train_time += dt
-                if not _finite_step(loss, grad_norm):  # every rank holds the same values
-                    skipped += 1
-                    in_a_row += 1
-                    what = _nonfinite_text(loss, grad_norm, step_lr)
-                    if tc.on_nonfinite == "stop" or in_a_row > tc.max_skips:
-                        grad = _first_nonfinite_grad(check_step(), state, batch, on_mesh=mesh is not None)
-                        cap = (f"; {in_a_row} steps in a row were not finite, more than train.max_skips "
-                               f"({tc.max_skips})" if tc.on_nonfinite == "skip" else "")
-                        saved = last_words(done, f"step {step + 1} not finite")
-                        raise TrainingDiverged(
-                            f"step {step + 1}: {what}{grad}{cap}; the step was not applied (the state is that "
-                            f"of step {done}{f'; last words: {saved}' if saved else ''}); {_DIVERGED_FIX}")
-                    done = step + 1
-                    vrec = {"step": done, "skipped": True, "reason": f"{what}; the step was not applied",
-                            "skipped_steps": skipped}
-                    writer.write(vrec)
-                    records.append(vrec)
-                    progress.message(f"step {done}: {what}; skipped (not applied; {skipped} skipped so far, "
-                                     f"{in_a_row} in a row of at most {tc.max_skips})")
-                    progress.update(done)
-                    continue
-                state, in_a_row = new_state, 0
-                last = {"loss": loss, "grad_norm": grad_norm, "lr": step_lr}
-                window_time += dt
-                losses.append(loss)
-                window.append(loss)
-                for key, value in (("ce_loss", metrics["ce_loss"]), ("aux_loss", metrics["aux_loss"]),
-                                   ("grad_norm", grad_norm)):
-                    window_parts.setdefault(key, []).append(float(value))
-                first_loss = loss if first_loss is None else first_loss
-                min_loss = loss if min_loss is None else min(min_loss, loss)
-                done = step + 1
-                if recovery_s is None and plan.restart and main:
-                    recovery_s = time.time() - (failure["time"] if failure else failure_seen)
-                    since = (f"{recovery_s:.1f} s from the failure ({failure['what']}) to the first resumed step"
-                             if failure else f"{recovery_s:.1f} s from this attempt's start to its first step (no "
-                             f"rank noted the failure's time)")
-                    print(f"hpfunc train: elastic restart {plan.restart} of {cfg.parallel.max_restarts}: resumed at "
-                          f"step {start}; {since}", file=out_stream, flush=True)
-                record = None
-                if done % tc.log_every == 0 or done == 1 or done == tc.steps:
-                    record = {
-                        "step": done,
-                        # means over the window (the steps since the previous record), all four alike
-                        "loss": sum(window) / len(window),
-                        **{k: sum(v) / len(v) for k, v in window_parts.items()},
-                        "lr": step_lr,  # the record's step's, as the expert statistics below
-                        "tokens_per_s": tokens_per_step * len(window) / max(window_time, 1e-9),
-                        "elapsed_s": train_time,
-                        **(_expert_stats(metrics["expert_load"], ep_size) if "expert_load" in metrics else {}),
-                        **(_dropped_stats(metrics["dropped_pairs"]) if "dropped_pairs" in metrics else {}),
-                    }
-                    if skipped:
-                        record["skipped_steps"] = skipped
-                    writer.write(record)
-                    records.append(record)
-                    window, window_time, window_parts = [], 0.0, {}
-                trainer.state, trainer.record = state, record
-                calls.step_end(trainer, done, metrics)
-                if tc.eval_every and done % tc.eval_every == 0 and done != tc.steps and val_batches:
-                    if sharded_eval is not None:  # every rank, on its shards: no gathered copy
-                        val = _evaluate_sharded(sharded_eval, state, val_batches)
-                        val = val if main else None
-                    else:
-                        full = full_params(state.params)  # a collective: every rank
-                        val = _evaluate(eval_step, full, val_batches) if main else None
-                    if val is not None:
-                        _check_val_finite(done, val, last)
-                        vrec = {"step": done, "val_loss": val}
-                        writer.write(vrec)
-                        records.append(vrec)
-                        progress.message(f"step {done}: validation loss {val:.4f}")
-                        calls.eval(trainer, done, val)
-                progress.update(done, record)
-                if ckpts is not None and ckpts.due(done) and done != tc.steps:
-                    with _save_errors(root, done):
-                        ckpts.save(state, done, loop_state())
-                    calls.save(trainer, done, root)
-                save_failed = ckpts is not None and ckpts.failed()  # an async save: known at the next step
-                if signals is not None:
-                    hooks.maybe_term(done, handled=signals.signum is None and signals.installed)
-                if use_words:
-                    try:
-                        signum, save_failed = words.any_stop(signals.signum, save_failed)
-                    except Exception as e:  # a peer lost between two steps: the state of `done` is whole
-                        if is_comm_failure(e):
-                            record_failure(f"rank {rank} lost a peer after step {done}")
-                        last_words(done, f"a peer was lost after step {done}: {type(e).__name__}")
-                        raise
-                    if signum is not None and done != tc.steps:
-                        raise Stopped(stop_message(signum, done, last_words(done, _sig_name(signum))), signum)
-                elif mesh is not None and ckpts is not None and ckpts.in_flight():
-                    save_failed = _any_rank(save_failed)  # every rank stops at the same step
-                elif signals is not None and signals.signum is not None and done != tc.steps:
-                    # one process without last words: still a message and 128 + the signal, after the step
-                    why = ("checkpoints are off (checkpoint.every: 0), so the run cannot be continued" if ckpts is None
-                           else "no checkpoint on the way out (checkpoint.last_words: false); continue from the "
-                                "newest one with `hpfunc train CONFIG --resume auto`")
-                    raise Stopped(f"stopped by {_sig_name(signals.signum)} after step {done}; {why}; the metrics up "
-                                  f"to step {done} are kept", signals.signum)
-                if save_failed:
-                    with _save_errors(root, done):
-                        ckpts.wait()  # raises the save's error, the same on every rank
-            if ckpts is not None and done == tc.steps and start < tc.steps:
-                with _save_errors(root, done):
-                    ckpts.save(state, done, loop_state())  # the last step's state: a run can be extended from it
-                    ckpts.wait()
-                calls.save(trainer, done, root)
-            final_val = _evaluate_sharded(sharded_eval, state, val_batches) if sharded_eval is not None else None
-            final_params = full_params(state.params)  # a collective: every rank
-            bad = _first_nonfinite(final_params)  # the last update has no later loss to show it
-            if bad is not None:
-                path, n_bad, n = bad
-                raise TrainingDiverged(
-                    f"step {tc.steps} (the last): its update left non-finite parameters ({n_bad} of the {n} values "
-                    f"of {path!r} are NaN or infinite) although the step's loss ({last.get('loss', math.nan):.4f}) "
-                    f"and gradient norm ({last.get('grad_norm', math.nan):.3g}) were finite "
-                    f"(lr {last.get('lr', math.nan):.3g}); {_DIVERGED_FIX}")
-            if sharded_eval is not None:
-                val = final_val if main else None
-            else:
-                val = _evaluate(eval_step, final_params, val_batches) if main else None
-            if val is not None:
-                _check_val_finite(tc.steps, val, last)
-                vrec = {"step": tc.steps, "val_loss": val}
-                writer.write(vrec)
-                records.append(vrec)
-                calls.eval(trainer, tc.steps, val)
-        finished = True
-    except BaseException as e:
-        calls.exception(trainer, e)
-        raise
-    finally:
-        progress.close()
-        if ckpts is not None:
-            try:
-                ckpts.close()
-            except Exception:
-                if finished:
-                    raise
-            finally:
-                words.close()
-
-    last_window = min(10, len(losses))
-    summary = {
-        "steps": tc.steps,
-        "tokens": tokens_per_step * tc.steps,
-        "train_time_s": train_time,
-        "tokens_per_s": tokens_per_step * tc.steps / max(train_time, 1e-9),
-        "first_loss": first_loss,
-        "last_loss": sum(losses[-last_window:]) / last_window if last_window else None,
-        "last_window": last_window,
-        "min_loss": min_loss,
-        "val_loss": val,
-        "params": n_params,
-        "out_dir": str(out),
-    }
-    if skipped:
-        summary["skipped_steps"] = skipped
-    if plan.path is not None:
-        summary["resumed_from_step"] = start
-    if plan.restart:
-        summary["restarts"] = plan.restart
-        summary["recovery_s"] = recovery_s
-    if ckpts is not None:
-        summary["checkpoints"] = {"dir": str(root), "saves": len(ckpts.blocked_s),
-                                  "blocked_s_per_save": sum(ckpts.blocked_s) / max(len(ckpts.blocked_s), 1),
-                                  "write_s_per_save": sum(ckpts.write_s) / max(len(ckpts.write_s), 1),
-                                  "async": ckpts.asynchronous}
-    if mesh is not None:
-        summary["processes"] = cfg.parallel.size
-        summary["mesh"] = dict(cfg.parallel.mesh)
-    trainer.state, trainer.summary = state, summary
-    if not main:
-        calls.train_end(trainer, summary)  # the callbacks that run on every rank
-        return RunResult(state=state, records=records, summary=summary, out_dir=out)
-    oc = cfg.output
-    byte_level = cfg.data.source != "ids" and not cfg.data.tokenizer
-    if oc.sample_tokens and byte_level and oc.sample_prompt:
-        from hpfunc.train.sample import sample_text
-
-        text = sample_text(final_params, model_cfg, oc.sample_prompt, oc.sample_tokens,
-                           random.fold_in(random.key(cfg.seed), 3), temperature=oc.sample_temperature,
-                           apply=spec.apply)
-        folder.write_text("sample.txt", text)
-        summary["sample"] = text
-        say(f"sample (temperature {oc.sample_temperature}):\n{'-' * 60}\n{text}\n{'-' * 60}")
-    elif oc.sample_tokens and oc.sample_prompt:  # said, not silently skipped
-        what = f"data.tokenizer {cfg.data.tokenizer}" if cfg.data.tokenizer else "data.source: ids"
-        say(f"sample: none written: output.sample_tokens generates bytes, and this run's data is token ids ({what}); "
-            f"set output.sample_tokens: 0 to silence this")
-    if cfg.output.plot:
-        title = f"{cfg.model.preset} on {cfg.data.source} ({tc.steps} steps, batch {tc.batch_size}x{tc.seq_len})"
-        if mesh is not None:
-            title += "\nmesh " + " x ".join(f"{a} {n}" for a, n in cfg.parallel.mesh.items())
-        plot_losses(records, folder.file("loss.png"), title=title)
-    calls.train_end(trainer, summary)  # a failing callback leaves no summary.json: the run did not finish
-    folder.write_json("summary.json", summary)  # last: its presence means the run finished
-    say(format_summary(summary))
-    return RunResult(state=state, records=records, summary=summary, out_dir=out)
 
 
 def _any_rank(flag: bool) -> bool:

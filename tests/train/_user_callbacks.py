@@ -49,3 +49,25 @@ class FailAt(Callback):
     def on_step_end(self, trainer, step, metrics):
         if step == self.step:
             raise OSError("the disk of this callback is full")
+
+
+class EvalRecorder(Callback):
+    """Keeps the validation losses it is told of, on every rank (``every_rank``), with the rank."""
+
+    every_rank = True
+
+    def __init__(self):
+        self.evals: list[tuple[int, int, float]] = []
+
+    def on_eval(self, trainer, step, val_loss):
+        self.evals.append((trainer.rank, step, val_loss))
+
+
+class Rank0Recorder(Callback):
+    """Keeps the validation losses it is told of (rank 0 only: the default)."""
+
+    def __init__(self):
+        self.evals: list[tuple[int, int, float]] = []
+
+    def on_eval(self, trainer, step, val_loss):
+        self.evals.append((trainer.rank, step, val_loss))

@@ -21,6 +21,7 @@ def test_trainer_notebook_runs():
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
     text = "\n".join(o.get("text", "") or str(o.get("data", {}).get("text/plain", "")) for o in outputs)
     assert "trained 20 steps: loss" in text
+    assert "validation loss after 10 steps:" in text  # the run driven a piece at a time
     assert "step 20: loss" in text  # the notebook's own callback
     assert "the squares of 5 group norms sum to the global norm squared" in text
     assert "20 per-step lines; the mean of steps 2-5 equals metrics.jsonl's step-5 loss" in text

@@ -14,6 +14,11 @@ name                what it does                                                
                     TensorBoard events (needs the ``tensorboard`` package)
 ==================  ======================================================================  ==================
 
+The run's own outputs (progress, metrics.jsonl, checkpoints, loss.png, summary.json) are built-in
+callbacks that are always on (:mod:`hpfunc.train.callbacks.defaults`); the entries of ``callbacks:`` run
+between them. Every callback's file writes go to the run's background writer
+(:mod:`hpfunc.train.callbacks.writer`), so no step waits for a disk.
+
 A callback of your own is named by import path, ``my_pkg.module:MyCallback`` (a class, called with the
 entry's options as keyword arguments, or an object). Options are checked against the constructor's
 annotations before anything runs: an unknown callback (with a did-you-mean), an import path that does
@@ -38,10 +43,11 @@ import types
 import typing
 from typing import Any, Mapping
 
-from hpfunc.train.callbacks.base import Callback, CallbackError, CallbackList, WriterCallback
+from hpfunc.train.callbacks.base import Callback, CallbackError, CallbackList, WriterCallback, open_lines
 from hpfunc.train.config import CallbackEntry, Config, ConfigError
 
-__all__ = ["BUILTIN", "Callback", "CallbackError", "CallbackList", "WriterCallback", "build_callbacks", "make_callback"]
+__all__ = ["BUILTIN", "Callback", "CallbackError", "CallbackList", "WriterCallback", "build_callbacks", "make_callback",
+           "open_lines"]
 
 # name -> import path of the class; read-only (a callback of your own is named by its import path)
 BUILTIN: Mapping[str, str] = types.MappingProxyType({

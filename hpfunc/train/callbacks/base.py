@@ -12,11 +12,23 @@ as no-ops). The trainer calls them on rank 0 only, unless the callback sets ``ev
                                                       returned them (0-d tensors; ``expert_load``
                                                       ``[moe_layers, E]``), ``trainer.record`` the line
                                                       written to metrics.jsonl at this step (or None)
-``on_eval(trainer, step, val_loss)``                  after a validation
+``on_log(trainer, record)``                           a line the run logs to metrics.jsonl (a training
+                                                      line, a skipped step, a validation loss), before
+                                                      the other hooks of its step
+``on_eval(trainer, step, val_loss)``                  after a validation (on every rank that asks)
 ``on_save(trainer, step, path)``                      after a checkpoint of ``step`` was started
 ``on_train_end(trainer, summary)``                    the run finished (before summary.json)
 ``on_exception(trainer, error)``                      the run is failing with ``error``
 ====================================================  ==================================================
+
+A callback never blocks the step on a disk: its file writes go to the run's background writer
+(``trainer.writer``, :mod:`hpfunc.train.callbacks.writer`; :func:`open_lines` gives JSON lines written
+there), one thread per run, flushed when a checkpoint is saved, at the end of the run and on a failure.
+A write that fails is reported naming the callback that handed it over.
+
+The run's own outputs are built-in callbacks too, always on (:mod:`hpfunc.train.callbacks.defaults`):
+the progress bar, metrics.jsonl, the checkpoints, the loss plot and summary.json; the config's
+``callbacks:`` and the ``callbacks=`` objects run between the first three and the last two.
 
 A callback that raises stops the run with :class:`CallbackError` naming it (``callbacks[1]
 (moe_monitor) failed in on_step_end at step 5: ...``); the files the run wrote so far (metrics.jsonl, a
@@ -41,16 +53,23 @@ callback's own lines) stay whole, and no summary.json is written.
 
 from __future__ import annotations
 
+import contextvars
 import sys
 from typing import Any, Sequence
 
-__all__ = ["Callback", "CallbackError", "CallbackList", "open_lines", "scalars"]
+from hpfunc.train.output import OutputWriteError
+
+__all__ = ["BackgroundWriteError", "CALLER", "Callback", "CallbackError", "CallbackList", "open_lines", "scalars"]
+
+# The label of the callback whose hook is running (``callbacks[1] (moe_monitor)``), set by the dispatch
+# for the duration of one hook call: a write handed to the background writer then is reported under it.
+CALLER: contextvars.ContextVar[str] = contextvars.ContextVar("hpfunc_train_callback", default="the run")
 
 
 def open_lines(trainer: Any, name: str) -> Any:
-    """A writer of whole JSON lines on ``name`` in the run's folder, for a callback's own file
-    (:meth:`hpfunc.train.trainer.Trainer.open_lines`: afresh from step 0, cut back to the checkpoint's
-    step on a resume)."""
+    """A writer of whole JSON lines on ``name`` in the run's folder, for a callback's own file, whose
+    writes run on the run's background writer (:meth:`hpfunc.train.trainer.Trainer.open_lines`: afresh
+    from step 0, cut back to the checkpoint's step on a resume)."""
     return trainer.open_lines(name)
 
 
@@ -69,12 +88,16 @@ class Callback:
     """Base class of callbacks: every hook is a no-op; override those you need."""
 
     every_rank: bool = False  # True: called on every rank (a callback that joins a collective)
+    run_part: bool = False  # True: one of the run's own outputs, whose errors are the run's (not wrapped)
 
     def on_train_start(self, trainer: Any) -> None:
         del trainer
 
     def on_step_end(self, trainer: Any, step: int, metrics: dict[str, Any]) -> None:
         del trainer, step, metrics
+
+    def on_log(self, trainer: Any, record: dict[str, Any]) -> None:
+        del trainer, record
 
     def on_eval(self, trainer: Any, step: int, val_loss: float) -> None:
         del trainer, step, val_loss
@@ -113,6 +136,15 @@ class CallbackError(RuntimeError):
     """A callback raised; the message names it (its ``callbacks[i]`` entry), the hook and the step."""
 
 
+class BackgroundWriteError(OutputWriteError):
+    """A file write handed to the run's background writer failed; the message names the file and the
+    callback that handed the write over (``label``)."""
+
+    def __init__(self, message: str, path: Any, label: str):
+        super().__init__(message, path)
+        self.label = label
+
+
 class CallbackList:
     """The run's callbacks as ``(label, callback)`` pairs, called in order on the ranks they run on.
 
@@ -131,16 +163,26 @@ class CallbackList:
             fn = getattr(cb, hook, None)
             if fn is None:
                 continue
+            token = CALLER.set(label)
             try:
                 fn(*args)
+            except CallbackError:
+                raise  # named already (a background write's failure names the callback that handed it over)
             except Exception as e:
+                if getattr(cb, "run_part", False) or _named(e):
+                    raise  # the run's own outputs raise the run's errors (OutputWriteError, CheckpointError, ...)
                 raise CallbackError(f"{label} failed in {hook}{at}: {type(e).__name__}: {e}") from e
+            finally:
+                CALLER.reset(token)
 
     def train_start(self, trainer: Any) -> None:
         self._call("on_train_start", "", trainer)
 
     def step_end(self, trainer: Any, step: int, metrics: dict[str, Any]) -> None:
         self._call("on_step_end", f" at step {step}", trainer, step, metrics)
+
+    def log(self, trainer: Any, record: dict[str, Any]) -> None:
+        self._call("on_log", f" at step {record.get('step')}", trainer, record)
 
     def eval(self, trainer: Any, step: int, val_loss: float) -> None:
         self._call("on_eval", f" at step {step}", trainer, step, val_loss)
@@ -158,7 +200,15 @@ class CallbackList:
             fn = getattr(cb, "on_exception", None)
             if fn is None:
                 continue
+            token = CALLER.set(label)
             try:
                 fn(trainer, error)
             except Exception as e:  # noqa: BLE001 - the original error wins; this one is said
                 print(f"hpfunc train: {label} failed in on_exception: {type(e).__name__}: {e}", file=sys.stderr)
+            finally:
+                CALLER.reset(token)
+
+
+def _named(error: BaseException) -> bool:
+    """A failed background write, which names its callback already."""
+    return isinstance(error, BackgroundWriteError)
