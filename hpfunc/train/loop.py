@@ -264,6 +264,7 @@ def _first_nonfinite_grad(check_step: Callable, state: Any, batch: Any, *, on_me
 def _train(cfg: Config, model_cfg: Any, out: pathlib.Path, folder: RunFolder | None, *, stream: TextIO | None,
            echo: bool, mesh: Any, plan: ResumePlan, trainer: Any) -> RunResult:
     from hpfunc.train.callbacks import CallbackList
+    from hpfunc.train.callbacks.precision_monitor import probe_of
 
     spec = trainer.spec
     main = folder is not None  # the rank that prints and writes
@@ -296,6 +297,7 @@ def _train(cfg: Config, model_cfg: Any, out: pathlib.Path, folder: RunFolder | N
     say(f"train: {tc.steps} steps of {tc.batch_size} x {tc.seq_len} tokens, {cfg.optimizer.name}, "
         f"{cfg.schedule.name} schedule")
 
+    probe = probe_of(trainer.callbacks)  # the precision monitor's measurements, made inside the step
     if mesh is None:
         if cfg.model.pretrained is not None:  # the Hugging Face folder's weights, checked against the config
             params = spec.hf.load_params(cfg.model.pretrained, model_cfg, dtype=model_dtype(cfg.model))
@@ -303,7 +305,7 @@ def _train(cfg: Config, model_cfg: Any, out: pathlib.Path, folder: RunFolder | N
             params = spec.init(init_key, model_cfg, dtype=model_dtype(cfg.model))
         state = init_train_state(params, optimizer)
         train_step = make_train_step(model_cfg, optimizer, expert_bias_rate=tc.expert_bias_rate, lr_schedule=lr,
-                                     num_microbatches=tc.microbatches, loss_fn=spec.loss)
+                                     num_microbatches=tc.microbatches, loss_fn=spec.loss, monitor=probe)
         full_params: Callable[[Any], Any] = lambda p: p  # noqa: E731
         sharded_eval = None
         check_step = functools.partial(make_grad_check_step, model_cfg, num_microbatches=tc.microbatches,
@@ -314,7 +316,7 @@ def _train(cfg: Config, model_cfg: Any, out: pathlib.Path, folder: RunFolder | N
 
         say(parallel_summary(cfg))
         state, train_step = build_parallel_step(cfg, model_cfg, optimizer, lr, init_key, mesh,
-                                                model_dtype(cfg.model))
+                                                model_dtype(cfg.model), monitor=probe)
         full_params = train_step.full_params  # a collective (a pipeline's stages come from their ranks)
         check_step = functools.partial(build_grad_check_step, cfg, model_cfg, mesh)
         sharded_eval = build_eval_step(cfg, model_cfg, mesh)

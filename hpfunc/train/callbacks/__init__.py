@@ -12,6 +12,10 @@ name                what it does                                                
 ``checkpoint_log``  one line per checkpoint saved: step, path, the seconds the step waited   ``checkpoint_log``
 ``tensorboard``     the logged scalars, expert-load histograms and validation loss as        ``tensorboard``
                     TensorBoard events (needs the ``tensorboard`` package)
+``precision_        per layer and parameter group: gradient and parameter norms, update     ``precision_
+monitor``           ratios (one reduction in the step); local loss per data rank and        monitor``
+                    micro-batch; loss / gradient-norm spikes naming the layer and rank
+                    (``precision.jsonl``)
 ==================  ======================================================================  ==================
 
 A callback of your own is named by import path, ``my_pkg.module:MyCallback`` (a class, called with the
@@ -50,6 +54,7 @@ BUILTIN: Mapping[str, str] = types.MappingProxyType({
     "layer_norms": "hpfunc.train.callbacks.layer_norms:LayerNorms",
     "checkpoint_log": "hpfunc.train.callbacks.checkpoint_log:CheckpointLog",
     "tensorboard": "hpfunc.train.callbacks.tensorboard:TensorBoard",
+    "precision_monitor": "hpfunc.train.callbacks.precision_monitor:PrecisionMonitor",
 })
 
 
