@@ -116,9 +116,25 @@ def monitor_in_rank(raw: dict) -> list | None:
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
-    """One process, the batch in 4 micro-batches (one per data shard of the 4-rank meshes)."""
+    """One process, the batch in 4 micro-batches (one per data shard of the 4-rank meshes), with TensorBoard."""
     tmp = tmp_path_factory.mktemp("single")
-    return monitor_in_rank(_raw(tmp, None, microbatches=4))
+    raw = _raw(tmp, None, microbatches=4)
+    raw["callbacks"] = [*raw["callbacks"], "tensorboard"]
+    return monitor_in_rank(raw), tmp / "out" / "tensorboard"
+
+
+def test_tensorboard_holds_the_monitor_values(one_process):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    records, log_dir = one_process
+    events = EventAccumulator(str(log_dir)).Reload()
+    for tag, read in (("precision/grad_norm/layers.1", lambda r: r["layers"]["layers.1"]["grad_norm"]),
+                      ("precision/update_ratio/embed", lambda r: r["layers"]["embed"]["update_ratio"]),
+                      ("precision/local_loss/rank0/mb3", lambda r: r["local_loss"][0][3])):
+        got = {e.step: e.value for e in events.Scalars(tag)}
+        assert got == {r["step"]: pytest.approx(read(r), rel=1e-6) for r in records}, tag  # stored as float32
+    assert [e.value for e in events.Scalars("precision/spike")] == [0.0, 0.0]
 
 
 @pytest.mark.multirank
@@ -131,7 +147,7 @@ def test_per_layer_norms_and_local_losses_on_a_mesh_equal_one_process(pools, tmp
     size = math.prod(parallel["mesh"].values())
     got = pools(size).run(monitor_in_rank, _raw(tmp_path, parallel))
     assert all(g is None for g in got[1:])
-    got, want = got[0], one_process
+    got, want = got[0], one_process[0]
     assert [r["step"] for r in got] == [r["step"] for r in want] == [1, 2]
     for g, w in zip(got, want):
         assert set(g["layers"]) == set(w["layers"]) == {"embed", "layers.0", "layers.1", "final_norm", "lm_head"}
