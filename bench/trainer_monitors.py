@@ -33,6 +33,8 @@ class Timed:
 
     def __getattr__(self, hook):
         fn = getattr(self.inner, hook)
+        if not hook.startswith("on_"):  # not a hook (the precision monitor's step_probe): as it is
+            return fn
 
         def timed(*args):
             t = time.perf_counter()
@@ -82,11 +84,56 @@ def one_run(preset: str, steps: int, every: int | None, names: tuple[str, ...] =
             "callbacks_end_s": per_step.get("on_train_end", 0.0)}
 
 
+def paired_steps(preset: str, pairs: int) -> dict:
+    """The train step alone (one process, one thread), with the precision monitor's probe measuring (``on``),
+    carrying a probe that is not due (``between``) and without one (``off``), called in rotating order on
+    the same state and batch, ``pairs`` times: per call the thread's CPU time and the wall-clock; the
+    medians of the per-round ratios against ``off`` (paired, so a load change hits both sides alike)."""
+    import torch
+
+    from hpfunc import random
+    from hpfunc.train.build import build_model_config, build_optimizer, build_schedule
+    from hpfunc.train.config import load_config_dict
+    from hpfunc.train.model_spec import model_spec
+    from hpfunc.train.precision_probe import PrecisionProbe
+    from hpfunc.train.step import init_train_state, make_train_step
+
+    torch.set_num_threads(1)
+    cfg = load_config_dict({"model": {"preset": preset}, "train": {"batch_size": 8, "seq_len": 128}})
+    model_cfg = build_model_config(cfg.model)
+    spec = model_spec(cfg.model)
+    optimizer, lr = build_optimizer(cfg.optimizer, build_schedule(cfg.schedule, cfg.train.steps), spec)
+    state = init_train_state(spec.init(random.key(0), model_cfg), optimizer)
+    probes = {"off": None, "on": PrecisionProbe(1), "between": PrecisionProbe(10 ** 9)}
+    steps = {name: make_train_step(model_cfg, optimizer, lr_schedule=lr, loss_fn=spec.loss, monitor=probe)
+             for name, probe in probes.items()}
+    tokens = torch.randint(0, model_cfg.vocab_size, (8, 128), generator=torch.Generator().manual_seed(0))
+    batch = {"tokens": tokens, "labels": torch.roll(tokens, -1, 1)}
+    for fn in steps.values():  # warm
+        fn(state, batch)
+    cpu: dict = {name: [] for name in steps}
+    wall: dict = {name: [] for name in steps}
+    names = list(steps)
+    for k in range(pairs):
+        for name in names[k % 3:] + names[:k % 3]:
+            t, c = time.perf_counter(), time.thread_time()
+            steps[name](state, batch)
+            cpu[name].append(time.thread_time() - c)
+            wall[name].append(time.perf_counter() - t)
+    out = {}
+    for name in ("on", "between"):
+        out[name] = {"cpu_ratio": statistics.median(a / b for a, b in zip(cpu[name], cpu["off"])),
+                     "wall_ratio": statistics.median(a / b for a, b in zip(wall[name], wall["off"]))}
+    out["off"] = {"cpu_ms": 1e3 * statistics.median(cpu["off"]), "wall_ms": 1e3 * statistics.median(wall["off"])}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="qwen3-moe-tiny")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--pairs", type=int, default=30)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "trainer_monitors.json"))
     args = ap.parse_args()
     settings = {"off": (None, MONITORS), "every 1": (1, MONITORS), "every 10": (10, MONITORS),
@@ -114,11 +161,18 @@ def main() -> None:
               f"{m['cpu_s'] / off['cpu_s']:>8.3f}{1e3 * m['step_at_logging_s']:>12.1f}"
               f"{m['step_at_logging_s'] / off['step_at_logging_s']:>8.3f}{between}"
               f"{1e3 * m['callbacks_at_logging_step_s']:>10.2f}{1e3 * m['callbacks_between_s']:>11.3f}")
+    before = os.getloadavg()
+    paired = paired_steps(args.preset, args.pairs)
     end = os.getloadavg()
+    print(f"the train step alone, precision monitor's probe on / between / off, {args.pairs} rotating rounds "
+          f"(load average {before[0]:.2f} at the start): off {paired['off']['cpu_ms']:.1f} ms CPU, "
+          f"{paired['off']['wall_ms']:.1f} ms wall; median ratio to off, CPU / wall: measuring "
+          f"{paired['on']['cpu_ratio']:.3f} / {paired['on']['wall_ratio']:.3f}, between "
+          f"{paired['between']['cpu_ratio']:.3f} / {paired['between']['wall_ratio']:.3f}")
     print(f"load average at the end {end[0]:.2f} {end[1]:.2f} {end[2]:.2f}")
     write_json(args.out, {"preset": args.preset, "steps": args.steps, "reps": args.reps, "load_average": load,
                           "load_average_end": os.getloadavg(),
-                          "machine": platform.machine(), "cpus": os.cpu_count(), "medians": med, "runs": runs})
+                          "machine": platform.machine(), "cpus": os.cpu_count(), "medians": med, "runs": runs, "paired_steps": paired})
 
 
 if __name__ == "__main__":

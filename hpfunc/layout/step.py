@@ -375,7 +375,10 @@ def sq_norm_table(trees: Any, *, per_rank: torch.Tensor | None = None,
             reps = _replicas(ctx, trees[0], where)
             if reps is not None:
                 local = local / torch.tensor(reps * len(trees), dtype=torch.float64, device=device)
-        sq[torch.tensor(at, device=device)] = local
+        if len(at) == sq.numel():  # no None leaf: the squares in order
+            sq = local
+        else:
+            sq[torch.tensor(at, device=device)] = local
     mine = None if per_rank is None else per_rank.detach().reshape(-1).to(device=device, dtype=torch.float64)
     if ctx is None:
         return sq.view(len(trees), n), (None if mine is None else mine.view(1, -1))

@@ -86,7 +86,13 @@ class PrecisionProbe:
 
     @staticmethod
     def snapshot(trained: Any) -> Any:
-        """A copy of this rank's parameter blocks before the update (the update may write into them)."""
+        """This rank's parameter blocks before the update: a copy when the step was handed its state to
+        reuse (:func:`hpfunc.layout.donated`: the update may write the new values into them), else the
+        blocks themselves (the update makes new tensors)."""
+        from hpfunc import layout
+
+        if not layout.donated():
+            return trained
         return _tree.tree_map(lambda x: None if x is None else x.detach().clone(), trained, none_is_leaf=True)
 
     @staticmethod

@@ -194,7 +194,7 @@ def make_train_step(
         if monitor is not None and monitor.due(state.step):  # a logging step of the precision monitor
             with monitor.recording() as losses:
                 (loss, aux), grads = grad_fn(trained, frozen, batch)
-            before = monitor.snapshot(trained)  # the update may write the new values into these blocks
+            before = monitor.snapshot(trained)  # a copy when the update may write into these blocks
             new_trained, opt_state = update_and_apply(optimizer, grads, state.opt_state, trained,
                                                       donate=layout.donated())
             measured = monitor.measure(grads, before, new_trained, losses)

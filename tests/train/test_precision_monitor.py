@@ -200,6 +200,15 @@ def spike_in_rank(steps: int, spike_step: int) -> dict:
         with hpfunc.comm_stats() as stats:
             fn(state, _toy_batch(0))
         counts[name] = [(r.name, r.axes) for r in stats.records]
+    # a step handed its state to reuse (the fused AdamW writes the new values into the old blocks) measures
+    # the same update: the probe keeps a copy of the blocks first
+    donating = parallelize(make_train_step(None, tx, loss_fn=_toy_loss, monitor=PrecisionProbe(every=1)), mesh,
+                           plans.fsdp("fsdp"), params="params", donate_state=True)
+    copy = tree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, state)
+    donating(copy, _toy_batch(0))  # lowered once
+    copy = tree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, state)
+    donated = donating(copy, _toy_batch(0))[1]["precision_sq"].full_tensor()
+    kept = on(state, _toy_batch(0))[1]["precision_sq"].full_tensor()
     spikes, tables = [], []
     for k in range(steps):
         # the rows of data rank 2 (rows 4 and 5 of 8) scaled at the spike step: they enter layers.1 only
@@ -210,7 +219,7 @@ def spike_in_rank(steps: int, spike_step: int) -> dict:
         record = monitor.observe(k + 1, local, paths)
         if "spike" in record:
             spikes.append({"step": k + 1, **record["spike"]})
-    return {"spikes": spikes, "counts": counts, "tables": torch.stack(tables)}
+    return {"spikes": spikes, "counts": counts, "tables": torch.stack(tables), "donated": donated, "kept": kept}
 
 
 @pytest.mark.multirank
@@ -219,6 +228,8 @@ def test_a_spike_names_the_layer_and_rank_and_the_monitor_adds_no_collective(poo
     for r in out[1:]:  # every rank holds the same global table
         assert torch.equal(r["tables"], out[0]["tables"])
     r = out[0]
+    assert r["kept"][2].sum() > 0
+    torch.testing.assert_close(r["donated"], r["kept"], rtol=1e-6, atol=0)
     assert len(r["spikes"]) == 1, r["spikes"]
     spike = r["spikes"][0]
     assert spike["step"] == 5 and set(spike["on"]) == {"loss", "grad_norm"}
