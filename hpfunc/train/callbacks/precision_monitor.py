@@ -65,7 +65,7 @@ from typing import Any
 import torch
 
 from hpfunc.train.callbacks.base import WriterCallback, open_lines
-from hpfunc.train.callbacks.layer_norms import _order, group_of
+from hpfunc.train.callbacks.layer_norms import group_of, group_order
 from hpfunc.train.precision_probe import LOCAL_LOSS, ROWS, SQ, PrecisionProbe
 
 __all__ = ["PrecisionMonitor", "kind_of", "probe_of"]
@@ -158,7 +158,7 @@ class PrecisionMonitor(WriterCallback):
             for r in range(len(ROWS)):
                 acc[r] += cols[r][k]
         out = {}
-        for name in sorted(sums, key=_order):
+        for name in sorted(sums, key=group_order):
             grad, param, update = sums[name]
             if not keep_zero and grad == param == update == 0.0:  # frozen (not trained): nothing to say
                 continue
