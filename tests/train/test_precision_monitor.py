@@ -20,6 +20,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from _train_helpers import TINY, write_corpus
 
 
@@ -237,3 +239,55 @@ def test_a_spike_names_the_layer_and_rank_and_the_monitor_adds_no_collective(poo
     # a logging step issues the collectives of a step without the monitor (its reduction replaces the
     # global norm's), and a step between logging steps too
     assert r["counts"]["on"] == r["counts"]["off"] == r["counts"]["sparse_between"], r["counts"]
+
+
+# -- a property over plans: the table and the local losses equal one device's ---------------------
+_PLANS = {  # name -> (mesh, plan factory (plans, tp)); ZeRO's optimizer blocks, replicas over dp and tp
+    "ddp4": ({"dp": 4}, lambda pl, tp: pl.ddp("dp")),
+    "zero1": ({"dp": 2}, lambda pl, tp: pl.zero1("dp")),
+    "zero2_tp": ({"dp": 2, "tp": 2}, lambda pl, tp: pl.zero2("dp") + tp("tp")),
+    "hsdp": ({"dp": 2, "fsdp": 2}, lambda pl, tp: pl.hsdp("dp", "fsdp")),
+    "tp_vocab": ({"tp": 2}, lambda pl, tp: tp("tp", vocab_parallel=True)),
+    "fsdp_tp": ({"fsdp": 2, "tp": 2}, lambda pl, tp: pl.fsdp("fsdp") + tp("tp")),
+}
+
+
+def table_in_rank(name: str, seed: int) -> dict:
+    import hpfunc
+    from hpfunc import optim
+    from hpfunc.models import qwen3
+    from hpfunc.models.qwen3 import parallel_plan
+    from hpfunc.train.precision_probe import LOCAL_LOSS, SQ, PrecisionProbe
+    from hpfunc.train.step import init_train_state, make_train_step
+    from hpfunc.transforms import plans
+    from hpfunc.transforms.parallelize import parallelize
+
+    cfg = qwen3.preset("qwen3-dense-tiny")
+    shape, factory = _PLANS[name]
+    mesh = hpfunc.Mesh(shape)
+    plan = factory(plans, lambda axis, **kw: plans.tp(axis, parallel_plan.tp_styles(cfg, **kw)))
+    tx = optim.adamw(1e-3, weight_decay=0.1)
+    step = parallelize(make_train_step(cfg, tx, loss_fn=lambda p, b, c: parallel_plan.loss(p, b, c),
+                                       monitor=PrecisionProbe(1)), mesh, plan, params="params")
+    full = qwen3.init(hpfunc.random.key(seed), cfg)
+    state = step.init_state(lambda p: init_train_state(p, tx), step.shard_params(full))
+    tokens = torch.randint(0, cfg.vocab_size, (4, 16), generator=torch.Generator().manual_seed(seed))
+    _, metrics = step(state, {"tokens": tokens})
+    got = {k: metrics[k].full_tensor() for k in (SQ, LOCAL_LOSS)}
+    one = make_train_step(cfg, tx, loss_fn=qwen3.loss, monitor=PrecisionProbe(1))
+    _, ref = one(init_train_state(full, tx), {"tokens": tokens})
+    n = got[LOCAL_LOSS].shape[0]  # data ranks: each one's loss on its rows, on one device
+    shards = torch.tensor([[float(qwen3.loss(full, {"tokens": rows}, cfg)[0])] for rows in tokens.chunk(n)],
+                          dtype=torch.float64)
+    return {"table": got[SQ], "ref": ref[SQ], "local": got[LOCAL_LOSS], "shards": shards}
+
+
+@pytest.mark.multirank
+@settings(max_examples=4, deadline=None)
+@given(name=st.sampled_from(sorted(_PLANS)), seed=st.integers(0, 2 ** 16))
+def test_the_table_and_local_losses_equal_one_device_on_random_plans(pools, name, seed):
+    out = pools(math.prod(_PLANS[name][0].values())).run(table_in_rank, name, seed)
+    for r in out:
+        torch.testing.assert_close(r["table"], out[0]["table"], rtol=0, atol=0)  # the same on every rank
+        torch.testing.assert_close(r["table"], r["ref"], rtol=1e-5, atol=1e-12)
+        torch.testing.assert_close(r["local"], r["shards"], rtol=1e-5, atol=0)
