@@ -8,6 +8,8 @@ spikes naming the layer and the rank that moved most.
   ``Trainer``): per-layer and per-group gradient norms, parameter norms and update ratios equal one
   process's (rtol 1e-5), their squares sum to the squared global norm, and the local losses of the data
   ranks equal one process's losses of the same shards (its micro-batches);
+* over random plans (a hypothesis property: ddp, ZeRO, HSDP, tp, fsdp x tp): the table equals one
+  device's and each data rank's local loss is one device's loss of its rows;
 * a spike injected into one data rank's rows, entering one layer, is detected and names that layer and
   rank; the monitor adds no collective to a logging step (its reduction replaces the global norm's) and
   none between.
