@@ -22,6 +22,8 @@ What you can ask:
 :func:`local_block` (path, full)     the block of a global value that this rank's block covers
 :func:`gather_block` (path, block)   the global value from this rank's block (a collective)
 :func:`global_sq_norm` (tree)        the squared norm of global tensors from their blocks
+:func:`sq_norm_table` (trees)        every leaf's global squared norm (and per-data-rank values) in
+                                     one reduction (the precision monitor's)
 :func:`donated`                      whether the step may write its new state into the old one's buffers
 :func:`ep_axis`                      the expert-parallel axis (:mod:`hpfunc.layout.expert_parallel`)
 :func:`cp_binding`                   the context-parallel binding: the axes each sequence is split
@@ -65,7 +67,7 @@ from hpfunc.layout.binding import Binding, binding, bound, rebind
 from hpfunc.layout.step import (Accumulation, LeafLayout, LeafSpec, PlanError, StepLayout, bind, blocks_sq_norm,
                                 blocks_sq_sum,
                                 current, data_axes, data_parallel, donated, gather_block, global_sq_norm, leaf,
-                                local_block, varying_axes)
+                                local_block, sq_norm_table, varying_axes)
 from hpfunc.layout.expert_parallel import ep_axis, expert_parallel
 from hpfunc.layout.context_parallel import ContextParallel, context_parallel, cp_binding
 from hpfunc.layout.layers import LayerTransform, layer_transforms, run_layer
@@ -78,6 +80,7 @@ __all__ = [
     "StepLayout", "LeafLayout", "LeafSpec", "Accumulation", "PlanError", "current", "bind", "leaf", "data_axes",
     "data_parallel", "donated",
     "varying_axes", "local_block", "gather_block", "global_sq_norm", "blocks_sq_norm", "blocks_sq_sum",
+    "sq_norm_table",
     "tensor_parallel", "tp_axis", "sequence_parallel", "vocab_parallel", "scatter_sequence", "gather_sequence",
     "reduce_partial", "check_sequence", "expert_parallel", "ep_axis",
     "ContextParallel", "context_parallel", "cp_binding",

@@ -23,7 +23,8 @@ from hpfunc.layout.binding import bound, rebind
 from hpfunc.sharding import P, as_spec
 
 __all__ = ["PlanError", "LeafSpec", "LeafLayout", "StepLayout", "Accumulation", "current", "bind", "leaf",
-           "data_axes", "varying_axes", "local_block", "gather_block", "global_sq_norm", "blocks_sq_norm"]
+           "data_axes", "varying_axes", "local_block", "gather_block", "global_sq_norm", "blocks_sq_norm",
+           "sq_norm_table"]
 
 
 class PlanError(ValueError):
@@ -325,3 +326,87 @@ def blocks_sq_norm(mesh: Any, opt_specs: list[P], blocks: list[torch.Tensor], *,
             sq = sq / torch.tensor(reps, dtype=torch.float64, device=sq.device)
         total = sq.sum()
     return lax.psum(total, split) if split else total
+
+
+def sq_norm_table(trees: Any, *, per_rank: torch.Tensor | None = None,
+                  where: str = "sq_norm_table") -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The global sum of squares (fp64) of every leaf of each tree in ``trees`` and the per-rank values
+    ``per_rank`` of every data rank, in one reduction.
+
+    ``trees``: a sequence of trees shaped like the parameters (or one subtree of them), all with the
+    same structure and the same ``None`` leaves (a frozen leaf, another pipeline stage's: they count 0);
+    leaves in :func:`hpfunc.tree.leaves` order with ``None`` as a leaf. ``per_rank``: a 1-d tensor of
+    this rank's own values computed from its data shard (a local loss), or ``None``.
+
+    Returns ``(table, rows)``: ``table[t, k]`` is the squared norm of the global tensor whose block here
+    is leaf ``k`` of ``trees[t]``; ``rows[d]`` is ``per_rank`` of the rank with data index ``d``
+    (:func:`hpfunc.lax.axis_index` over :func:`data_axes`), ``[data ranks, len(per_rank)]``. Inside a
+    parallelized step every rank adds its blocks' squares, each divided by the number of ranks holding
+    that block (as :func:`blocks_sq_norm`), and places ``per_rank`` at its data index when it is the
+    first of the ranks sharing that data shard (index 0 on every other axis), and one ``psum`` over the
+    mesh sums it all: no value is gathered, and every rank gets the same global table. Outside a step:
+    the leaves' own squares and ``per_rank`` as one row.
+
+    >>> table, rows = sq_norm_table([{"a": torch.ones(2), "b": None}, {"a": torch.full((2,), 2.0), "b": None}],
+    ...                             per_rank=torch.tensor([0.5]))
+    >>> table.tolist(), rows.tolist()
+    ([[2.0, 0.0], [8.0, 0.0]], [[0.5]])
+    """
+    from hpfunc import tree as _tree
+
+    trees = list(trees)
+    if not trees:
+        raise ValueError(f"{where}: expected at least one tree, found none")
+    flat = [_tree.flatten(t, none_is_leaf=True) for t in trees]
+    n = len(flat[0][0])
+    present = [x is not None for x in flat[0][0]]
+    for t, (leaves, treedef) in enumerate(flat[1:], 1):
+        if treedef != flat[0][1] or [x is not None for x in leaves] != present:
+            raise ValueError(f"{where}: trees[{t}] does not have the structure (and the None leaves) of trees[0]: "
+                             f"{treedef} against {flat[0][1]}; pass trees shaped like the same parameters")
+    xs = [x.detach() for leaves, _ in flat for x in leaves if x is not None]
+    device = xs[0].device if xs else (per_rank.device if per_rank is not None else torch.device("cpu"))
+    at = [t * n + k for t in range(len(trees)) for k in range(n) if present[k]]
+    sq = torch.zeros(len(trees) * n, dtype=torch.float64, device=device)
+    ctx = current()
+    if xs:
+        local = _block_sq_sums(xs)
+        if ctx is not None:
+            reps = _replicas(ctx, trees[0], where)
+            if reps is not None:
+                local = local / torch.tensor(reps * len(trees), dtype=torch.float64, device=device)
+        if len(at) == sq.numel():  # no None leaf: the squares in order
+            sq = local
+        else:
+            sq[torch.tensor(at, device=device)] = local
+    mine = None if per_rank is None else per_rank.detach().reshape(-1).to(device=device, dtype=torch.float64)
+    if ctx is None:
+        return sq.view(len(trees), n), (None if mine is None else mine.view(1, -1))
+    from hpfunc import lax
+
+    mesh = ctx.mesh
+    axes = tuple(a for a in mesh.axis_names if mesh.axis_size(a) > 1)
+    parts = [sq]
+    if mine is not None:
+        data = tuple(a for a in ctx.data_axes() if mesh.axis_size(a) > 1)
+        rows = torch.zeros(math.prod(mesh.axis_size(a) for a in data), mine.numel(), dtype=torch.float64,
+                           device=device)
+        if all(lax.axis_index(a) == 0 for a in axes if a not in data):  # one rank per data shard adds it
+            rows[lax.axis_index(data) if data else 0] = mine
+        parts.append(rows.reshape(-1))
+    packed = torch.cat(parts)
+    packed = lax.psum(packed, axes) if axes else packed
+    table = packed[:sq.numel()].view(len(trees), n)
+    return table, (None if mine is None else packed[sq.numel():].view(-1, mine.numel()))
+
+
+def _replicas(ctx: StepLayout, tree: Any, where: str) -> list[float] | None:
+    """Per present leaf of ``tree`` (in order): the number of ranks of the whole mesh holding its block (the
+    axes of size > 1 its optimizer block is not split on; a pipeline stage's leaf is not held across the
+    pipeline axis); ``None`` when every block is held once."""
+    mesh = ctx.mesh
+    axes = tuple(a for a in mesh.axis_names if mesh.axis_size(a) > 1)
+    reps = [float(math.prod(mesh.axis_size(a) for a in axes
+                            if a not in lay.spec.opt.axes and not (lay.stage_axis is not None and a == lay.stage_axis)))
+            for lay in ctx.leaf_layouts(tree, where)]
+    return reps if any(r != 1.0 for r in reps) else None

@@ -472,11 +472,11 @@ def start_mesh(pc: ParallelConfig) -> Iterator[Any]:
 
 
 def build_parallel_step(cfg: Config, model_cfg: Any, optimizer: Any, lr: Callable[[int], float],
-                        init_key: Any, mesh: Any, dtype: Any) -> tuple[Any, Callable]:
+                        init_key: Any, mesh: Any, dtype: Any, *, monitor: Any = None) -> tuple[Any, Callable]:
     """``(state, train_step)`` on ``mesh``: the trainer's single-device step (``make_train_step`` with
     the model's parallel-aware loss, :meth:`ModelSpec.step_loss <hpfunc.models.spec.ModelSpec.step_loss>`)
     under ``hpfunc.parallelize``, and its first state, the parameters (of ``dtype``) created sharded
-    with the plan's storage specs."""
+    with the plan's storage specs. ``monitor``: the precision monitor's probe (``make_train_step``'s)."""
     from hpfunc.train.model_spec import model_spec
     from hpfunc.train.step import init_train_state, make_train_step
     from hpfunc.train.step_transforms import train_loss
@@ -487,7 +487,8 @@ def build_parallel_step(cfg: Config, model_cfg: Any, optimizer: Any, lr: Callabl
     if cfg.parallel.sdc_check != "off":
         plan = plan.with_sdc_check(cfg.parallel.sdc_check)
     step = make_train_step(model_cfg, optimizer, expert_bias_rate=cfg.train.expert_bias_rate, lr_schedule=lr,
-                           loss_fn=train_loss(cfg, spec, on_mesh=True), num_microbatches=cfg.train.microbatches)
+                           loss_fn=train_loss(cfg, spec, on_mesh=True), num_microbatches=cfg.train.microbatches,
+                           monitor=monitor)
     train_step = parallelize(step, mesh, plan, params="params")
     if cfg.model.pretrained is not None:
         params = _pretrained_params(cfg.model.pretrained, model_cfg, mesh, train_step, dtype, spec)

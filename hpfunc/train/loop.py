@@ -261,6 +261,9 @@ class TrainingRun:
         self.say(f"train: {tc.steps} steps of {tc.batch_size} x {tc.seq_len} tokens, {cfg.optimizer.name}, "
                  f"{cfg.schedule.name} schedule")
 
+        from hpfunc.train.callbacks.precision_monitor import probe_of
+
+        probe = probe_of(self.trainer.callbacks)  # the precision monitor's measurements, made inside the step
         if self.mesh is None:
             if cfg.model.pretrained is not None:  # the Hugging Face folder's weights, checked against the config
                 params = spec.hf.load_params(cfg.model.pretrained, model_cfg, dtype=model_dtype(cfg.model))
@@ -269,7 +272,7 @@ class TrainingRun:
             self.state = init_train_state(params, optimizer)
             self.train_step = make_train_step(model_cfg, optimizer, expert_bias_rate=tc.expert_bias_rate,
                                               lr_schedule=lr, num_microbatches=tc.microbatches,
-                                              loss_fn=train_loss(cfg, spec, on_mesh=False))
+                                              loss_fn=train_loss(cfg, spec, on_mesh=False), monitor=probe)
             self.full_params: Callable[[Any], Any] = lambda p: p  # noqa: E731
             self.sharded_eval = None
             self.check_step = functools.partial(make_grad_check_step, model_cfg, num_microbatches=tc.microbatches,
@@ -280,7 +283,7 @@ class TrainingRun:
 
             self.say(parallel_summary(cfg))
             self.state, self.train_step = build_parallel_step(cfg, model_cfg, optimizer, lr, init_key, self.mesh,
-                                                              model_dtype(cfg.model))
+                                                              model_dtype(cfg.model), monitor=probe)
             self.full_params = self.train_step.full_params  # a collective (a pipeline's stages come from their ranks)
             self.check_step = functools.partial(build_grad_check_step, cfg, model_cfg, self.mesh)
             self.sharded_eval = build_eval_step(cfg, model_cfg, self.mesh)

@@ -29,6 +29,7 @@ import torch
 
 from hpfunc import tree as _tree
 from hpfunc.autodiff import value_and_grad
+from hpfunc.train.precision_probe import SQ, record_local_loss
 
 __all__ = [
     "TrainState",
@@ -131,6 +132,7 @@ def make_train_step(
     is_frozen: Callable[[str], bool] | None = None,
     update_frozen: Callable[[Any, torch.Tensor, float], Any] | None = None,
     num_microbatches: int = 1,
+    monitor: Any = None,
 ) -> Callable[[TrainState, Mapping[str, torch.Tensor]], tuple[TrainState, dict[str, torch.Tensor]]]:
     """Build ``train_step(state, batch) -> (state, metrics)`` for a model and an optimizer.
 
@@ -154,6 +156,9 @@ def make_train_step(
       num_microbatches: gradient accumulation: the batch is split along dimension 0 into this many
         equal micro-batches, one forward and backward each, values and gradients averaged
         (:func:`hpfunc.microbatch`; under ``hpfunc.parallelize`` the gradients are reduced once).
+      monitor: a :class:`~hpfunc.train.precision_probe.PrecisionProbe`: its steps also return per-leaf
+        squared norms of the gradient, the parameter and the update and the per-rank local losses, in
+        one reduction (the ``precision_monitor`` callback reads them); ``None``: never.
 
     Returns:
       A pure function. ``metrics`` holds 0-d tensors ``loss`` (the objective), ``ce_loss``,
@@ -185,8 +190,18 @@ def make_train_step(
 
     def train_step(state: TrainState, batch: Mapping[str, torch.Tensor]) -> tuple[TrainState, dict[str, torch.Tensor]]:
         trained, frozen = split(state.params)
-        (loss, aux), grads = grad_fn(trained, frozen, batch)
-        new_trained, opt_state = update_and_apply(optimizer, grads, state.opt_state, trained, donate=layout.donated())
+        measured = None
+        if monitor is not None and monitor.due(state.step):  # a logging step of the precision monitor
+            with monitor.recording() as losses:
+                (loss, aux), grads = grad_fn(trained, frozen, batch)
+            before = monitor.snapshot(trained)  # a copy when the update may write into these blocks
+            new_trained, opt_state = update_and_apply(optimizer, grads, state.opt_state, trained,
+                                                      donate=layout.donated())
+            measured = monitor.measure(grads, before, new_trained, losses)
+        else:
+            (loss, aux), grads = grad_fn(trained, frozen, batch)
+            new_trained, opt_state = update_and_apply(optimizer, grads, state.opt_state, trained,
+                                                      donate=layout.donated())
         params = merge_params(new_trained, frozen)
         load = aux.get("expert_load")
         if load is not None and expert_bias_rate != 0.0 and update_frozen is not None:
@@ -195,7 +210,9 @@ def make_train_step(
             "loss": loss,
             "ce_loss": torch.as_tensor(aux.get("ce_loss", loss)).detach(),
             "aux_loss": torch.as_tensor(aux.get("aux_loss", 0.0)).detach(),
-            "grad_norm": global_norm(grads).detach(),
+            # on a measured step from its table's reduction (the same value): one collective, not two
+            "grad_norm": (global_norm(grads).detach() if measured is None
+                          else measured[SQ][0].sum().sqrt().to(torch.float32)),
             # the schedule is a Python function of the step: reading a step held on a GPU is a host sync
             # (docs/gpu.md); the metric itself lives beside the step
             "lr": torch.tensor(float("nan") if lr_schedule is None else float(lr_schedule(int(state.step))),
@@ -205,6 +222,8 @@ def make_train_step(
             metrics["expert_load"] = load.detach()
         if aux.get("dropped_pairs") is not None:  # a capacity or a padded buffer: pairs no expert computed
             metrics["dropped_pairs"] = aux["dropped_pairs"].detach()
+        if measured is not None:
+            metrics.update(measured)
         return TrainState(params=params, opt_state=opt_state, step=state.step + 1), metrics
 
     return train_step
@@ -219,6 +238,7 @@ def _grad_fn(model_cfg: Any, aux_loss_coef: float | None, loss_fn: LossFn | None
 
     def objective(trained: Any, frozen: Any, batch: Mapping[str, torch.Tensor]):
         loss, aux = loss_fn(merge_params(trained, frozen), batch, model_cfg)
+        record_local_loss(loss)  # this rank's loss on its shard, kept on the precision monitor's steps
         return loss, dict(aux)
 
     grad_fn = value_and_grad(objective, has_aux=True)

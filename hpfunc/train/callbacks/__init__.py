@@ -12,6 +12,10 @@ name                what it does                                                
 ``checkpoint_log``  one line per checkpoint saved: step, path, the seconds the step waited   ``checkpoint_log``
 ``tensorboard``     the logged scalars, expert-load histograms and validation loss as        ``tensorboard``
                     TensorBoard events (needs the ``tensorboard`` package)
+``precision_        per layer and parameter group: gradient and parameter norms, update     ``precision_
+monitor``           ratios (one reduction in the step); local loss per data rank and        monitor``
+                    micro-batch; loss / gradient-norm spikes naming the layer and rank
+                    (``precision.jsonl``)
 ==================  ======================================================================  ==================
 
 The run's own outputs (progress, metrics.jsonl, checkpoints, loss.png, summary.json) are built-in
@@ -56,6 +60,7 @@ BUILTIN: Mapping[str, str] = types.MappingProxyType({
     "layer_norms": "hpfunc.train.callbacks.layer_norms:LayerNorms",
     "checkpoint_log": "hpfunc.train.callbacks.checkpoint_log:CheckpointLog",
     "tensorboard": "hpfunc.train.callbacks.tensorboard:TensorBoard",
+    "precision_monitor": "hpfunc.train.callbacks.precision_monitor:PrecisionMonitor",
 })
 
 

@@ -29,7 +29,7 @@ import torch
 
 from hpfunc.train.callbacks.base import WriterCallback, open_lines
 
-__all__ = ["LayerNorms", "group_of", "group_sq_norms"]
+__all__ = ["LayerNorms", "group_of", "group_order", "group_sq_norms"]
 
 _LAYER = re.compile(r"^(layers\.\d+)(\.|$)")
 
@@ -84,10 +84,11 @@ def group_sq_norms(params: Any, *, reduce: bool = False) -> dict[str, float]:
     out: dict[str, float] = {}
     for (path, _), v in zip(pairs, sq.tolist()):
         out[group_of(path)] = out.get(group_of(path), 0.0) + v
-    return {g: out[g] for g in sorted(out, key=_order)}
+    return {g: out[g] for g in sorted(out, key=group_order)}
 
 
-def _order(name: str) -> tuple:
+def group_order(name: str) -> tuple:
+    """The sort key of groups: ``embed`` first, then the layers by index, then the rest by name."""
     m = _LAYER.match(name)
     return (1, int(name.split(".")[1]), "") if m else (0 if name == "embed" else 2, 0, name)
 

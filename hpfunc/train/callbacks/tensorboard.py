@@ -54,5 +54,11 @@ class TensorBoard(WriterCallback):
             for i, row in enumerate(load.detach().to(torch.float64)):
                 self._writer.add_histogram(f"moe/expert_load/layer{i}", row, step)
 
+    def add_scalars(self, values: dict[str, float], step: int) -> None:
+        """Write ``{tag: value}`` at ``step`` (another callback's scalars, e.g. the precision monitor's)."""
+        if self._writer is not None:
+            for tag, value in values.items():
+                self._writer.add_scalar(tag, value, step)
+
     def on_eval(self, trainer: Any, step: int, val_loss: float) -> None:
         self._writer.add_scalar("val/loss", val_loss, step)
