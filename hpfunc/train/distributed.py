@@ -447,7 +447,8 @@ def build_parallel_step(cfg: Config, model_cfg: Any, optimizer: Any, lr: Callabl
     if cfg.parallel.sdc_check != "off":
         plan = plan.with_sdc_check(cfg.parallel.sdc_check)
     step = make_train_step(model_cfg, optimizer, expert_bias_rate=cfg.train.expert_bias_rate, lr_schedule=lr,
-                           loss_fn=spec.step_loss(), num_microbatches=cfg.train.microbatches)
+                           loss_fn=spec.compiled_loss(spec.step_loss(), cfg.train.compile),
+                           num_microbatches=cfg.train.microbatches)
     train_step = parallelize(step, mesh, plan, params="params")
     if cfg.model.pretrained is not None:
         params = _pretrained_params(cfg.model.pretrained, model_cfg, mesh, train_step, dtype, spec)

@@ -303,7 +303,8 @@ def _train(cfg: Config, model_cfg: Any, out: pathlib.Path, folder: RunFolder | N
             params = spec.init(init_key, model_cfg, dtype=model_dtype(cfg.model))
         state = init_train_state(params, optimizer)
         train_step = make_train_step(model_cfg, optimizer, expert_bias_rate=tc.expert_bias_rate, lr_schedule=lr,
-                                     num_microbatches=tc.microbatches, loss_fn=spec.loss)
+                                     num_microbatches=tc.microbatches,
+                                     loss_fn=spec.compiled_loss(spec.loss, tc.compile))
         full_params: Callable[[Any], Any] = lambda p: p  # noqa: E731
         sharded_eval = None
         check_step = functools.partial(make_grad_check_step, model_cfg, num_microbatches=tc.microbatches,
