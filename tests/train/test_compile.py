@@ -20,8 +20,8 @@ from hpfunc.regions import Regions
 from hpfunc.testing import assert_trees_close
 
 
-def _layer_case(attention_bias: bool):
-    cfg = qwen3.preset("qwen3-dense-tiny", attention_bias=attention_bias)
+def _layer_case(attention_bias: bool, moe: bool):
+    cfg = qwen3.preset("qwen3-moe-tiny" if moe else "qwen3-dense-tiny", attention_bias=attention_bias)
     params = qwen3.init(hpfunc.random.key(1), cfg)
     layer = params["layers"][0]
     if attention_bias:  # non-zero biases, so that where the output bias is added matters
@@ -31,12 +31,13 @@ def _layer_case(attention_bias: bool):
     return cfg, layer
 
 
-@pytest.mark.parametrize("case", ["whole", "seams", "seams_bias"])
+@pytest.mark.parametrize("case", ["whole", "seams", "seams_bias", "moe"])
 def test_compiled_layer_equals_the_eager_layer(case):
-    """Forward and gradients of one decoder layer, compiled (one region, or four around the tensor-parallel
-    seams: hooks that scale, so a seam skipped or applied twice changes the value) against eager."""
-    cfg, layer = _layer_case(case == "seams_bias")
-    hooks = {} if case == "whole" else {"gather_input": lambda x: x * 1.5, "reduce_partial": lambda y: y * 0.5}
+    """Forward and gradients of one decoder layer, compiled (one region; four around the tensor-parallel
+    seams, hooks that scale here, so that a seam skipped or applied twice changes the value; the attention
+    half of an MoE layer, its MoE block eager) against eager."""
+    cfg, layer = _layer_case(case == "seams_bias", case == "moe")
+    hooks = {} if case in ("whole", "moe") else {"gather_input": lambda x: x * 1.5, "reduce_partial": lambda y: y * 0.5}
     h = torch.randn(2, 8, cfg.hidden_size, generator=torch.Generator().manual_seed(3))
     cos, sin = qwen3_model.rope_for(h, torch.arange(8), cfg)
     regions = Regions("aot_eager")
@@ -52,7 +53,7 @@ def test_compiled_layer_equals_the_eager_layer(case):
     (ye, ge), (yc, gc) = run(), run(regions=regions)
     torch.testing.assert_close(yc, ye, rtol=1e-5, atol=1e-6)
     assert_trees_close(gc, ge, rtol=1e-5, atol=1e-6, what=case)
-    want = {"qwen3.layer": 1} if case == "whole" else {
+    want = {"qwen3.layer": 1} if case == "whole" else {"qwen3.attention_block": 1} if case == "moe" else {
         "qwen3.attention_in": 1, "qwen3.attention": 1, "qwen3.residual_norm": 1, "qwen3.mlp": 1}
     assert regions.compilations == want
 

@@ -275,11 +275,19 @@ def decoder_layer(layer: dict, h: torch.Tensor, cos: torch.Tensor, sin: torch.Te
 
 def _dense_layer(layer: dict, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float) -> torch.Tensor:
     """A dense layer with no seam in it (no tensor-parallel hook, the default attention): one region."""
-    a, m = layer["attn"], layer["mlp"]
+    h, x = _attention_block(layer, h, cos, sin, eps)
+    m = layer["mlp"]
+    return h + swiglu_mlp(x, m["w_gate"], m["w_up"], m["w_down"])
+
+
+def _attention_block(layer: dict, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The attention half of a layer with no seam in it, and the MoE block's normalised input."""
+    a = layer["attn"]
     h = h + gqa_attention(rms_norm(h, layer["attn_norm"], eps), a["wq"], a["wk"], a["wv"], a["wo"], a["q_norm"],
                           a["k_norm"], cos, sin, eps=eps, bq=a.get("bq"), bk=a.get("bk"), bv=a.get("bv"),
                           bo=a.get("bo"))
-    return h + swiglu_mlp(rms_norm(h, layer["mlp_norm"], eps), m["w_gate"], m["w_up"], m["w_down"])
+    return h, rms_norm(h, layer["mlp_norm"], eps)
 
 
 def _attention_in(h: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -317,9 +325,11 @@ def compiled_layer(layer: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Te
     ``reduce_partial``) stay eager between four regions: ``qwen3.attention_in`` (the input norm),
     ``qwen3.attention`` (the projections, RoPE and attention), ``qwen3.residual_norm`` (the residual
     add and the MLP's input norm) and ``qwen3.mlp``. An ``attend`` hook (context parallelism's ring or
-    all-to-all attention, packed documents) keeps the attention block eager, and so does an MoE block
-    (its expert counts are data: every batch a new shape; under expert parallelism its dispatch is a
-    collective); the regions around them still compile.
+    all-to-all attention, packed documents) keeps the attention core eager (the same regions less
+    ``qwen3.attention``). An MoE block stays eager: it reads the layout binding (the expert-parallel
+    axis, a ``ContextVar``, which dynamo does not trace), its expert counts are data (a new shape every
+    batch) and under expert parallelism its dispatch is a collective; with no seam the attention half
+    before it is one region, ``qwen3.attention_block``.
 
     >>> from hpfunc.models import preset
     >>> from hpfunc.regions import Regions
@@ -336,23 +346,26 @@ def compiled_layer(layer: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Te
     layer = plain(layer)  # read here, outside the regions: the gathers and casts of a parallelized step
     a = layer["attn"]
     seams = gather_input is not None or reduce_partial is not None
-    if not seams and attend is None and "mlp" in layer:
-        return regions("qwen3.layer", _dense_layer, layer, h, cos, sin, eps), None
     gather = (lambda x: x) if gather_input is None else gather_input  # noqa: E731
     reduce = (lambda x: x) if reduce_partial is None else reduce_partial  # noqa: E731
-    x = gather(regions("qwen3.attention_in", _attention_in, h, layer["attn_norm"], eps))
-    if attend is None:
-        out = regions("qwen3.attention", _attention, a, x, cos, sin, eps, reduce_partial is None)
-    else:  # eager: the hook may communicate (context parallelism)
-        out = gqa_attention(x, a["wq"], a["wk"], a["wv"], a["wo"], a["q_norm"], a["k_norm"], cos, sin, eps=eps,
-                            bq=a.get("bq"), bk=a.get("bk"), bv=a.get("bv"),
-                            bo=a.get("bo") if reduce_partial is None else None, attend=attend)
-    if reduce_partial is not None:
-        out = reduce_partial(out)
-        if "bo" in a:  # added once, after the reduction
-            out = out + a["bo"]
-    h, x = regions("qwen3.residual_norm", _residual_norm, h, out, layer["mlp_norm"], eps)
-    x = gather(x)
+    if not seams and attend is None:
+        if "mlp" in layer:
+            return regions("qwen3.layer", _dense_layer, layer, h, cos, sin, eps), None
+        h, x = regions("qwen3.attention_block", _attention_block, layer, h, cos, sin, eps)
+    else:
+        x = gather(regions("qwen3.attention_in", _attention_in, h, layer["attn_norm"], eps))
+        if attend is None:
+            out = regions("qwen3.attention", _attention, a, x, cos, sin, eps, reduce_partial is None)
+        else:  # eager: the hook may communicate (context parallelism)
+            out = gqa_attention(x, a["wq"], a["wk"], a["wv"], a["wo"], a["q_norm"], a["k_norm"], cos, sin, eps=eps,
+                                bq=a.get("bq"), bk=a.get("bk"), bv=a.get("bv"),
+                                bo=a.get("bo") if reduce_partial is None else None, attend=attend)
+        if reduce_partial is not None:
+            out = reduce_partial(out)
+            if "bo" in a:  # added once, after the reduction
+                out = out + a["bo"]
+        h, x = regions("qwen3.residual_norm", _residual_norm, h, out, layer["mlp_norm"], eps)
+        x = gather(x)
     routing = None
     if "moe" in layer:
         m = layer["moe"]
