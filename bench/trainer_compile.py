@@ -86,8 +86,8 @@ def main(argv: list[str] | None = None) -> dict:
               "load_average": os.getloadavg(), "max_rel_loss_diff": rel,
               "graphs_after_first_step": c["graphs_after_step"][-1] - c["graphs_after_step"][0],
               "ratio": c["median_ms"] / e["median_ms"], **runs}
-    print(f"{args.preset}: trainer, {args.steps} steps of {args.batch_size} x {args.seq_len}, {args.threads} thread(s), "
-          f"compile {args.backend!r} vs false; load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    print(f"{args.preset}: trainer, {args.steps} steps of {args.batch_size} x {args.seq_len}, "
+          f"{args.threads} thread(s), compile {args.backend!r} vs false; load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     print(f"{'run':<10}{'first step s':>13}{'median ms':>11}{'min ms':>9}{'ratio':>7}{'graphs after step 1':>21}")
     for name, r in (("eager", e), ("compiled", c)):
         print(f"{name:<10}{r['first_step_s']:>13.2f}{r['median_ms']:>11.1f}{r['min_ms']:>9.1f}"

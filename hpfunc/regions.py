@@ -98,8 +98,8 @@ class Regions:
     def __call__(self, name: str, fn: Callable, *args: Any, **kwargs: Any) -> Any:
         entry = self._fns.get(name)
         if entry is None:
-            compiled = torch.compile(_own_code(fn, name), backend=_Counting(self.backend, self._counts, name), fullgraph=True,
-                                     dynamic=False)
+            backend = _Counting(self.backend, self._counts, name)
+            compiled = torch.compile(_own_code(fn, name), backend=backend, fullgraph=True, dynamic=False)
             entry = self._fns[name] = (fn, compiled)
         elif entry[0] is not fn:
             raise ValueError(f"Regions: region {name!r} was compiled from {_qualname(entry[0])}; it is now called "

@@ -302,7 +302,8 @@ def _attention(a: dict, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, e
                          bq=a.get("bq"), bk=a.get("bk"), bv=a.get("bv"), bo=a.get("bo") if with_bo else None)
 
 
-def _residual_norm(h: torch.Tensor, out: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _residual_norm(h: torch.Tensor, out: torch.Tensor, w: torch.Tensor,
+                   eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     h = h + out
     return h, rms_norm(h, w, eps)
 
@@ -315,7 +316,8 @@ def compiled_layer(layer: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Te
                    regions: Regions, *, moe_impl: str = "auto",
                    gather_input: Callable[[torch.Tensor], torch.Tensor] | None = None,
                    reduce_partial: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                   dispatcher: Any = None, attend: Callable[..., torch.Tensor] | None = None) -> tuple[torch.Tensor, Any]:
+                   dispatcher: Any = None,
+                   attend: Callable[..., torch.Tensor] | None = None) -> tuple[torch.Tensor, Any]:
     """:func:`decoder_layer` with its compute in compiled regions (:class:`hpfunc.regions.Regions`), the
     same function.
 
@@ -339,8 +341,10 @@ def compiled_layer(layer: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Te
     >>> cos, sin = rope_for(h, torch.arange(4), cfg)
     >>> regions = Regions("eager")
     >>> y, _ = compiled_layer(p["layers"][0], h, cos, sin, cfg, regions)
-    >>> torch.allclose(y, decoder_layer(p["layers"][0], h, cos, sin, cfg)[0], rtol=1e-5, atol=1e-6), regions.compilations
-    (True, {'qwen3.layer': 1})
+    >>> torch.allclose(y, decoder_layer(p["layers"][0], h, cos, sin, cfg)[0], rtol=1e-5, atol=1e-6)
+    True
+    >>> regions.compilations
+    {'qwen3.layer': 1}
     """
     eps = cfg.rms_norm_eps
     layer = plain(layer)  # read here, outside the regions: the gathers and casts of a parallelized step
