@@ -98,6 +98,9 @@ class ModelSpec:
         vocabulary size, the longest sequence (``None``: no limit), the number of layers and the number
         of experts (``None``: a dense model).
       ignore_index: the label value the loss ignores.
+      compile_loss: ``(loss, regions) -> loss``: ``loss`` (``loss`` or ``parallel_loss``) running its
+        compute as the compiled regions the model declares (:class:`hpfunc.regions.Regions`), or ``None``:
+        the model declares none (``train.compile`` is then refused). See :meth:`compiled_loss`.
     """
 
     name: str
@@ -128,10 +131,30 @@ class ModelSpec:
     layers_field: str | None = None
     experts_field: str | None = None
     ignore_index: int = -100
+    compile_loss: Callable[[Callable[..., Any], Any], Callable[..., Any]] | None = None
 
     def step_loss(self) -> Callable[..., Any]:
         """The loss a parallelized step runs (``parallel_loss``, else ``loss``)."""
         return self.loss if self.parallel_loss is None else self.parallel_loss
+
+    def compiled_loss(self, loss: Callable[..., Any], compile: bool | str) -> Callable[..., Any]:
+        """``loss`` as ``train.compile`` asks: itself for ``False``; else with the model's regions compiled
+        by a new :class:`hpfunc.regions.Regions` (``True``: the ``inductor`` backend; or the backend named).
+
+        >>> ModelSpec(name="m", config_class=object, presets=(), preset=None, init=None, param_shapes=None,
+        ...           loss=None, apply=None).compiled_loss(len, "aot_eager")
+        Traceback (most recent call last):
+        ...
+        ValueError: train.compile: the model 'm' declares no compiled regions (its ModelSpec.compile_loss is None); set train.compile: false
+        """
+        if compile is False:
+            return loss
+        if self.compile_loss is None:
+            raise ValueError(f"train.compile: the model {self.name!r} declares no compiled regions (its "
+                             f"ModelSpec.compile_loss is None); set train.compile: false")
+        from hpfunc.regions import Regions
+
+        return self.compile_loss(loss, Regions("inductor" if compile is True else compile))
 
     def count_params(self, cfg: Any) -> int:
         return self.count_params_fn(cfg) if self.count_params_fn else _shape_count(self.param_shapes(cfg))

@@ -26,7 +26,8 @@ def test_model_step_bench_smoke(tmp_path) -> None:
     spec.loader.exec_module(bench)
     out = tmp_path / "r.json"
     result = bench.main(["--preset", "qwen3-moe-tiny", "--batch", "1", "--seq", "16", "--warmup", "0",
-                         "--iters", "1", "--out", str(out)])
+                         "--iters", "1", "--compile", "eager", "--out", str(out)])
     saved = json.loads(out.read_text())
     assert saved["ratio"] == result["ratio"] > 0
     assert abs(saved["loss_hpfunc"] - saved["loss_transformers"]) < 1e-4
+    assert saved["compiled"]["rel_loss_diff"] < 1e-5 and saved["compiled"]["graphs_after_first_step"] == 0

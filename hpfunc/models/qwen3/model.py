@@ -43,6 +43,7 @@ from hpfunc.models.config import ConfigError, Qwen3Config, RopeScaling, preset  
 from hpfunc.models.layers import rms_norm, swiglu_mlp
 from hpfunc.models.moe import expert_counts, is_expert_bias, load_balancing_loss, moe_block, update_expert_bias
 from hpfunc.models.rope import rope_inv_freq, rope_tables
+from hpfunc.regions import Regions, plain
 from hpfunc.sharding import NamedSharding, full
 
 IGNORE_INDEX = -100
@@ -233,10 +234,15 @@ def decoder_layer(layer: dict, h: torch.Tensor, cos: torch.Tensor, sin: torch.Te
                   moe_impl: str = "auto", gather_input: Callable[[torch.Tensor], torch.Tensor] | None = None,
                   reduce_partial: Callable[[torch.Tensor], torch.Tensor] | None = None,
                   dispatcher: Any = None,
-                  attend: Callable[..., torch.Tensor] | None = None) -> tuple[torch.Tensor, Any]:
+                  attend: Callable[..., torch.Tensor] | None = None,
+                  regions: Regions | None = None) -> tuple[torch.Tensor, Any]:
     """One decoder layer (attention then MLP or MoE, pre-norm residuals): ``(h, routing)`` with the MoE
     routing (``None`` for a dense layer). :func:`apply`'s hooks, as there; ``dispatcher``: the MoE
-    block's token dispatcher (:func:`hpfunc.models.moe.moe_block`; :func:`moe_dispatcher` of the config)."""
+    block's token dispatcher (:func:`hpfunc.models.moe.moe_block`; :func:`moe_dispatcher` of the config).
+    ``regions``: run the layer's compute as compiled regions (:func:`compiled_layer`)."""
+    if regions is not None:
+        return compiled_layer(layer, h, cos, sin, cfg, regions, moe_impl=moe_impl, gather_input=gather_input,
+                              reduce_partial=reduce_partial, dispatcher=dispatcher, attend=attend)
     eps = cfg.rms_norm_eps
     gather = (lambda x: x) if gather_input is None else gather_input  # noqa: E731
     a = layer["attn"]
@@ -262,6 +268,120 @@ def decoder_layer(layer: dict, h: torch.Tensor, cos: torch.Tensor, sin: torch.Te
     return h + (y if reduce_partial is None else reduce_partial(y)), routing
 
 
+# ---- Compiled regions (torch.compile of the layer's compute; see hpfunc.regions) -------------------
+# Each region is pure tensor compute on plain tensors: the parameters are read (gathered, cast) before
+# the call and every layout-dependent choice arrives as an argument, so dynamo traces it whole.
+
+
+def _dense_layer(layer: dict, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float) -> torch.Tensor:
+    """A dense layer with no seam in it (no tensor-parallel hook, the default attention): one region."""
+    h, x = _attention_block(layer, h, cos, sin, eps)
+    m = layer["mlp"]
+    return h + swiglu_mlp(x, m["w_gate"], m["w_up"], m["w_down"])
+
+
+def _attention_block(layer: dict, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The attention half of a layer with no seam in it, and the MoE block's normalised input."""
+    a = layer["attn"]
+    h = h + gqa_attention(rms_norm(h, layer["attn_norm"], eps), a["wq"], a["wk"], a["wv"], a["wo"], a["q_norm"],
+                          a["k_norm"], cos, sin, eps=eps, bq=a.get("bq"), bk=a.get("bk"), bv=a.get("bv"),
+                          bo=a.get("bo"))
+    return h, rms_norm(h, layer["mlp_norm"], eps)
+
+
+def _attention_in(h: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return rms_norm(h, w, eps)
+
+
+def _attention(a: dict, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float,
+               with_bo: bool) -> torch.Tensor:
+    """The attention block after its input norm; its output projection's bias only when nothing is
+    summed after it (``with_bo``)."""
+    return gqa_attention(x, a["wq"], a["wk"], a["wv"], a["wo"], a["q_norm"], a["k_norm"], cos, sin, eps=eps,
+                         bq=a.get("bq"), bk=a.get("bk"), bv=a.get("bv"), bo=a.get("bo") if with_bo else None)
+
+
+def _residual_norm(h: torch.Tensor, out: torch.Tensor, w: torch.Tensor,
+                   eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    h = h + out
+    return h, rms_norm(h, w, eps)
+
+
+def _mlp(m: dict, x: torch.Tensor) -> torch.Tensor:
+    return swiglu_mlp(x, m["w_gate"], m["w_up"], m["w_down"])
+
+
+def compiled_layer(layer: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: Qwen3Config,
+                   regions: Regions, *, moe_impl: str = "auto",
+                   gather_input: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                   reduce_partial: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                   dispatcher: Any = None,
+                   attend: Callable[..., torch.Tensor] | None = None) -> tuple[torch.Tensor, Any]:
+    """:func:`decoder_layer` with its compute in compiled regions (:class:`hpfunc.regions.Regions`), the
+    same function.
+
+    The layer's parameters are read first (:func:`hpfunc.regions.plain`: in a parallelized step that is
+    the layer's FSDP gather and mixed-precision cast), eagerly. A dense layer with no hook is one
+    region, ``qwen3.layer``. With tensor-parallel hooks the collectives (``gather_input``,
+    ``reduce_partial``) stay eager between four regions: ``qwen3.attention_in`` (the input norm),
+    ``qwen3.attention`` (the projections, RoPE and attention), ``qwen3.residual_norm`` (the residual
+    add and the MLP's input norm) and ``qwen3.mlp``. An ``attend`` hook (context parallelism's ring or
+    all-to-all attention, packed documents) keeps the attention core eager (the same regions less
+    ``qwen3.attention``). An MoE block stays eager: it reads the layout binding (the expert-parallel
+    axis, a ``ContextVar``, which dynamo does not trace), its expert counts are data (a new shape every
+    batch) and under expert parallelism its dispatch is a collective; with no seam the attention half
+    before it is one region, ``qwen3.attention_block``.
+
+    >>> from hpfunc.models import preset
+    >>> from hpfunc.regions import Regions
+    >>> cfg = preset("qwen3-dense-tiny")
+    >>> p = init(_random.key(0), cfg)
+    >>> h = torch.randn(1, 4, cfg.hidden_size)
+    >>> cos, sin = rope_for(h, torch.arange(4), cfg)
+    >>> regions = Regions("eager")
+    >>> y, _ = compiled_layer(p["layers"][0], h, cos, sin, cfg, regions)
+    >>> torch.allclose(y, decoder_layer(p["layers"][0], h, cos, sin, cfg)[0], rtol=1e-5, atol=1e-6)
+    True
+    >>> regions.compilations
+    {'qwen3.layer': 1}
+    """
+    eps = cfg.rms_norm_eps
+    layer = plain(layer)  # read here, outside the regions: the gathers and casts of a parallelized step
+    a = layer["attn"]
+    seams = gather_input is not None or reduce_partial is not None
+    gather = (lambda x: x) if gather_input is None else gather_input  # noqa: E731
+    reduce = (lambda x: x) if reduce_partial is None else reduce_partial  # noqa: E731
+    if not seams and attend is None:
+        if "mlp" in layer:
+            return regions("qwen3.layer", _dense_layer, layer, h, cos, sin, eps), None
+        h, x = regions("qwen3.attention_block", _attention_block, layer, h, cos, sin, eps)
+    else:
+        x = gather(regions("qwen3.attention_in", _attention_in, h, layer["attn_norm"], eps))
+        if attend is None:
+            out = regions("qwen3.attention", _attention, a, x, cos, sin, eps, reduce_partial is None)
+        else:  # eager: the hook may communicate (context parallelism)
+            out = gqa_attention(x, a["wq"], a["wk"], a["wv"], a["wo"], a["q_norm"], a["k_norm"], cos, sin, eps=eps,
+                                bq=a.get("bq"), bk=a.get("bk"), bv=a.get("bv"),
+                                bo=a.get("bo") if reduce_partial is None else None, attend=attend)
+        if reduce_partial is not None:
+            out = reduce_partial(out)
+            if "bo" in a:  # added once, after the reduction
+                out = out + a["bo"]
+        h, x = regions("qwen3.residual_norm", _residual_norm, h, out, layer["mlp_norm"], eps)
+        x = gather(x)
+    routing = None
+    if "moe" in layer:
+        m = layer["moe"]
+        y, routing = moe_block(x, m["router"], m["experts"]["w_gate"], m["experts"]["w_up"],
+                               m["experts"]["w_down"], top_k=cfg.num_experts_per_tok,
+                               norm_topk_prob=cfg.norm_topk_prob, expert_bias=m.get("expert_bias"),
+                               shared=m.get("shared"), impl=moe_impl, dispatcher=dispatcher)
+    else:
+        y = regions("qwen3.mlp", _mlp, layer["mlp"], x)
+    return h + reduce(y), routing
+
+
 def apply(params: dict, tokens: torch.Tensor, cfg: Qwen3Config, *, positions: torch.Tensor | None = None,
           return_aux: bool = False, moe_impl: str = "auto", moe_dispatchers: Sequence[Any] | None = None,
           embed: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
@@ -269,7 +389,7 @@ def apply(params: dict, tokens: torch.Tensor, cfg: Qwen3Config, *, positions: to
           reduce_partial: Callable[[torch.Tensor], torch.Tensor] | None = None,
           head: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
           attend: Callable[..., torch.Tensor] | None = None, counted: torch.Tensor | None = None,
-          doc_ids: torch.Tensor | None = None) -> Any:
+          doc_ids: torch.Tensor | None = None, regions: Regions | None = None) -> Any:
     """Logits ``[B, S, V]`` for ``tokens [B, S]`` (causal; ``positions`` ``[S]`` or ``[B, S]`` default
     ``arange(S)``).
 
@@ -306,6 +426,9 @@ def apply(params: dict, tokens: torch.Tensor, cfg: Qwen3Config, *, positions: to
     ``doc_ids`` ``[B, S]`` int (packed sequences): a token attends only to earlier tokens of its own
     document (ignored when ``attend`` is given: that hook holds the documents itself).
 
+    ``regions``: a :class:`hpfunc.regions.Regions` that compiles each decoder layer's compute
+    (:func:`compiled_layer`); default eager.
+
     >>> from hpfunc.models import preset
     >>> cfg = preset("qwen3-dense-tiny")
     >>> apply(init(_random.key(0), cfg), torch.zeros(1, 3, dtype=torch.long), cfg).shape
@@ -337,7 +460,7 @@ def apply(params: dict, tokens: torch.Tensor, cfg: Qwen3Config, *, positions: to
     for i, layer in enumerate(params["layers"]):
         # through the layout seam: a bound per-layer transform (remat, offload) wraps the layer
         h, routing = layout.run_layer(i, decoder_layer, layer, h, cos, sin, cfg, moe_impl=moe_impl,
-                                      gather_input=gather_input, reduce_partial=reduce_partial, attend=attend,
+                                      gather_input=gather_input, reduce_partial=reduce_partial, attend=attend, regions=regions,
                                       dispatcher=dispatcher if moe_dispatchers is None
                                       else moe_dispatchers[len(routings)])
         if routing is not None:
@@ -381,7 +504,7 @@ def loss(params: dict, batch: dict, cfg: Qwen3Config, *, moe_impl: str = "auto",
          head: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
          cross_entropy: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
          positions: torch.Tensor | None = None, attend: Callable[..., torch.Tensor] | None = None,
-         counted: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+         counted: torch.Tensor | None = None, regions: Regions | None = None) -> tuple[torch.Tensor, dict]:
     """Training loss ``ce + router_aux_loss_coef * aux_loss`` (the aux term only for MoE models).
 
     ``batch["tokens"]`` int64 ``[B, S]``; ``batch["labels"]`` (optional) ``[B, S]`` targets *aligned with
@@ -391,7 +514,7 @@ def loss(params: dict, batch: dict, cfg: Qwen3Config, *, moe_impl: str = "auto",
 
     ``batch["doc_ids"]`` (optional) ``[B, S]``: the document of each token of packed sequences (attention
     stays within a document). ``moe_dispatchers, embed, gather_input, reduce_partial, head, positions,
-    attend, counted`` are :func:`apply`'s; ``cross_entropy(logits,
+    attend, counted, regions`` are :func:`apply`'s; ``cross_entropy(logits,
     labels)`` (default ``F.cross_entropy`` in float32, mean over non-ignored targets) receives what
     ``head`` returned, e.g. a vocabulary or sequence block (see :mod:`hpfunc.models.qwen3.parallel_plan`).
 
@@ -414,7 +537,7 @@ def loss(params: dict, batch: dict, cfg: Qwen3Config, *, moe_impl: str = "auto",
     logits, aux = apply(params, tokens, cfg, return_aux=True, moe_impl=moe_impl, moe_dispatchers=moe_dispatchers,
                         embed=embed,
                         gather_input=gather_input, reduce_partial=reduce_partial, head=head, positions=positions,
-                        attend=attend, counted=counted, doc_ids=batch.get("doc_ids"))
+                        attend=attend, counted=counted, doc_ids=batch.get("doc_ids"), regions=regions)
     if cross_entropy is None:
         ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
                              ignore_index=IGNORE_INDEX)
@@ -430,5 +553,5 @@ def loss(params: dict, batch: dict, cfg: Qwen3Config, *, moe_impl: str = "auto",
 
 __all__ = ["Qwen3Config", "RopeScaling", "ConfigError", "preset", "param_shapes", "init", "apply", "loss",
            "shift_labels", "moe_dispatcher", "count_params", "active_params", "check_tokens", "update_expert_bias",
-           "is_expert_bias", "decoder_layer", "rope_for", "check_doc_ids",
+           "is_expert_bias", "decoder_layer", "compiled_layer", "rope_for", "check_doc_ids",
            "IGNORE_INDEX"]

@@ -56,6 +56,7 @@ from hpfunc.models.config import Qwen3Config
 from hpfunc.models.qwen3 import model as _model
 from hpfunc.models.qwen3.hooks import context_split, cross_entropy, layout_hooks
 from hpfunc.models.qwen3.stages import layers_per_stage, pipeline_stages
+from hpfunc.regions import Regions
 
 __all__ = ["tp_styles", "ep_experts", "pipeline_stages", "layers_per_stage", "apply", "loss", "adamw_when",
            "decay_mask"]
@@ -114,7 +115,7 @@ def ep_experts(cfg: Qwen3Config) -> tuple[str, ...]:
 
 
 def apply(params: dict, tokens: torch.Tensor, cfg: Qwen3Config, *, return_aux: bool = False,
-          moe_impl: str = "auto", moe_dispatchers: Any = None) -> Any:
+          moe_impl: str = "auto", moe_dispatchers: Any = None, regions: Regions | None = None) -> Any:
     """:func:`qwen3.apply <hpfunc.models.qwen3.model.apply>` in the bound tensor-/sequence-parallel layout.
 
     The logits are the full ``[B, S, V]`` under tensor parallelism; under context parallelism those of
@@ -128,15 +129,20 @@ def apply(params: dict, tokens: torch.Tensor, cfg: Qwen3Config, *, return_aux: b
         tokens = local["tokens"]
         cp = {k: cp[k] for k in ("positions", "attend", "counted")}
     return _model.apply(params, tokens, cfg, return_aux=return_aux, moe_impl=moe_impl,
-                        moe_dispatchers=moe_dispatchers, **layout_hooks(cfg, {"tokens": tokens}), **cp)
+                        moe_dispatchers=moe_dispatchers, regions=regions, **layout_hooks(cfg, {"tokens": tokens}),
+                        **cp)
 
 
 def loss(params: dict, batch: dict, cfg: Qwen3Config, *, moe_impl: str = "auto",
-         moe_dispatchers: Any = None) -> tuple[torch.Tensor, dict]:
+         moe_dispatchers: Any = None, regions: Regions | None = None) -> tuple[torch.Tensor, dict]:
     """:func:`qwen3.loss <hpfunc.models.qwen3.model.loss>` in the bound layout (identical without a bound
     axis); the value is the same on every rank of the axis. Under a ``pp`` plan layer the loss runs
-    pipelined through the plan's stages (:func:`pipeline_stages` of this config)."""
+    pipelined through the plan's stages (:func:`pipeline_stages` of this config). ``regions``: compile
+    each layer's compute (:func:`~hpfunc.models.qwen3.model.compiled_layer`; not under ``pp`` yet)."""
     pipe = layout.runner()
+    if pipe is not None and regions is not None:
+        raise layout.PlanError("qwen3 parallel_plan.loss: compiled regions (train.compile) are not passed to the "
+                               "pipeline's stages yet; under a pp plan layer run without them (train.compile: false)")
     if pipe is not None:
         if moe_dispatchers is not None:
             raise layout.PlanError("qwen3 parallel_plan.loss: moe_dispatchers are not passed to the pipeline's "
@@ -149,7 +155,8 @@ def loss(params: dict, batch: dict, cfg: Qwen3Config, *, moe_impl: str = "auto",
     if hooks:
         hooks["cross_entropy"] = functools.partial(cross_entropy, cfg=cfg)
     hooks.update(cp)
-    return _model.loss(params, batch, cfg, moe_impl=moe_impl, moe_dispatchers=moe_dispatchers, **hooks)
+    return _model.loss(params, batch, cfg, moe_impl=moe_impl, moe_dispatchers=moe_dispatchers, regions=regions,
+                       **hooks)
 
 
 # ---- Optimizer routing ---------------------------------------------------------------------------

@@ -11,6 +11,7 @@ names). Everything model-specific the trainer uses is reached through these valu
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import attrs
@@ -21,6 +22,7 @@ from hpfunc.models.qwen3 import hf_sharded as _hf_sharded
 from hpfunc.models.qwen3 import model as _model
 from hpfunc.models.qwen3 import parallel_plan as _plan
 from hpfunc.models.spec import HFSupport, ModelSpec
+from hpfunc.regions import Regions
 
 __all__ = ["DENSE", "MOE"]
 
@@ -43,6 +45,12 @@ def _with_aux_loss_coef(cfg: _config.Qwen3Config, coef: float) -> _config.Qwen3C
     return attrs.evolve(cfg, router_aux_loss_coef=float(coef))
 
 
+def _compile_loss(loss: Any, regions: Regions) -> Any:
+    """``loss`` (``model.loss`` or ``parallel_plan.loss``) with each decoder layer's compute in ``regions``
+    (:func:`hpfunc.models.qwen3.model.compiled_layer`)."""
+    return functools.partial(loss, regions=regions)
+
+
 def _spec(name: str, presets: tuple[str, ...]) -> ModelSpec:
     return ModelSpec(
         name=name, config_class=_config.Qwen3Config, presets=presets, preset=_config.preset,
@@ -56,7 +64,7 @@ def _spec(name: str, presets: tuple[str, ...]) -> ModelSpec:
                      import_sharded=_hf_sharded.import_pretrained, config_error=_config.ConfigError),
         config_error=_config.ConfigError, not_overridable=frozenset({"rope_scaling"}),  # nested: not from YAML yet
         vocab_field="vocab_size", positions_field="max_position_embeddings", layers_field="num_hidden_layers",
-        experts_field="num_experts", ignore_index=_model.IGNORE_INDEX,
+        experts_field="num_experts", ignore_index=_model.IGNORE_INDEX, compile_loss=_compile_loss,
     )
 
 

@@ -97,6 +97,7 @@ class TrainConfig:
     num_threads: Union[int, None] = None  # torch intra-op threads; null keeps torch's default
     on_nonfinite: Literal["stop", "skip"] = "stop"  # a step whose loss or grad norm is NaN/inf is not applied
     max_skips: int = 5  # on_nonfinite: skip stops the run after this many non-finite steps in a row
+    compile: Union[bool, Literal["inductor", "aot_eager", "eager"]] = False  # true: inductor; see docs/parallel.md
 
 
 @attrs.frozen
