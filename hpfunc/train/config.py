@@ -219,6 +219,7 @@ class ParallelConfig:
     sdc_check: str = "off"  # off | raise | warn: replicas of each reduced gradient compared every step
     max_restarts: int = 0  # elastic: restart the whole group this many times after a rank fails (resume auto)
     device: str = "auto"  # auto | cpu | cuda: the ranks' device (auto: cuda when available); NCCL on cuda, gloo on cpu
+    offload_state: tuple = ()  # state kept in host memory between steps: (optimizer,) (Plan.with_state_offload)
 
     @property
     def size(self) -> int:
@@ -256,6 +257,8 @@ class ParallelConfig:
             timeout["max_restarts"] = self.max_restarts
         if self.device != "auto":
             timeout["device"] = self.device
+        if self.offload_state:
+            timeout["offload_state"] = list(self.offload_state)
         if not self.mesh and not self.plan:
             return timeout
         return {"mesh": dict(self.mesh), "plan": [e.to_data() for e in self.plan], **timeout}
@@ -567,7 +570,8 @@ def _parse_callbacks(data: Any, path: str) -> tuple:
 
 SDC_CHECKS = ("off", "raise", "warn")
 DEVICES = ("auto", "cpu", "cuda")  # parallel.device; resolved on the machine by hpfunc.train.device
-_PARALLEL_KEYS = ("mesh", "plan", "timeout_s", "sdc_check", "max_restarts", "device")
+_PARALLEL_KEYS = ("mesh", "plan", "timeout_s", "sdc_check", "max_restarts", "device", "offload_state")
+OFFLOAD_STATE = ("optimizer",)  # parallel.offload_state: what may rest in host memory between steps
 
 
 def _parse_parallel(data: Any, path: str) -> ParallelConfig:
@@ -588,6 +592,11 @@ def _parse_parallel(data: Any, path: str) -> ParallelConfig:
         close = difflib.get_close_matches(str(device), DEVICES, n=1)
         raise ConfigError(f"{path}.device: expected one of {', '.join(DEVICES)} (auto: cuda when available), found "
                           f"{_found(device)}{f'; did you mean {close[0]!r}?' if close else ''}")
+    offload_state = data.get("offload_state") or ()
+    offload_state = (offload_state,) if isinstance(offload_state, str) else offload_state
+    if not isinstance(offload_state, (list, tuple)) or any(w not in OFFLOAD_STATE for w in offload_state):
+        raise ConfigError(f"{path}.offload_state: expected {' or '.join(OFFLOAD_STATE)} (or a list of them: the state "
+                          f"kept in host memory between steps), found {_found(data.get('offload_state'))}")
     timeout_s = _parse_timeout(data.get("timeout_s", DEFAULT_TIMEOUT_S), f"{path}.timeout_s")
     sdc_check = data.get("sdc_check", "off")
     if sdc_check is False:  # YAML reads a bare off as false
@@ -618,7 +627,7 @@ def _parse_parallel(data: Any, path: str) -> ParallelConfig:
         raise ConfigError(f"{path}.plan: missing; the mesh {_flow(mesh)} ({size} processes) needs a plan with one "
                           f"entry per mesh axis, in mesh order, e.g. plan: [{example}]")
     return ParallelConfig(mesh=mesh, plan=_bind_axes(parsed, mesh, path), timeout_s=timeout_s, sdc_check=sdc_check,
-                          max_restarts=max_restarts, device=device)
+                          max_restarts=max_restarts, device=device, offload_state=tuple(offload_state))
 
 
 def _parse_timeout(value: Any, path: str) -> float:

@@ -43,3 +43,24 @@ def test_no_optimizer_state_byte_stays_on_the_device_between_steps():
         assert plain["opt_device_bytes"] == plain["moment_bytes"]  # without offload: the moments live on cuda
         assert off["opt_device_bytes"] == 0
         assert plain["device_bytes"] - off["device_bytes"] == plain["moment_bytes"], (plain, off)
+
+
+def test_the_yaml_key_builds_the_plan_option():
+    from hpfunc.models import qwen3
+    from hpfunc.train.config import ConfigError, load_config_dict
+    from hpfunc.train.distributed import build_plan
+
+    cfg = load_config_dict({"parallel": {"mesh": {"fsdp": 2}, "plan": ["fsdp"], "offload_state": "optimizer"}})
+    assert cfg.parallel.offload_state == ("optimizer",)
+    assert cfg.parallel.to_data()["offload_state"] == ["optimizer"]
+    assert build_plan(cfg.parallel, qwen3.preset("qwen3-dense-tiny")).state_offload == ("optimizer",)
+    with pytest.raises(ConfigError, match=r"parallel\.offload_state: expected optimizer"):
+        load_config_dict({"parallel": {"mesh": {"fsdp": 2}, "plan": ["fsdp"], "offload_state": ["params"]}})
+
+
+def test_what_cannot_be_offloaded_is_named():
+    from hpfunc.transforms import plans
+
+    with pytest.raises(plans.PlanError, match="cannot offload 'master'"):
+        plans.fsdp("fsdp").with_state_offload("master")
+    assert (plans.fsdp("fsdp").with_state_offload("optimizer") + plans.ddp("dp")).state_offload == ("optimizer",)
