@@ -164,7 +164,12 @@ def fake_liveness(mesh, steps: int = 2, bug: str | None = None) -> dict:
                                         for x in _tree.leaves(opt) if x.ndim > 0),
                     "param_bytes": sum(x._local_tensor.untyped_storage().nbytes() for x in _tree.leaves(params)),
                 })
-            del params, opt, metrics
+            # a checkpoint's staging: every block (device-resident or resting in host memory) copied to host memory
+            from hpfunc.checkpoint.async_save import stage
+
+            staged = stage(dict(_tree.leaves_with_paths({"params": params, "opt": opt})))
+            per_step.append({"staged": sorted({x._local_tensor.device.type for x in staged.values() if x.ndim > 0})})
+            del params, opt, metrics, staged
         out[offload] = per_step
     if bug == "keep":
         lowered_mod.to_rest = real

@@ -37,6 +37,8 @@ def test_no_optimizer_state_byte_stays_on_the_device_between_steps():
     """Storage liveness on fake CUDA: with offload the live device bytes after each step are those without
     it less exactly the moments' bytes (2 x the fp32 parameter blocks), and none of them is a moment."""
     out = _fake()
+    for run in out.values():  # a checkpoint stages every block in host memory (none back on the device)
+        assert run.pop()["staged"] == ["cpu"]
     for plain, off in zip(out[False], out[True]):
         assert plain["opt_rest"] == ["cuda"] and off["opt_rest"] == ["cpu"], (plain, off)
         assert plain["moment_bytes"] == off["moment_bytes"] == 2 * plain["param_bytes"] > 0
