@@ -24,7 +24,10 @@ liveness.
 Caveats: a step must update the offloaded state through :func:`hpfunc.optim.update_and_apply` (on a
 CUDA mesh a ``tx.update`` of host moments with device gradients fails on the device mismatch); an
 at-rest leaf read on the host right after a step on CUDA (a checkpoint's staging) must first wait for
-the copy stream (``torch.cuda.synchronize()``).
+the copy stream (``torch.cuda.synchronize()``; :func:`hpfunc.checkpoint.async_save.stage_async` does);
+``full_tensor()`` of an at-rest leaf of a CUDA mesh gathers a host block, which NCCL does not take:
+move it to the device first (``x.to("cuda")``). Parameters and fp32 master weights are not offloaded
+(their per-layer stream-in belongs in the engine's gather).
 """
 
 from __future__ import annotations
