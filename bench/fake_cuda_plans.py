@@ -1,7 +1,7 @@
 """The trainer's whole step of a model on fake CUDA devices, per plan and world size: runs or not, host syncs, time.
 
     python bench/fake_cuda_plans.py                                  # Qwen3-30B-A3B, worlds 8 and 256, every plan
-    python bench/fake_cuda_plans.py --world 8 --plans "fsdp,pp x fsdp"
+    python bench/fake_cuda_plans.py --world 8 --plans "fsdp; pp x fsdp, remat"
 
 Each (world, plan) runs one step of ``tests.gpu._fake_pieces.trainer_steps`` (``make_train_step`` under
 ``hpfunc.parallelize``: the trainer's AdamW with a global-norm clip and its cosine schedule, bf16 compute
@@ -56,7 +56,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="qwen3-30b-a3b")
     ap.add_argument("--world", type=int, action="append", help="world size (repeatable; default 8 and 256)")
-    ap.add_argument("--plans", default="", help="comma-separated plan names (default: all)")
+    ap.add_argument("--plans", default="", help="plan names separated by semicolons (default: all)")
     ap.add_argument("--json", default=os.path.join(os.path.dirname(__file__), "results", "fake_cuda_plans.json"))
     args = ap.parse_args()
 
@@ -66,7 +66,7 @@ def main() -> None:
     rows = []
     for world in args.world or [8, 256]:
         table = plans_for(world)
-        names = [n.strip() for n in args.plans.split(",") if n.strip()] or list(table)
+        names = [n.strip() for n in args.plans.split(";") if n.strip()] or list(table)
         for name in names:
             parallel, model, rank = table[name]
             t0 = time.perf_counter()
