@@ -38,20 +38,64 @@ from hpfunc.checkpoint.errors import CheckpointError
 from hpfunc.checkpoint.save_faults import check_step
 from hpfunc.faults import is_comm_failure
 
-__all__ = ["AsyncSaver", "PendingSave", "stage", "DEFAULT_TIMEOUT_S"]
+__all__ = ["AsyncSaver", "PendingSave", "stage", "stage_async", "DEFAULT_TIMEOUT_S"]
 
 DEFAULT_TIMEOUT_S = 600.0  # of the background write's collectives (gloo's own default is 30 minutes)
 
 
-def _copy(x: Any) -> Any:
+def _copy(x: Any, device_copies: dict) -> Any:
+    """A host copy of ``x`` (a DTensor keeps its layout); a block of a CUDA device is only noted in
+    ``device_copies`` (id -> block) and copied by :func:`stage_async` in one batch."""
     if isinstance(x, DTensor):
         local = x.to_local()
+        if x.device_mesh.device_type != "cpu":
+            # from_local would move the host copy back to the mesh's device (a second device copy of the
+            # state while the write runs): the same layout, kept in host memory
+            from hpfunc.sharding import _copy_spec
+
+            host = _host(local, device_copies)
+            return DTensor.__new__(DTensor, host, _copy_spec(x._spec), requires_grad=False)
         host = torch.empty(local.shape, dtype=local.dtype, device="cpu").copy_(local)
         return DTensor.from_local(host, x.device_mesh, x.placements, run_check=False, shape=x.shape,
                                   stride=x.stride())
     if isinstance(x, torch.Tensor):
-        return torch.empty(x.shape, dtype=x.dtype, device="cpu").copy_(x)
+        return _host(x, device_copies)
     return x
+
+
+def _host(t: torch.Tensor, device_copies: dict) -> torch.Tensor:
+    if t.device.type == "cpu":
+        return torch.empty(t.shape, dtype=t.dtype, device="cpu").copy_(t)
+    device_copies[id(t)] = t
+    return t  # replaced by its host copy in stage_async
+
+
+def stage_async(flat: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+    """:func:`stage` without waiting for the device: ``(staged, done)``, ``done`` the event the device's
+    copies end at (``None`` when none are pending). The blocks of a CUDA device are copied into pinned
+    host buffers on a copy stream (:func:`hpfunc.copy_stream.to_host`), so the caller's thread does not
+    wait for the device; whoever reads the staged values (the background write) waits for ``done``."""
+    from hpfunc.copy_stream import to_host
+
+    if torch.cuda.is_available() and any(isinstance(v, DTensor) and v._local_tensor.device.type == "cpu"
+                                         and v.device_mesh.device_type == "cuda" for v in flat.values()):
+        # a block of a cuda mesh resting in host memory (state offload) may still be arriving on a copy
+        # stream (hpfunc.copy_stream.to_host): read it on the host only once the device's copies ended
+        torch.cuda.synchronize()
+    device_copies: dict = {}
+    staged = {k: _copy(v, device_copies) for k, v in flat.items()}
+    if not device_copies:
+        return staged, None
+    blocks = list(device_copies.values())
+    hosts, done = to_host(blocks)
+    host_of = {id(b): h for b, h in zip(blocks, hosts)}
+
+    def swap(x: Any) -> Any:
+        if isinstance(x, DTensor) and id(x._local_tensor) in host_of:
+            return DTensor.__new__(DTensor, host_of[id(x._local_tensor)], x._spec, requires_grad=False)
+        return host_of.get(id(x), x) if isinstance(x, torch.Tensor) else x
+
+    return {k: swap(v) for k, v in staged.items()}, done
 
 
 def stage(flat: dict[str, Any]) -> dict[str, Any]:
@@ -63,7 +107,10 @@ def stage(flat: dict[str, Any]) -> dict[str, Any]:
     >>> staged["w"].tolist()
     [1.0, 1.0]
     """
-    return {k: _copy(v) for k, v in flat.items()}
+    staged, done = stage_async(flat)
+    if done is not None:
+        done.synchronize()
+    return staged
 
 
 class PendingSave:
@@ -139,13 +186,15 @@ class AsyncSaver:
         step = check_step(step, "save")
         flat = flatten_state(state)
         self.wait()  # at most one in flight; an error of the previous save is raised here
-        staged = stage(flat)
+        staged, copied = stage_async(flat)  # device blocks: pinned copies on a copy stream, waited for below
         pending = PendingSave(path, step)
         group, after = self._group, self._after_save
 
         timeout_s = self.timeout_s
 
         def write() -> SaveResult:
+            if copied is not None:
+                copied.synchronize()  # the staged device blocks have reached host memory
             try:
                 result = write_flat(path, staged, step=step, metadata=metadata, group=group,
                                     expect_bytes=expect_bytes)

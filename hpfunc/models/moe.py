@@ -321,7 +321,9 @@ def routing_stats(routings: Sequence[Routing], num_experts: int) -> tuple[torch.
     """
     counts = sum(expert_counts(r.indices, num_experts).float() for r in routings)
     prob_sum = sum(r.probs.float().sum(0) for r in routings)
-    rows = torch.tensor(float(sum(r.probs.shape[0] for r in routings)), device=prob_sum.device)
+    # a fill on the device, not a host literal copied there (a copy from pageable host memory waits for
+    # the device; and a recompute on CUDA's autograd thread found no fake mode for the literal's copy)
+    rows = torch.full((), float(sum(r.probs.shape[0] for r in routings)), device=prob_sum.device)
     return counts, prob_sum, rows
 
 

@@ -34,6 +34,7 @@ from hpfunc.optim.adam import ScaleByAdamState
 from hpfunc.optim.base import EmptyState, OptState, Params, UpdateFn, Updates, apply_updates
 from hpfunc.optim.combine import MaskedState, mask_flags
 from hpfunc.optim.scale import ScalarOrSchedule, ScaleByScheduleState
+from hpfunc.optim.schedules import Tabled
 
 __all__ = ["adamw_apply"]
 
@@ -77,15 +78,21 @@ def adamw_apply(chain_update: UpdateFn, *, b1: float, b2: float, eps: float, eps
         on_device = count.device.type != "cpu"  # a parallel state on a GPU mesh: never read the count
         if on_device and not kernel:
             return fallback(grads, state, params)  # the foreach path takes its step sizes as Python numbers
+        lr_tensor = None  # the scheduled rate read on the device (a table of the schedule, no host sync)
         if callable(learning_rate):
-            lr = float(learning_rate(int(rate_state.count)))
+            if on_device and kernel and isinstance(learning_rate, Tabled) and learning_rate.tabled:
+                lr_tensor = learning_rate.at(rate_state.count).to(torch.float32)
+                lr = learning_rate.bound  # the checks below take the largest rate of the schedule
+            else:
+                lr = float(learning_rate(int(rate_state.count)))
             new_rate_state: Any = ScaleByScheduleState(count=rate_state.count + 1)
         else:
             lr, new_rate_state = float(learning_rate), rate_state
         # on a device count the bound 1 - b1 <= bc1 (t = 1) stands in for the value
         bc1, bc2 = (1.0 - b1, None) if on_device else _ops.bias_corrections(count, b1, b2)
         top = torch.finfo(p[0].dtype).max
-        if abs(lr / bc1) > top or abs(1.0 - lr * weight_decay) > top:
+        decay_factor = abs(1.0 - lr * weight_decay) if lr_tensor is None else 1.0 + lr * abs(weight_decay)
+        if abs(lr / bc1) > top or decay_factor > top:
             # a factor the params' dtype cannot hold (lr 1e39 in fp32): torch's foreach ops refuse such a
             # scalar; the chain multiplies in steps and gives the infinities such a rate deserves
             return fallback(grads, state, params)
@@ -95,7 +102,8 @@ def adamw_apply(chain_update: UpdateFn, *, b1: float, b2: float, eps: float, eps
             # torch's fused step: an fp32 tensor on the parameters' device, counted
             step = (count.to(torch.float32) if on_device
                     else torch.tensor(float(int(count)), dtype=torch.float32, device=p[0].device))
-            new_p, new_m, new_v = _fused_kernel(p, m, v, g, flags, step=step, lr=lr, b1=b1, b2=b2, eps=eps,
+            new_p, new_m, new_v = _fused_kernel(p, m, v, g, flags, step=step, lr=lr if lr_tensor is None else lr_tensor,
+                                                b1=b1, b2=b2, eps=eps,
                                                 weight_decay=weight_decay, in_place=in_place)
             new_adam = ScaleByAdamState(count=count, mu=_tree.unflatten(spec, new_m), nu=_tree.unflatten(spec, new_v))
             return _tree.unflatten(spec, new_p), (new_adam, decay_state, new_rate_state)
@@ -163,7 +171,7 @@ _FUSED = getattr(torch, "_fused_adamw_", None)
 
 
 def _fused_kernel(p: list[torch.Tensor], m: list[torch.Tensor], v: list[torch.Tensor], g: list[torch.Tensor],
-                  flags: list[bool], *, step: torch.Tensor, lr: float, b1: float, b2: float, eps: float, weight_decay: float,
+                  flags: list[bool], *, step: torch.Tensor, lr: float | torch.Tensor, b1: float, b2: float, eps: float, weight_decay: float,
                   in_place: bool) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
     """The update by torch's fused AdamW kernel: one pass over each leaf's parameter, gradient and
     moments, no temporaries (about 4x faster on CPU than the 8 foreach passes). It writes in place: into

@@ -37,6 +37,7 @@ __all__ = [
     "FusedUpdate",
     "update_and_apply",
     "new_count",
+    "stream_state_in",
 ]
 
 Params = Any
@@ -197,8 +198,43 @@ def update_and_apply(tx: GradientTransformation, updates: Updates, state: OptSta
     >>> params["w"]
     tensor([0.9000, 0.9000])
     """
+    state = stream_state_in(state, params)
     apply = getattr(tx.update, "apply", None)
     if apply is not None:
         return apply(updates, state, params, donate=donate)
     new_updates, new_state = tx.update(updates, state, params)
     return apply_updates(params, new_updates), new_state
+
+
+def stream_state_in(state: OptState, params: Params) -> OptState:
+    """``state`` with the leaves held in host memory brought to the parameters' device for an update.
+
+    A plan with state offload (:meth:`hpfunc.transforms.plans.Plan.with_state_offload`) keeps the
+    optimizer state (the leaves shaped like parameters: moments, momenta) in host memory between
+    steps and hands it to the step there; :func:`update_and_apply` brings it to the device when the
+    update needs it, on a copy stream (:func:`hpfunc.copy_stream.to_device`), so it does not occupy
+    the device during the forward and backward. The new state comes back on the device; the plan's
+    step copies it back to host memory. Scalars (step counts) are left where they are: a count on the
+    device is read there (bias corrections, the schedule's table) and a fresh count lives on the host.
+    Parameters on the CPU: nothing moves (host and device are one memory).
+
+    >>> import torch
+    >>> state = {"mu": torch.zeros(2)}
+    >>> stream_state_in(state, {"w": torch.ones(2)}) is state
+    True
+    """
+    p_leaves, _ = _tree.flatten(params)
+    device = next((x.device for x in p_leaves if isinstance(x, torch.Tensor)), None)
+    if device is None or device.type == "cpu":
+        return state
+    leaves, spec = _tree.flatten(state)
+    held = [k for k, x in enumerate(leaves)
+            if isinstance(x, torch.Tensor) and x.ndim > 0 and x.device.type == "cpu"]
+    if not held:
+        return state
+    from hpfunc.copy_stream import to_device
+
+    moved = to_device([leaves[k] for k in held], device)
+    for k, x in zip(held, moved):
+        leaves[k] = x
+    return _tree.unflatten(spec, leaves)

@@ -8,6 +8,7 @@ import torch
 
 from hpfunc.optim import _ops, _tree
 from hpfunc.optim.base import EmptyState, GradientTransformation, Params, Updates, identity, new_count
+from hpfunc.optim.schedules import Tabled
 
 __all__ = [
     "scale", "set_to_zero", "ScaleByScheduleState", "scale_by_schedule", "scale_by_learning_rate", "ScalarOrSchedule"
@@ -19,6 +20,31 @@ ScalarOrSchedule = Union[float, Callable[[int], float]]
 def _scaled(updates: Updates, factor: float) -> Updates:
     leaves, spec = _tree.flatten(updates)
     return _tree.unflatten(spec, _ops.mul(leaves, factor))
+
+
+def _scaled_by_tensor(updates: Updates, factor: torch.Tensor) -> Updates:
+    """:func:`_scaled` by a float64 0-dim tensor ``factor`` (a schedule's value on the device), with the
+    arithmetic of a Python-number factor: the factor rounded to float32 (the computation type of fp32,
+    bf16 and fp16 leaves; float64 leaves take it whole), the product rounded to the leaf's dtype.
+
+    >>> import torch
+    >>> u = {"w": torch.tensor([1.0, 3.0]), "h": torch.tensor([1.0, 3.0], dtype=torch.bfloat16)}
+    >>> f = 0.1
+    >>> all(torch.equal(a, b) for a, b in zip(_scaled_by_tensor(u, torch.tensor(f, dtype=torch.float64)).values(),
+    ...                                        _scaled(u, f).values()))
+    True
+    """
+    leaves, spec = _tree.flatten(updates)
+    out = []
+    for x in leaves:
+        if x.dtype is torch.float64:
+            out.append(x * factor.to(x.device))
+        elif x.dtype in (torch.float32, torch.bfloat16, torch.float16):
+            f = factor.to(device=x.device, dtype=torch.float32)
+            out.append(x * f if x.dtype is torch.float32 else (x.float() * f).to(x.dtype))
+        else:
+            out.append(x * factor.to(x.device))
+    return _tree.unflatten(spec, out)
 
 
 def scale(step_size: float) -> GradientTransformation:
@@ -109,9 +135,14 @@ def scale_by_schedule(step_size_fn: Callable[[int], float]) -> GradientTransform
         del params
         return ScaleByScheduleState(count=new_count())
 
+    on_device = isinstance(step_size_fn, Tabled) and step_size_fn.tabled
+
     @torch.no_grad()
     def update(updates: Updates, state: ScaleByScheduleState, params: Params | None = None):
         del params
+        if on_device and state.count.device.type != "cpu":
+            # a count held on a GPU is not read on the host: the schedule's table is indexed there
+            return _scaled_by_tensor(updates, step_size_fn.at(state.count)), ScaleByScheduleState(count=state.count + 1)
         factor = float(step_size_fn(int(state.count)))
         return _scaled(updates, factor), ScaleByScheduleState(count=state.count + 1)
 
@@ -139,5 +170,7 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule | None = None, *, fli
     sign = -1.0 if flip_sign else 1.0
     if callable(learning_rate):
         schedule = learning_rate
+        if isinstance(schedule, Tabled):  # read on the device where its count lives (no host sync)
+            return scale_by_schedule(schedule.map(lambda v: sign * float(v)))
         return scale_by_schedule(lambda step: sign * float(schedule(step)))
     return scale(sign * float(learning_rate))

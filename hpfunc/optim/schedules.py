@@ -2,7 +2,10 @@
 
 A schedule is any callable taking the number of steps already taken (``0`` for the first update)
 and returning a float. ``scale_by_learning_rate`` calls it with a Python ``int`` read from the
-optimizer state, so schedules are plain Python (no tensors, no host-device synchronisation).
+optimizer state when the state's counter is on the host. The schedules here are :class:`Tabled`:
+constant after a last step, so that a step whose counter lives on a GPU reads the value there, from
+a table of the Python function's own values (:meth:`Tabled.at`), without a host sync; any other
+callable is read on the host (``int(count)``, a host sync on a GPU).
 
 Each schedule mirrors an optax one, with optax's argument names and positional order (only the
 function names differ; ``docs/optim.md`` lists every difference):
@@ -23,10 +26,14 @@ Example:
 from __future__ import annotations
 
 import math
-from typing import Callable, Literal
+from typing import Any, Callable, Literal
+
+import torch
 
 __all__ = [
     "Schedule",
+    "Tabled",
+    "value_at",
     "constant",
     "linear",
     "linear_warmup_cosine_decay",
@@ -34,6 +41,84 @@ __all__ = [
 ]
 
 Schedule = Callable[[int], float]
+
+# A schedule is tabled on a device up to this many steps (16 MiB of float64); a longer one is read on the host.
+MAX_TABLE = 1 << 21
+
+
+class Tabled:
+    """A schedule ``step -> float`` that is constant from step ``horizon`` on, readable on a device.
+
+    ``sched(step)`` is the Python function, as before. ``sched.at(count)`` takes the step as a tensor
+    (a counter held on a GPU) and returns the value as a float64 0-dim tensor on its device without
+    reading it on the host: the values of steps ``0 .. horizon`` are computed once by the Python function
+    itself and put on the device as a table, which ``count`` (clamped to ``horizon``) indexes. The
+    values are therefore the Python function's, bit for bit. Every schedule of this module is one;
+    :meth:`map` keeps a function of one tabled (a peak rate times a factor) tabled.
+
+    >>> import torch
+    >>> f = linear(1.0, 0.0, 4)
+    >>> float(f.at(torch.tensor(2))), float(f.at(torch.tensor(99))), f(2)
+    (0.5, 0.0, 0.5)
+    """
+
+    __slots__ = ("fn", "horizon", "_tables", "_bound")
+
+    def __init__(self, fn: Callable[[int], float], horizon: int) -> None:
+        self.fn, self.horizon = fn, int(horizon)
+        self._tables: dict = {}  # device -> the table on it (this schedule's own, built on first use)
+        self._bound: float | None = None
+
+    def __call__(self, step: int) -> float:
+        return self.fn(step)
+
+    def __repr__(self) -> str:
+        return f"Tabled({getattr(self.fn, '__qualname__', self.fn)}, horizon={self.horizon})"
+
+    def map(self, fn: Callable[[float], float]) -> "Tabled":
+        """``step -> fn(self(step))``, tabled with the same horizon."""
+        return Tabled(lambda step: fn(self.fn(step)), self.horizon)
+
+    @property
+    def tabled(self) -> bool:
+        """Whether :meth:`at` reads a device table (a horizon of at most :data:`MAX_TABLE` steps)."""
+        return self.horizon < MAX_TABLE
+
+    @property
+    def bound(self) -> float:
+        """The largest ``|value|`` of any step (from the table's values, computed on the host once)."""
+        if self._bound is None:
+            self._bound = max(abs(float(self.fn(i))) for i in range(self.horizon + 1))
+        return self._bound
+
+    def at(self, count: torch.Tensor) -> torch.Tensor:
+        """The value at step ``count`` (an integer tensor) as a float64 0-dim tensor on its device."""
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        table = self._tables.get(count.device)
+        if table is None or isinstance(count, FakeTensor) != isinstance(table, FakeTensor):
+            values = [float(self.fn(i)) for i in range(self.horizon + 1)]
+            table = torch.tensor(values, dtype=torch.float64, device=count.device)
+            if not isinstance(table, FakeTensor):  # a fake table belongs to its fake mode: not kept
+                self._tables[count.device] = table
+        index = count.reshape(1).clamp(0, self.horizon).to(torch.int64)
+        return table.index_select(0, index).reshape(())
+
+
+def value_at(schedule: Callable[[int], float], count: torch.Tensor) -> torch.Tensor:
+    """``schedule`` at step ``count`` as a float64 0-dim tensor on ``count``'s device.
+
+    A count on a device with a :class:`Tabled` schedule is read there (no host sync); otherwise the
+    count is read on the host (``int(count)``: a host sync when the count is on a GPU) and the value
+    lifted to its device.
+
+    >>> import torch
+    >>> value_at(lambda s: 0.5 * s, torch.tensor(3)).item()
+    1.5
+    """
+    if count.device.type != "cpu" and isinstance(schedule, Tabled) and schedule.tabled:
+        return schedule.at(count)
+    return torch.tensor(float(schedule(int(count))), dtype=torch.float64, device=count.device)
 
 
 def _check_steps(name: str, value: int, *, where: str, minimum: int = 0) -> int:
@@ -54,7 +139,7 @@ def constant(value: float) -> Schedule:
         del step
         return value
 
-    return schedule
+    return Tabled(schedule, 0)
 
 
 def linear(init_value: float, end_value: float, transition_steps: int, transition_begin: int = 0) -> Schedule:
@@ -81,7 +166,7 @@ def linear(init_value: float, end_value: float, transition_steps: int, transitio
             return end_value
         return init_value + (end_value - init_value) * frac
 
-    return schedule
+    return Tabled(schedule, transition_begin + transition_steps)
 
 
 def linear_warmup_cosine_decay(
@@ -129,7 +214,7 @@ def linear_warmup_cosine_decay(
         progress = (step - warmup_steps) / cosine_steps
         return end_value + (peak_value - end_value) * (0.5 * (1.0 + math.cos(math.pi * progress))) ** exponent
 
-    return schedule
+    return Tabled(schedule, decay_steps)
 
 
 def warmup_stable_decay(
@@ -181,4 +266,4 @@ def warmup_stable_decay(
             return end_value
         return end_value + (peak_value - end_value) * shape((step - decay_begin) / decay)
 
-    return schedule
+    return Tabled(schedule, end)

@@ -164,6 +164,11 @@ def build_schedule(sc: ScheduleConfig, steps: int) -> Callable[[int], float]:
 
 
 def _scaled(peak: float, factor: Callable[[int], float]) -> Callable[[int], float]:
+    from hpfunc.optim.schedules import Tabled
+
+    if isinstance(factor, Tabled):  # stays readable on the device (hpfunc.optim.schedules.Tabled)
+        return factor.map(lambda f: peak * f)
+
     def lr(step: int) -> float:
         return peak * factor(step)
 

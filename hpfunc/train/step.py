@@ -167,7 +167,7 @@ def make_train_step(
       pairs, ``dropped_pairs`` (``[n_moe_layers]``).
     """
     from hpfunc import layout
-    from hpfunc.optim import global_norm, update_and_apply
+    from hpfunc.optim import global_norm, schedules, update_and_apply
 
     is_frozen = _default_is_frozen() if is_frozen is None else is_frozen
     update_frozen = _default_update_frozen() if update_frozen is None else update_frozen
@@ -213,10 +213,9 @@ def make_train_step(
             # on a measured step from its table's reduction (the same value): one collective, not two
             "grad_norm": (global_norm(grads).detach() if measured is None
                           else measured[SQ][0].sum().sqrt().to(torch.float32)),
-            # the schedule is a Python function of the step: reading a step held on a GPU is a host sync
-            # (docs/gpu.md); the metric itself lives beside the step
-            "lr": torch.tensor(float("nan") if lr_schedule is None else float(lr_schedule(int(state.step))),
-                               dtype=torch.float64, device=state.step.device),
+            # a step held on a GPU is read there (the schedule's table: no host sync, docs/gpu.md)
+            "lr": (torch.tensor(float("nan"), dtype=torch.float64, device=state.step.device) if lr_schedule is None
+                   else schedules.value_at(lr_schedule, state.step)),
         }
         if load is not None:
             metrics["expert_load"] = load.detach()

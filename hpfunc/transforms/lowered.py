@@ -54,6 +54,7 @@ from hpfunc.transforms.engine.reduce import reduction_bucket
 from hpfunc.transforms.engine.state import get_path, param_suffix, positions_of, replace_path
 from hpfunc.transforms.engine.step_layout import RankStep
 from hpfunc.transforms.shard_map import Flat, FlatSpecs, flat_checks, flat_specs, shard_map
+from hpfunc.transforms.state_offload import rest_paths, to_rest
 
 if TYPE_CHECKING:
     from hpfunc.transforms.parallelize import ParallelizedStep
@@ -99,6 +100,8 @@ class Lowered:
             res[self.paths[is_param[k]]].spec.storage if k in is_param else _state_leaf_spec(path, x, res)
             for k, (path, x) in enumerate(state_pairs)])
         self.n_state_leaves = len(state_pairs)
+        # the state leaves that rest in host memory between steps (plan.with_state_offload)
+        self.rest_paths = rest_paths(plan.state_offload, state_pairs, is_param, res)
         self.engine = EngineConfig(mesh, plan, [res[p] for p in self.paths], self.dtypes)
         self.placements = [tuple(spec_to_placements(res[p].spec.storage, mesh, len(res[p].shape), where=p))
                            for p in self.paths]
@@ -256,8 +259,11 @@ class Lowered:
                 return hit
 
         in_specs = self.in_laid_out if laid_out else self.in_specs
-        return shard_map(body, mesh=self.mesh, in_specs=(in_specs, *arg_specs), out_specs=out_specs,
-                         check_rep=check)(state_in, *args)
+        result = shard_map(body, mesh=self.mesh, in_specs=(in_specs, *arg_specs), out_specs=out_specs,
+                           check_rep=check)(state_in, *args)
+        if out_lowered.rest_paths:  # the offloaded state back to host memory (its device copy goes with it)
+            result = (to_rest(result[0], out_lowered.rest_paths), *result[1:])
+        return result
 
     # -- printing -----------------------------------------------------------------------------------
     def __repr__(self) -> str:
@@ -276,6 +282,9 @@ class Lowered:
             extras.append(f"reshard after forward {eng.reshard}")
         if self.plan.pipeline is not None:
             extras.append(f"pipeline on {self.plan.pipeline.axis!r}")
+        if self.rest_paths:
+            extras.append(f"{len(self.rest_paths)} state leaves at rest in host memory "
+                          f"({', '.join(self.plan.state_offload)})")
         if eng.overlap_buckets:
             extras.append(f"{len(eng.overlap_buckets)} all-reduce bucket{'s' if len(eng.overlap_buckets) != 1 else ''} "
                           f"started in the backward")

@@ -202,6 +202,7 @@ class Plan:
     pipeline: Any = None  # a PipelineLayer (hpfunc.transforms.pipeline_plan), from pp(...)
     sdc_check: str | None = None
     context: Any = None  # a ContextParallelLayer (hpfunc.transforms.context_parallel_plan), from cp(...)
+    state_offload: tuple[str, ...] = ()  # what is kept in host memory between steps ("optimizer")
 
     def __add__(self, other: "Plan") -> "Plan":
         def one(name: str) -> Any:
@@ -220,7 +221,8 @@ class Plan:
                     self.reshard_after_forward and other.reshard_after_forward,
                     one("param_dtype"), one("reduce_dtype"), one("gradient_scaling_factor"),
                     self.pipeline if self.pipeline is not None else other.pipeline, one("sdc_check"),
-                    self.context if self.context is not None else other.context)
+                    self.context if self.context is not None else other.context,
+                    tuple(dict.fromkeys(self.state_offload + other.state_offload)))
 
     def with_mixed_precision(self, param_dtype: torch.dtype | None = torch.bfloat16,
                              reduce_dtype: torch.dtype | None = torch.float32) -> "Plan":
@@ -262,6 +264,23 @@ class Plan:
             raise PlanError(f"with_sdc_check: policy must be one of {', '.join(map(repr, POLICIES))} or None, "
                             f"found {policy!r}")
         return attrs.evolve(self, sdc_check=policy)
+
+    def with_state_offload(self, *what: str) -> "Plan":
+        """Keep the named state in host memory between steps (selective state offload).
+
+        ``"optimizer"``: every optimizer-state leaf laid out like a parameter (AdamW's moments, Muon's
+        momentum) rests in host memory (pinned where the device is CUDA) between steps and reaches the
+        step there; :func:`hpfunc.optim.update_and_apply` streams it to the device for the update on a
+        copy stream, and the step copies the new state back (:mod:`hpfunc.transforms.state_offload`).
+        The values are those of the same plan without offload, bit for bit; the forward and backward
+        run without the optimizer state on the device. Scalar counters stay on the device.
+
+        >>> fsdp("fsdp").with_state_offload("optimizer").state_offload
+        ('optimizer',)
+        """
+        from hpfunc.transforms.state_offload import check_kinds
+
+        return attrs.evolve(self, state_offload=check_kinds(what, "with_state_offload"))
 
     def with_rules(self, rules: Sequence[tuple[str, Any]]) -> "Plan":
         conv = tuple((pat, sp if isinstance(sp, LeafSpec) else LeafSpec.of(sp)) for pat, sp in rules)

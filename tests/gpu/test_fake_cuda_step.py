@@ -7,10 +7,10 @@ shape-only CUDA runtime of ``hpfunc.testing.fake_cuda`` so that autograd runs as
 device thread). Each step is recorded by a ``DeviceRecorder``: every host sync (a fake tensor has no
 value: each is answered with a stand-in and counted), every tensor made off the device.
 
-What a step may do, per docs/gpu.md: exactly two host syncs, both the learning-rate schedule reading
-the step counter (the optimizer's ``scale_by_schedule`` and the ``lr`` metric); off the device only
-host literals lifted to it (``torch.tensor(x, device=cuda)``: the routing statistics' row count, the lr
-metric, the norm's zero). The expert-parallel plans run the padded dispatcher (the dropless one reads
+What a step may do, per docs/gpu.md: no host sync at all (the learning-rate schedule is read on the
+device, from a table of its values indexed by the step counter); off the device only host literals
+lifted to it (``torch.tensor(x, device=cuda)``: the routing statistics' row count, the schedule's table,
+the norm's zero). The expert-parallel plans run the padded dispatcher (the dropless one reads
 its split sizes on the host, which a fake device cannot answer). The pipeline plans run as rank 0 (the
 first stage: the last stage's first step reads the sender's shape header, which a fake device cannot
 answer either).
@@ -47,13 +47,15 @@ PIPELINE_PLANS = {
                          "plan": [{"pp": {**PP, "microbatches": 4, "max_resident": 1}}, "fsdp"]}, {}),
 }
 
-# The documented host syncs of a step (docs/gpu.md, "Host syncs"): the schedule's two reads of the step.
-STEP_SYNCS = [("scalar read", "_local_scalar_dense", "hpfunc/optim/scale.py", "update"),
-              ("scalar read", "_local_scalar_dense", "hpfunc/train/step.py", "train_step")]
+# The documented host syncs of a step (docs/gpu.md, "Host syncs"): none. (The learning-rate schedule read the
+# step counter twice, in the optimizer's scale_by_schedule and in the lr metric, until the schedules became
+# device tables: hpfunc.optim.schedules.Tabled.)
+STEP_SYNCS: list = []
 # The only tensors a step makes off the device: host literals lifted to it (torch.tensor(x, device=...):
-# the routing statistics' row count, the lr metric, a norm's zero, the pipeline's shape header), and
-# views of the device mesh's rank table (a host tensor of rank ids) when a process group is looked up.
-LIFTED = {"hpfunc/models/moe.py", "hpfunc/train/step.py", "hpfunc/layout/step.py", "hpfunc/transforms/pipeline.py"}
+# the routing statistics' row count, the lr schedule's table, a norm's zero, the pipeline's shape header),
+# and views of the device mesh's rank table (a host tensor of rank ids) when a process group is looked up.
+LIFTED = {"hpfunc/models/moe.py", "hpfunc/train/step.py", "hpfunc/layout/step.py", "hpfunc/transforms/pipeline.py",
+          "hpfunc/optim/schedules.py"}
 MESH_TABLE = "hpfunc/mesh.py"
 
 

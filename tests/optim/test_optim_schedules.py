@@ -52,3 +52,44 @@ def test_schedule_argument_errors():
         optim.warmup_stable_decay(0.0, 1.0, 1, 1, 1, decay_shape="exp")
     with pytest.raises(ValueError, match="warmup_steps"):
         optim.warmup_stable_decay(0.0, 1.0, -1, 1, 1)
+
+
+def _all_schedules():
+    return [optim.constant(3e-4), optim.linear(1.0, 0.1, 10, transition_begin=5), optim.linear(2.0, 0.0, 0, 3),
+            optim.linear_warmup_cosine_decay(0.0, 1e-3, warmup_steps=7, decay_steps=40, end_value=1e-5, exponent=1.5),
+            *[optim.warmup_stable_decay(0.0, 2.0, 3, 4, 9, 0.2, decay_shape=s) for s in ("linear", "cosine", "1-sqrt")]]
+
+
+def test_the_device_table_holds_the_python_values_bit_for_bit():
+    """``Tabled.at(count)`` (what a step whose counter lives on a GPU reads, with no host sync) equals the
+    Python schedule at every step, before, at and past its horizon; so does a rate scaled from it."""
+    import torch
+
+    from hpfunc.optim import schedules
+
+    for f in _all_schedules():
+        assert isinstance(f, schedules.Tabled) and f.tabled
+        for s in [*range(f.horizon + 3), 10**6]:
+            assert f.at(torch.tensor(s)).item() == f(s), (f, s)
+        lr = f.map(lambda v: 0.5 * v)
+        assert all(lr.at(torch.tensor(s)).item() == 0.5 * f(s) for s in range(f.horizon + 2))
+        assert f.bound == max(abs(f(s)) for s in range(f.horizon + 1))
+
+
+def test_scale_by_schedule_on_a_device_count_equals_the_host_read():
+    """The scaling by the table's 0-d value gives the updates of the Python-number factor, bit for bit, in
+    float32, bfloat16 and float64."""
+    import torch
+
+    import importlib
+
+    scale_mod = importlib.import_module("hpfunc.optim.scale")
+
+    f = optim.linear_warmup_cosine_decay(0.0, 3e-3, warmup_steps=2, decay_steps=9, end_value=1e-4)
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        u = {"w": torch.randn(5, 3, generator=g).to(dtype), "b": torch.randn(3, generator=g).to(dtype)}
+        for s in range(11):
+            got = scale_mod._scaled_by_tensor(u, f.at(torch.tensor(s)))
+            want = scale_mod._scaled(u, float(f(s)))
+            assert all(torch.equal(got[k], want[k]) for k in u), (dtype, s)

@@ -36,7 +36,8 @@ _PLAIN = Structurer(Config, open_fields=OPEN_SECTIONS)
 
 SDC_CHECKS = ("off", "raise", "warn")
 DEVICES = ("auto", "cpu", "cuda")  # parallel.device; resolved on the machine by hpfunc.train.device
-_PARALLEL_KEYS = ("mesh", "plan", "timeout_s", "sdc_check", "max_restarts", "device")
+_PARALLEL_KEYS = ("mesh", "plan", "timeout_s", "sdc_check", "max_restarts", "device", "offload_state")
+OFFLOAD_STATE = ("optimizer",)  # parallel.offload_state: what may rest in host memory between steps
 
 
 def parse_parallel(data: Any, path: str) -> ParallelConfig:
@@ -57,6 +58,11 @@ def parse_parallel(data: Any, path: str) -> ParallelConfig:
         close = difflib.get_close_matches(str(device), DEVICES, n=1)
         raise ConfigError(f"{path}.device: expected one of {', '.join(DEVICES)} (auto: cuda when available), found "
                           f"{found(device)}{f'; did you mean {close[0]!r}?' if close else ''}")
+    offload_state = data.get("offload_state") or ()
+    offload_state = (offload_state,) if isinstance(offload_state, str) else offload_state
+    if not isinstance(offload_state, (list, tuple)) or any(w not in OFFLOAD_STATE for w in offload_state):
+        raise ConfigError(f"{path}.offload_state: expected {' or '.join(OFFLOAD_STATE)} (or a list of them: the state "
+                          f"kept in host memory between steps), found {found(data.get('offload_state'))}")
     timeout_s = _parse_timeout(data.get("timeout_s", DEFAULT_TIMEOUT_S), f"{path}.timeout_s")
     sdc_check = data.get("sdc_check", "off")
     if sdc_check is False:  # YAML reads a bare off as false
@@ -87,7 +93,7 @@ def parse_parallel(data: Any, path: str) -> ParallelConfig:
         raise ConfigError(f"{path}.plan: missing; the mesh {flow(mesh)} ({size} processes) needs a plan with one "
                           f"entry per mesh axis, in mesh order, e.g. plan: [{example}]")
     return ParallelConfig(mesh=mesh, plan=_bind_axes(parsed, mesh, path), timeout_s=timeout_s, sdc_check=sdc_check,
-                          max_restarts=max_restarts, device=device)
+                          max_restarts=max_restarts, device=device, offload_state=tuple(offload_state))
 
 
 def _parse_timeout(value: Any, path: str) -> float:

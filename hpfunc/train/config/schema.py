@@ -184,6 +184,7 @@ class ParallelConfig:
     sdc_check: str = "off"  # off | raise | warn: replicas of each reduced gradient compared every step
     max_restarts: int = 0  # elastic: restart the whole group this many times after a rank fails (resume auto)
     device: str = "auto"  # auto | cpu | cuda: the ranks' device (auto: cuda when available); NCCL on cuda, gloo on cpu
+    offload_state: tuple = ()  # state kept in host memory between steps: (optimizer,) (Plan.with_state_offload)
 
     @property
     def size(self) -> int:
@@ -221,6 +222,8 @@ class ParallelConfig:
             timeout["max_restarts"] = self.max_restarts
         if self.device != "auto":
             timeout["device"] = self.device
+        if self.offload_state:
+            timeout["offload_state"] = list(self.offload_state)
         if not self.mesh and not self.plan:
             return timeout
         return {"mesh": dict(self.mesh), "plan": [e.to_data() for e in self.plan], **timeout}

@@ -1,0 +1,116 @@
+"""Selective state offload: chosen state of a parallelized step rests in host memory between steps.
+
+``plan.with_state_offload("optimizer")`` (:meth:`hpfunc.transforms.plans.Plan.with_state_offload`)
+keeps every optimizer-state leaf laid out like a parameter (AdamW's two moments, Muon's momentum:
+everything but the scalar counters, 2 x the fp32 parameters for AdamW) in host memory while the
+forward and backward run:
+
+1. at rest, such a leaf is a DTensor laid out as the plan says whose local block is a host tensor
+   (pinned where the mesh's device is CUDA): :func:`to_rest` puts it there after ``init_state`` and
+   after every step;
+2. the step receives it as a host block; :func:`hpfunc.optim.update_and_apply` streams it to the
+   device on a copy stream when the update needs it (:func:`hpfunc.optim.base.stream_state_in`),
+   after the backward, so the forward and backward never hold it;
+3. the update writes the new state on the device (in place with ``donate_state``); :func:`to_rest`
+   copies it back to fresh host buffers on a copy stream (the allocator keeps each device block until
+   its copy ends) and the device copy goes with the step.
+
+The values are those of the same plan without offload, bit for bit (the same arithmetic on the same
+numbers; only where they rest changes). On the CPU host and device are one memory: the copies are
+real copies into distinct buffers (so a missing copy-back is as wrong there as on a GPU), and the
+memory saved is measured on fake CUDA devices (``tests/gpu/test_state_offload.py``), by storage
+liveness.
+
+Caveats: a step must update the offloaded state through :func:`hpfunc.optim.update_and_apply` (on a
+CUDA mesh a ``tx.update`` of host moments with device gradients fails on the device mismatch); an
+at-rest leaf read on the host right after a step on CUDA (a checkpoint's staging) must first wait for
+the copy stream (``torch.cuda.synchronize()``; :func:`hpfunc.checkpoint.async_save.stage_async` does);
+``full_tensor()`` of an at-rest leaf of a CUDA mesh gathers a host block, which NCCL does not take:
+move it to the device first (``x.to("cuda")``). Parameters and fp32 master weights are not offloaded
+(their per-layer stream-in belongs in the engine's gather).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from hpfunc import tree as _tree
+from hpfunc.copy_stream import to_host
+from hpfunc.layout import LeafLayout, PlanError
+from hpfunc.sharding import _copy_spec
+from hpfunc.transforms.engine.state import param_suffix
+
+__all__ = ["KINDS", "check_kinds", "rest_paths", "to_rest", "on_host"]
+
+KINDS = ("optimizer",)  # what with_state_offload can keep in host memory
+
+
+def check_kinds(what: Iterable[Any], where: str) -> tuple[str, ...]:
+    """The kinds of state to offload, checked (a :class:`PlanError` names the unknown one)."""
+    out = []
+    for w in what:
+        if w not in KINDS:
+            raise PlanError(f"{where}: cannot offload {w!r}; the state that can rest in host memory is "
+                            f"{', '.join(map(repr, KINDS))} (the optimizer-state leaves laid out like the parameters)")
+        out.append(w)
+    if not out:
+        raise PlanError(f"{where}: name what to offload, e.g. with_state_offload('optimizer')")
+    return tuple(dict.fromkeys(out))
+
+
+def rest_paths(kinds: tuple[str, ...], state_pairs: list[tuple[str, Any]], is_param: Mapping[int, int],
+               res: Mapping[str, LeafLayout]) -> frozenset[str]:
+    """The dotted paths of the state leaves that rest in host memory under ``kinds``: with
+    ``"optimizer"`` every tensor leaf that is not a parameter and is laid out like one (its path ends
+    with a parameter's path; not a scalar)."""
+    if "optimizer" not in kinds:
+        return frozenset()
+    return frozenset(path for k, (path, x) in enumerate(state_pairs)
+                     if k not in is_param and isinstance(x, torch.Tensor) and x.ndim > 0
+                     and param_suffix(path, res) is not None)
+
+
+def to_rest(state: Any, paths: frozenset[str]) -> Any:
+    """``state`` with the DTensor leaves at ``paths`` moved to host memory (same layout, a host block).
+
+    One batch of copies on a copy stream where the device is CUDA (pinned buffers); the device
+    blocks are released as soon as ``state``'s old leaves are (after their copies end)."""
+    if not paths:
+        return state
+    found: list[tuple[str, DTensor]] = []
+
+    def pick(path: str, x: Any) -> Any:
+        if path in paths and isinstance(x, DTensor):
+            found.append((path, x))
+        return x
+
+    _tree.map_with_path(pick, state)
+    moving = found  # on the CPU too: a real copy into a distinct buffer
+    if not moving:
+        return state
+    hosts, _ = to_host([x._local_tensor.detach() for _, x in moving])
+    new = {p: DTensor.__new__(DTensor, h, _copy_spec(x._spec), requires_grad=False)
+           for (p, x), h in zip(moving, hosts)}
+    return _tree.map_with_path(lambda path, x: new.get(path, x) if isinstance(x, DTensor) else x, state)
+
+
+def on_host(state: Any, paths: frozenset[str]) -> list[str]:
+    """The paths of ``paths`` whose leaf in ``state`` is held in host memory (a check for tests and reports).
+
+    >>> on_host({"m": torch.zeros(2)}, frozenset({"m"}))
+    ['m']
+    """
+    out = []
+
+    def see(path: str, x: Any) -> Any:
+        if path in paths and isinstance(x, torch.Tensor):
+            local = x._local_tensor if isinstance(x, DTensor) else x
+            if local.device.type == "cpu":
+                out.append(path)
+        return x
+
+    _tree.map_with_path(see, state)
+    return out

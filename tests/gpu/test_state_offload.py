@@ -1,0 +1,68 @@
+"""Selective state offload (``plan.with_state_offload("optimizer")``): equal to the plan without it on real
+gloo ranks, and on fake CUDA devices no optimizer-state byte stays on the device between steps (storage
+liveness: weak references to every storage the run made)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.gpu import _offload_pieces as op
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("name, world", [("fsdp", 2), ("fsdp x tp", 4)])
+def test_offloaded_optimizer_state_equals_the_plan_without(pools, name, world):
+    outs = pools(world).run(op.run_offload_parity, name)
+    for out in outs:
+        for i, e in enumerate(out["errors"]):
+            assert e["loss"] <= 1e-5 and e["grads"] <= 1e-5 and e["updates"] <= 1e-5 and e["opt"] <= 1e-5, (i, e)
+            assert e["bitwise"], (i, e)  # the same arithmetic on the same numbers
+        assert out["rest"] == [["cpu"]] * 2
+
+
+@pytest.mark.multirank
+def test_a_stale_copy_back_is_caught(pools):
+    outs = pools(2).run(op.run_offload_parity, "fsdp", 2, "stale")
+    assert any(e["opt"] > 1e-5 for e in outs[0]["errors"]), outs[0]["errors"]
+
+
+def _fake(bug=None) -> dict:
+    from hpfunc.testing.fake_devices import run_on_fake_devices
+
+    # on_host_sync="raise": the offloaded step, its copies and the schedule make no host sync either
+    return run_on_fake_devices(op.fake_liveness, 2, bug, world_size=8, rank=5, mesh={"fsdp": 8}, isolated=True).result
+
+
+def test_no_optimizer_state_byte_stays_on_the_device_between_steps():
+    """Storage liveness on fake CUDA: with offload the live device bytes after each step are those without
+    it less exactly the moments' bytes (2 x the fp32 parameter blocks), and none of them is a moment."""
+    out = _fake()
+    for run in out.values():  # a checkpoint stages every block in host memory (none back on the device)
+        assert run.pop()["staged"] == ["cpu"]
+    for plain, off in zip(out[False], out[True]):
+        assert plain["opt_rest"] == ["cuda"] and off["opt_rest"] == ["cpu"], (plain, off)
+        assert plain["moment_bytes"] == off["moment_bytes"] == 2 * plain["param_bytes"] > 0
+        assert plain["opt_device_bytes"] == plain["moment_bytes"]  # without offload: the moments live on cuda
+        assert off["opt_device_bytes"] == 0
+        assert plain["device_bytes"] - off["device_bytes"] == plain["moment_bytes"], (plain, off)
+
+
+def test_the_yaml_key_builds_the_plan_option():
+    from hpfunc.models import qwen3
+    from hpfunc.train.config import ConfigError, load_config_dict
+    from hpfunc.train.distributed import build_plan
+
+    cfg = load_config_dict({"parallel": {"mesh": {"fsdp": 2}, "plan": ["fsdp"], "offload_state": "optimizer"}})
+    assert cfg.parallel.offload_state == ("optimizer",)
+    assert cfg.parallel.to_data()["offload_state"] == ["optimizer"]
+    assert build_plan(cfg.parallel, qwen3.preset("qwen3-dense-tiny")).state_offload == ("optimizer",)
+    with pytest.raises(ConfigError, match=r"parallel\.offload_state: expected optimizer"):
+        load_config_dict({"parallel": {"mesh": {"fsdp": 2}, "plan": ["fsdp"], "offload_state": ["params"]}})
+
+
+def test_what_cannot_be_offloaded_is_named():
+    from hpfunc.transforms import plans
+
+    with pytest.raises(plans.PlanError, match="cannot offload 'master'"):
+        plans.fsdp("fsdp").with_state_offload("master")
+    assert (plans.fsdp("fsdp").with_state_offload("optimizer") + plans.ddp("dp")).state_offload == ("optimizer",)
