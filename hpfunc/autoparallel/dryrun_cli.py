@@ -20,6 +20,7 @@ import pathlib
 import sys
 from typing import Sequence
 
+from hpfunc.autoparallel.cli_args import read_args
 from hpfunc.autoparallel.plan_cli import _int
 
 __all__ = ["main", "USAGE"]
@@ -64,14 +65,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE)
+    args = read_args(_parser, USAGE, argv)
+    if args is None:
         return
-    try:
-        args = _parser().parse_args(argv)
-    except SystemExit:
-        raise SystemExit(2) from None
     import yaml
 
     from hpfunc.autoparallel.dryrun import (DEFAULT_RESERVE, DryRunError, check_request, dry_run, format_report,

@@ -20,6 +20,8 @@ import pathlib
 import sys
 from typing import Any, Sequence
 
+from hpfunc.autoparallel.cli_args import read_args
+
 __all__ = ["main", "USAGE", "report_json"]
 
 USAGE = """usage: hpfunc plan CONFIG.yaml --devices N [--memory 80GiB] [--hardware h100|h200|a100|cpu] [--top K]
@@ -180,14 +182,9 @@ def _own_layout(cfg: Any, desc: Any, work: Any, world: int, hw: Any, limit: floa
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE)
+    args = read_args(_parser, USAGE, argv)
+    if args is None:
         return
-    try:
-        args = _parser().parse_args(argv)
-    except SystemExit:
-        raise SystemExit(2) from None
     from hpfunc.autoparallel.configuration import LayoutError
     from hpfunc.autoparallel.hardware import HardwareError, hardware, parse_bytes
     from hpfunc.autoparallel.search import PlanError, search

@@ -25,6 +25,7 @@ import pathlib
 import sys
 from typing import Sequence
 
+from hpfunc.autoparallel.cli_args import read_args
 from hpfunc.autoparallel.plan_cli import _int
 
 __all__ = ["main", "USAGE"]
@@ -65,14 +66,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE)
+    args = read_args(_parser, USAGE, argv)
+    if args is None:
         return
-    try:
-        args = _parser().parse_args(argv)
-    except SystemExit:
-        raise SystemExit(2) from None
     from hpfunc.autoparallel.simulate import (SimulationError, SimulationInputError, check_request, compare_records,
                                               format_simulation, simulate)
     from hpfunc.train.output import read_metrics
