@@ -256,15 +256,7 @@ def decoder_layer(layer: dict, h: torch.Tensor, cos: torch.Tensor, sin: torch.Te
             out = out + a["bo"]
     h = h + out
     x = gather(rms_norm(h, layer["mlp_norm"], eps))
-    routing = None
-    if "moe" in layer:
-        m = layer["moe"]
-        y, routing = moe_block(x, m["router"], m["experts"]["w_gate"], m["experts"]["w_up"],
-                               m["experts"]["w_down"], top_k=cfg.num_experts_per_tok,
-                               norm_topk_prob=cfg.norm_topk_prob, expert_bias=m.get("expert_bias"),
-                               shared=m.get("shared"), impl=moe_impl, dispatcher=dispatcher)
-    else:
-        y = swiglu_mlp(x, layer["mlp"]["w_gate"], layer["mlp"]["w_up"], layer["mlp"]["w_down"])
+    y, routing = _feed_forward(layer, x, cfg, moe_impl=moe_impl, dispatcher=dispatcher, mlp=_mlp)
     return h + (y if reduce_partial is None else reduce_partial(y)), routing
 
 
@@ -310,6 +302,17 @@ def _residual_norm(h: torch.Tensor, out: torch.Tensor, w: torch.Tensor,
 
 def _mlp(m: dict, x: torch.Tensor) -> torch.Tensor:
     return swiglu_mlp(x, m["w_gate"], m["w_up"], m["w_down"])
+
+
+def _feed_forward(layer: dict, x: torch.Tensor, cfg: Qwen3Config, *, moe_impl: str, dispatcher: Any,
+                  mlp: Callable[[dict, torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, Any]:
+    """The layer's MoE block (and its routing) or its dense MLP (run by ``mlp``; no routing)."""
+    if "moe" not in layer:
+        return mlp(layer["mlp"], x), None
+    m = layer["moe"]
+    return moe_block(x, m["router"], m["experts"]["w_gate"], m["experts"]["w_up"], m["experts"]["w_down"],
+                     top_k=cfg.num_experts_per_tok, norm_topk_prob=cfg.norm_topk_prob,
+                     expert_bias=m.get("expert_bias"), shared=m.get("shared"), impl=moe_impl, dispatcher=dispatcher)
 
 
 def compiled_layer(layer: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: Qwen3Config,
@@ -370,15 +373,8 @@ def compiled_layer(layer: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Te
                 out = out + a["bo"]
         h, x = regions("qwen3.residual_norm", _residual_norm, h, out, layer["mlp_norm"], eps)
         x = gather(x)
-    routing = None
-    if "moe" in layer:
-        m = layer["moe"]
-        y, routing = moe_block(x, m["router"], m["experts"]["w_gate"], m["experts"]["w_up"],
-                               m["experts"]["w_down"], top_k=cfg.num_experts_per_tok,
-                               norm_topk_prob=cfg.norm_topk_prob, expert_bias=m.get("expert_bias"),
-                               shared=m.get("shared"), impl=moe_impl, dispatcher=dispatcher)
-    else:
-        y = regions("qwen3.mlp", _mlp, layer["mlp"], x)
+    y, routing = _feed_forward(layer, x, cfg, moe_impl=moe_impl, dispatcher=dispatcher,
+                               mlp=lambda m, x: regions("qwen3.mlp", _mlp, m, x))
     return h + reduce(y), routing
 
 
