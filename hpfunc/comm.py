@@ -103,6 +103,21 @@ class CommStats:
     def total_payload_bytes(self, **kw) -> int:
         return sum(r.payload_bytes for r in self.filter(**kw))
 
+    def by_collective(self) -> list[dict]:
+        """One row per (collective, mesh axes, group size, phase): ``count``, ``payload_bytes`` and
+        ``sent_bytes`` (float) summed, sorted by axes, collective, phase and group (the dry run's and the
+        simulation's ``comm`` report)."""
+        rows: dict[tuple, dict] = {}
+        for r in self.records:
+            axes = "+".join(r.axes)
+            e = rows.setdefault((r.op, axes, r.n, r.phase), {"collective": r.op, "axes": axes, "group": r.n,
+                                                             "phase": r.phase, "count": 0, "payload_bytes": 0,
+                                                             "sent_bytes": 0.0})
+            e["count"] += 1
+            e["payload_bytes"] += int(r.payload_bytes)
+            e["sent_bytes"] += float(r.sent_bytes)
+        return sorted(rows.values(), key=lambda e: (e["axes"], e["collective"], e["phase"], e["group"]))
+
     def table(self) -> str:
         """A per-(op, axes, phase, source) summary table."""
         rows: dict[tuple, list] = {}

@@ -438,13 +438,13 @@ def rank_step(raw: Mapping[str, Any], device_type: str = "cuda", progress: bool 
         case = runs[factor]
         measured_cases[name] = {"moe_buffer_factor": factor, "step_peak_bytes": case["tracker"].peak,
                                 "flops": int(case["flops"].get_total_flops()),
-                                "comm": _comm_table(case["stats"]), "step_seconds_on_fake_tensors": case["seconds"]}
+                                "comm": case["stats"].by_collective(), "step_seconds_on_fake_tensors": case["seconds"]}
     main = runs[cases["capacity_worst_case"]] if cases else _measure_fake_step(train_step, state, b["batch"],
                                                                                 device_type)
     del grads_seen[:-max(1, len(grads_seen) // max(1, len(runs)))]  # the gradients of one step
     rec, tracker, flops, stats, step_s = main["rec"], main["tracker"], main["flops"], main["stats"], main["seconds"]
     say(f"step done in {step_s:.1f} s")
-    comm = _comm_table(stats)
+    comm = stats.by_collective()
     by_op = {str(op).replace("aten.", ""): int(n) for op, n in flops.get_flop_counts().get("Global", {}).items()}
     grads: collections.Counter = collections.Counter()
     for g in grads_seen:
@@ -507,18 +507,6 @@ def _measure_fake_step(train_step: Any, state: Any, batch: Any, device_type: str
         new_state, metrics = train_step(state, batch)
         del new_state, metrics
     return {"rec": rec, "tracker": tracker, "flops": flops, "stats": stats, "seconds": time.perf_counter() - t0}
-
-
-def _comm_table(stats: Any) -> list[dict]:
-    comm: dict[tuple, dict] = {}
-    for r in stats.records:
-        k = (r.op, "+".join(r.axes), r.n, r.phase)
-        e = comm.setdefault(k, {"collective": r.op, "axes": "+".join(r.axes), "group": r.n, "phase": r.phase,
-                                "count": 0, "payload_bytes": 0, "sent_bytes": 0.0})
-        e["count"] += 1
-        e["payload_bytes"] += int(r.payload_bytes)
-        e["sent_bytes"] += float(r.sent_bytes)
-    return sorted(comm.values(), key=lambda e: (e["axes"], e["collective"], e["phase"]))
 
 
 def measure_step(raw: Mapping[str, Any], *, timed_steps: int = 3) -> dict:

@@ -204,18 +204,6 @@ def _step_recorder(steps: list, on_step: Callable[[int, dict[str, float]], None]
     return _Steps()
 
 
-def _comm_table(stats: Any) -> tuple[dict[str, Any], ...]:
-    table: dict[tuple, dict[str, Any]] = {}
-    for r in stats.records:
-        k = (r.op, "+".join(r.axes), r.n, r.phase)
-        e = table.setdefault(k, {"collective": r.op, "axes": "+".join(r.axes), "group": r.n, "phase": r.phase,
-                                 "count": 0, "payload_bytes": 0, "sent_bytes": 0.0})
-        e["count"] += 1
-        e["payload_bytes"] += int(r.payload_bytes)
-        e["sent_bytes"] += float(r.sent_bytes)
-    return tuple(sorted(table.values(), key=lambda e: (e["axes"], e["collective"], e["phase"], e["group"])))
-
-
 def _local_norms(params: Any) -> dict[str, float]:
     import torch
     from torch.distributed.tensor import DTensor
@@ -252,7 +240,7 @@ def rank_run(config: Any, *, overrides: Sequence[str] = (), out_dir: str | pathl
     mesh = trainer.mesh
     coordinate = dict(zip(mesh.axis_names, mesh.coordinate())) if mesh is not None else {}
     return RankRun(rank=dist.get_rank() if dist.is_initialized() else 0, coordinate=coordinate, steps=tuple(steps),
-                   comm=_comm_table(stats), param_norms=_local_norms(result.state.params),
+                   comm=tuple(stats.by_collective()), param_norms=_local_norms(result.state.params),
                    seconds=time.perf_counter() - t0)
 
 
