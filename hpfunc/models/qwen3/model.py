@@ -250,11 +250,7 @@ def decoder_layer(layer: dict, h: torch.Tensor, cos: torch.Tensor, sin: torch.Te
                         a["q_norm"], a["k_norm"], cos, sin, eps=eps,
                         bq=a.get("bq"), bk=a.get("bk"), bv=a.get("bv"),
                         bo=a.get("bo") if reduce_partial is None else None, attend=attend)
-    if reduce_partial is not None:
-        out = reduce_partial(out)
-        if "bo" in a:  # added once, after the reduction
-            out = out + a["bo"]
-    h = h + out
+    h = h + _reduced_attention(out, a, reduce_partial)
     x = gather(rms_norm(h, layer["mlp_norm"], eps))
     y, routing = _feed_forward(layer, x, cfg, moe_impl=moe_impl, dispatcher=dispatcher, mlp=_mlp)
     return h + (y if reduce_partial is None else reduce_partial(y)), routing
@@ -298,6 +294,16 @@ def _residual_norm(h: torch.Tensor, out: torch.Tensor, w: torch.Tensor,
                    eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     h = h + out
     return h, rms_norm(h, w, eps)
+
+
+def _reduced_attention(out: torch.Tensor, a: dict, reduce_partial: Callable[[torch.Tensor], torch.Tensor] | None,
+                       ) -> torch.Tensor:
+    """The attention's output completed by the tensor-parallel ``reduce_partial`` (its bias ``bo``, left out of
+    the partial sums, added once after the reduction); unchanged without one."""
+    if reduce_partial is None:
+        return out
+    out = reduce_partial(out)
+    return out + a["bo"] if "bo" in a else out
 
 
 def _mlp(m: dict, x: torch.Tensor) -> torch.Tensor:
@@ -367,10 +373,7 @@ def compiled_layer(layer: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Te
             out = gqa_attention(x, a["wq"], a["wk"], a["wv"], a["wo"], a["q_norm"], a["k_norm"], cos, sin, eps=eps,
                                 bq=a.get("bq"), bk=a.get("bk"), bv=a.get("bv"),
                                 bo=a.get("bo") if reduce_partial is None else None, attend=attend)
-        if reduce_partial is not None:
-            out = reduce_partial(out)
-            if "bo" in a:  # added once, after the reduction
-                out = out + a["bo"]
+        out = _reduced_attention(out, a, reduce_partial)
         h, x = regions("qwen3.residual_norm", _residual_norm, h, out, layer["mlp_norm"], eps)
         x = gather(x)
     y, routing = _feed_forward(layer, x, cfg, moe_impl=moe_impl, dispatcher=dispatcher,
