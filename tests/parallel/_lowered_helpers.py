@@ -29,6 +29,30 @@ def _step(state, batch):
     return {"params": new}, {"loss": value}
 
 
+def _probe(on_forward=None, on_backward=None) -> type:
+    """An identity autograd function that calls ``on_forward()`` when its forward runs and
+    ``on_backward()`` when its backward does: it marks a point of the model in both passes."""
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(x):
+            if on_forward is not None:
+                on_forward()
+            return x.view_as(x)
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            pass
+
+        @staticmethod
+        def backward(ctx, g):
+            if on_backward is not None:
+                on_backward()
+            return g
+
+    return Probe
+
+
 def run_printed(plan_name: str) -> dict:
     """``str(train_step.lower(state, batch))`` under ``plan_name`` on 2 ranks, whether the step found it
     (the same object) after running, and the loss of two steps run by the Lowered and the step."""
@@ -61,20 +85,11 @@ def run_reductions_during_backward(plan_name: str) -> dict:
     times: list[float] = []
     stats_box: list = []
 
-    class Probe(torch.autograd.Function):
-        @staticmethod
-        def forward(x):
-            return x.view_as(x)
+    def note_reduces():
+        seen.append(sum(1 for r in stats_box[0].records if r.op == "all_reduce" and r.payload_bytes > 8))
+        times.append(time.perf_counter())
 
-        @staticmethod
-        def setup_context(ctx, inputs, output):
-            pass
-
-        @staticmethod
-        def backward(ctx, g):
-            seen.append(sum(1 for r in stats_box[0].records if r.op == "all_reduce" and r.payload_bytes > 8))
-            times.append(time.perf_counter())
-            return g
+    Probe = _probe(on_backward=note_reduces)
 
     def step(state, batch):
         def loss(p):
@@ -124,56 +139,26 @@ def run_prefetch(reshard: bool, remat: bool | str, mixed: tuple | None = None, s
     scattered: list[int] = []
     stats_box: list = []
 
-    class FirstOp(torch.autograd.Function):  # the model's first op: its backward runs after every layer's
-        @staticmethod
-        def forward(x):
-            return x.view_as(x)
-
-        @staticmethod
-        def setup_context(ctx, inputs, output):
-            pass
-
-        @staticmethod
-        def backward(ctx, g):
-            if stats_box:
-                scattered.append(sum(1 for r in stats_box[-1].records
-                                     if r.op == "reduce_scatter" and r.tag == "async"))
-                at["first op backward"] = time.perf_counter()
-            return g
-
     regathered: list[int] = []
     at: dict[str, float] = {}  # when the probes ran (this step)
 
-    class Between(torch.autograd.Function):  # on layer 1's input: its backward runs before layer 0's
-        @staticmethod
-        def forward(x):
-            return x.view_as(x)
+    def at_first_op_backward():
+        if stats_box:
+            scattered.append(sum(1 for r in stats_box[-1].records if r.op == "reduce_scatter" and r.tag == "async"))
+            at["first op backward"] = time.perf_counter()
 
-        @staticmethod
-        def setup_context(ctx, inputs, output):
-            pass
+    def between_backward():
+        regathered.append(sum(1 for r in stats_box[-1].records if r.op == "all_gather" and r.phase == "backward"))
+        at["between backward"] = time.perf_counter()
 
-        @staticmethod
-        def backward(ctx, g):
-            regathered.append(sum(1 for r in stats_box[-1].records if r.op == "all_gather" and r.phase == "backward"))
-            at["between backward"] = time.perf_counter()
-            return g
+    def layer0_forward():
+        if stats_box and torch._C._current_graph_task_id() == -1:  # not a remat's recompute
+            seen.append(sum(1 for r in stats_box[-1].records if r.op == "all_gather" and r.phase == "forward"))
+            at["layer 0 forward"] = time.perf_counter()
 
-    class Probe(torch.autograd.Function):
-        @staticmethod
-        def forward(x):
-            if stats_box and torch._C._current_graph_task_id() == -1:  # not a remat's recompute
-                seen.append(sum(1 for r in stats_box[-1].records if r.op == "all_gather" and r.phase == "forward"))
-                at["layer 0 forward"] = time.perf_counter()
-            return x.view_as(x)
-
-        @staticmethod
-        def setup_context(ctx, inputs, output):
-            pass
-
-        @staticmethod
-        def backward(ctx, g):
-            return g
+    FirstOp = _probe(on_backward=at_first_op_backward)  # the model's first op: its backward runs after every layer's
+    Between = _probe(on_backward=between_backward)  # on layer 1's input: its backward runs before layer 0's
+    Probe = _probe(on_forward=layer0_forward)  # on layer 0's first product: its forward runs while layer 0 computes
 
     def layer_fn(lp, h, first):
         h = h @ lp["wq"]
