@@ -172,25 +172,24 @@ def _parse_plan_entry(entry: Any, path: str) -> tuple[str, tuple[str, ...] | Non
 
 def _bind_axes(parsed: list, mesh: Mapping[str, int], path: str) -> tuple[PlanEntry, ...]:
     owner: dict[str, str] = {}
+
+    def claim(a: str, key: str, entry: str) -> None:
+        """``a`` taken by ``entry``: an axis of the mesh that no other entry took."""
+        if a not in mesh:
+            close = difflib.get_close_matches(a, list(mesh), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(f"{key}: {a!r} is not an axis of {path}.mesh {flow(mesh)}{hint}")
+        if a in owner:
+            raise ConfigError(f"{key}: mesh axis {a!r} is already used by {owner[a]}")
+        owner[a] = entry
+
     for i, (kind, axes, options, where) in enumerate(parsed):
+        entry = f"{path}.plan[{i}] ({kind})"
         extra = options.get("ulysses_axis") if kind == "cp" else None  # hybrid cp takes a second axis
         if extra is not None:
-            if extra not in mesh:
-                close = difflib.get_close_matches(extra, list(mesh), n=1)
-                hint = f"; did you mean {close[0]!r}?" if close else ""
-                raise ConfigError(f"{where}.ulysses_axis: {extra!r} is not an axis of {path}.mesh {flow(mesh)}{hint}")
-            if extra in owner:
-                raise ConfigError(f"{where}.ulysses_axis: mesh axis {extra!r} is already used by {owner[extra]}")
-            owner[extra] = f"{path}.plan[{i}] ({kind})"
+            claim(extra, f"{where}.ulysses_axis", entry)
         for a in axes or ():
-            key = f"{where}.{'axes' if len(axes) > 1 else 'axis'}"
-            if a not in mesh:
-                close = difflib.get_close_matches(a, list(mesh), n=1)
-                hint = f"; did you mean {close[0]!r}?" if close else ""
-                raise ConfigError(f"{key}: {a!r} is not an axis of {path}.mesh {flow(mesh)}{hint}")
-            if a in owner:
-                raise ConfigError(f"{key}: mesh axis {a!r} is already used by {owner[a]}")
-            owner[a] = f"{path}.plan[{i}] ({kind})"
+            claim(a, f"{where}.{'axes' if len(axes) > 1 else 'axis'}", entry)
     free = [a for a in mesh if a not in owner]
     entries = []
     for i, (kind, axes, options, where) in enumerate(parsed):
