@@ -41,7 +41,7 @@ from hpfunc.autoparallel.configuration import STATE_BYTES, Layout, Workload
 from hpfunc.models.description import LayerDescription, ModelDescription
 
 __all__ = ["MemoryEstimate", "memory", "stage_layers", "rank_stages", "inflight", "UNMODELLED",
-           "layer_activation_bytes_per_token", "tokens_per_microbatch", "rank_params"]
+           "layer_activation_bytes_per_token", "tokens_per_microbatch", "rank_params", "backward_phase_bytes"]
 
 UNMODELLED = (
     "allocator reserve and fragmentation (the caching allocator's unused blocks)",
@@ -58,6 +58,7 @@ class MemoryEstimate:
 
     terms: Mapping[str, float]
     rank: int = 0
+    model_state_bytes: float | None = None  # params, all gradients, master, optimizer (``grads`` is those held at the peak)
 
     @property
     def total(self) -> float:
@@ -65,6 +66,8 @@ class MemoryEstimate:
 
     @property
     def model_states(self) -> float:
+        if self.model_state_bytes is not None:
+            return float(self.model_state_bytes)
         return float(sum(self.terms[k] for k in ("params", "grads", "master", "optimizer")))
 
     def largest(self) -> tuple[str, float]:
@@ -129,6 +132,30 @@ def _layer_bytes(layer: LayerDescription, remat: str, t: int, sp: bool, imbalanc
     return float(kept)
 
 
+def backward_phase_bytes(desc: ModelDescription, layout: Layout, work: Workload, i: int, remat: str,
+                         tokens: float) -> dict[str, float]:
+    """What layer ``i``'s backward holds at its peak on top of the saved activations, per term:
+    ``gathered`` (when FSDP shards them, its parameters unsharded once more for the backward and its
+    unreduced gradients), ``recompute`` (with remat: its activations rebuilt) and ``backward`` (the gradient
+    temporaries: the SwiGLU's backward holds about eight arrays of the MLP's hidden width at once,
+    the down projection's input gradient, the sigmoid, ``1 - sigmoid`` and the products of the SiLU's
+    derivative, plus the residual stream's gradient; measured by storage liveness on the tiny MoE)."""
+    layer = desc.layers[i]
+    p_b, g_b = STATE_BYTES[work.precision][:2]
+    gathered = 0.0
+    if layout.fsdp * layout.ep > 1 and layout.zero == 3:
+        d, e = rank_params(desc, layout, [i], False, False)
+        gathered = (d + (e if layout.fsdp > 1 else 0.0)) * (p_b + g_b)
+    rec = layer_activation_bytes_per_token(layer, "none", layout, work) * tokens if remat != "none" else 0.0
+    t = layout.tp
+    hidden = max((v.bytes_per_token / (t if (v.tp_split or layout.sp) else 1) for v in layer.saved
+                  if v.name == "mlp_hidden"), default=0.0)
+    if layer.is_moe:
+        hidden *= work.expert_rows_factor
+    resid = layer.act_bytes * layer.hidden / (t if layout.sp else 1)
+    return {"gathered": gathered, "recompute": rec, "backward": tokens * (8.0 * hidden + resid)}
+
+
 def rank_params(desc: ModelDescription, layout: Layout, layers: list[int], first: bool, last: bool
                  ) -> tuple[float, float]:
     """(non-expert, expert) parameters of one model-parallel rank before data sharding."""
@@ -166,26 +193,40 @@ def memory(desc: ModelDescription, layout: Layout, work: Workload) -> MemoryEsti
             "master": m_b * (dense / n_dense + expert / n_exp),
             "optimizer": o_b * (dense / n_dense + expert / n_exp),
         }
-        # FSDP: two layers gathered (current + prefetched) and one layer's unreduced gradients
-        if layers and (n_dense > 1 and shard_p):
-            per_layer = max(rank_params(desc, layout, [i], False, False)[0]
-                            + (rank_params(desc, layout, [i], False, False)[1] if n_exp > 1 else 0) for i in layers)
-            terms["gathered"] = per_layer * (2 * p_b + g_b)
-        else:
-            terms["gathered"] = 0.0
+        all_grads = terms["grads"]
         remat_of = (lambda s: layout.stage_remat[s]) if layout.stage_remat is not None else (lambda s: layout.remat)
-        per_stage = [sum(layer_activation_bytes_per_token(desc.layers[i], remat_of(s), layout, work)
-                         for i in range(starts[s], starts[s] + counts[s])) * tokens for s in stages]
-        act = peaks[r] * max(per_stage)
-        if first:  # the embedding output of every microbatch in flight
-            act += peaks[r] * tokens * desc.act_bytes * desc.hidden / (layout.tp if layout.sp else 1)
-        terms["activations"] = act
-        rematted = [s for s in stages if remat_of(s) != "none"]
-        terms["recompute"] = max((layer_activation_bytes_per_token(desc.layers[i], "none", layout, work) * tokens
-                                  for s in rematted for i in range(starts[s], starts[s] + counts[s])), default=0.0)
-        terms["loss"] = tokens * desc.vocab * (desc.act_bytes + 8) if last else 0.0
+
+        def stage_bytes(s: int, upto: int | None = None) -> float:
+            stop = starts[s] + counts[s] if upto is None else upto
+            return sum(layer_activation_bytes_per_token(desc.layers[i], remat_of(s), layout, work)
+                       for i in range(starts[s], stop)) * tokens
+
+        embed = tokens * desc.act_bytes * desc.hidden / (layout.tp if layout.sp else 1) if first else 0.0
+        act = peaks[r] * (max(stage_bytes(s) for s in stages) + embed)  # the embedding output of each in flight
+        # gradients exist at the peak when a microbatch's backward ran before it (accumulation, or a
+        # pipeline with more microbatches than it keeps in flight); else they come into being after it
+        held = all_grads if layout.microbatches > peaks[r] else 0.0
+        zero = {"gathered": 0.0, "recompute": 0.0, "backward": 0.0}
+        # the phases: the loss's backward (last stage), the backward of the rank's last layer (every
+        # activation kept), the backward of its first layer (every gradient made, one layer's activations)
+        phases = []
+        if last:
+            # the final norm's values and the head's input are alive until the loss's backward is done
+            head = tokens * desc.head_saved_bytes_per_token
+            phases.append(dict(zero, grads=held, activations=act + head, loss=tokens * desc.vocab * (desc.act_bytes + 8)))
+        if layers:
+            s_last, s_first = stages[-1], stages[0]
+            phases.append(dict(backward_phase_bytes(desc, layout, work, layers[-1], remat_of(s_last), tokens),
+                               grads=held, activations=act, loss=0.0))
+            first_act = (peaks[r] - 1) * (max(stage_bytes(s) for s in stages) + embed) + embed + stage_bytes(
+                s_first, starts[s_first] + 1)
+            made = g_b * sum(rank_params(desc, layout, layers[1:], False, last)) / (n_dense if shard_g else 1)
+            phases.append(dict(backward_phase_bytes(desc, layout, work, layers[0], remat_of(s_first), tokens),
+                               grads=all_grads if held else made, activations=first_act, loss=0.0))
+        terms.update(max(phases, key=lambda d: sum(d.values()), default=dict(zero, activations=act, loss=0.0)))
         terms["reserve"] = float(work.reserve_bytes)
-        est = MemoryEstimate(terms, rank=r)
+        est = MemoryEstimate(terms, rank=r, model_state_bytes=terms["params"] + all_grads + terms["master"]
+                             + terms["optimizer"])
         if best is None or est.total > best.total:
             best = est
     assert best is not None

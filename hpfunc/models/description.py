@@ -106,7 +106,8 @@ class ModelDescription:
     """A decoder-only language model: its layers in order plus the embedding, final norm and head.
 
     ``head_params`` is 0 for a tied head (the embedding's matrix is reused; its FLOPs still count in
-    ``head_flops_per_token``). ``embed_params`` are looked up (no FLOPs).
+    ``head_flops_per_token``). ``embed_params`` are looked up (no FLOPs). ``head_saved_bytes_per_token``:
+    what the final norm keeps for its backward and the head's input, per token (on the last stage).
     """
 
     name: str
@@ -117,6 +118,8 @@ class ModelDescription:
     head_params: int
     final_norm_params: int
     act_bytes: int = 2
+    head_saved_bytes_per_token: float = 0.0  # what the final norm and the head keep for the backward
+
 
     @property
     def num_layers(self) -> int:
