@@ -20,7 +20,10 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-__all__ = ["PLANS", "config", "estimate", "WORLD"]
+__all__ = ["PLANS", "config", "estimate", "WORLD", "WORKLOADS", "measure"]
+
+# (batch, sequence) workloads the test holds the peak bound at (bench/estimator.py also runs 8 x 32)
+WORKLOADS = ((8, 64), (16, 64))
 
 WORLD = 4
 
@@ -45,6 +48,50 @@ def config(plan: str, *, batch_size: int = 8, seq_len: int = 64) -> dict[str, An
             "parallel": {**PLANS[plan], "device": "cpu"}}
 
 
+def measure(raw: Mapping[str, Any], *, timed_steps: int = 0) -> dict:
+    """The trainer's real step of ``raw`` on this process's process group (every rank calls it, e.g.
+    through :meth:`hpfunc.testing.RankPool.run`): the peak of the first step on storage liveness (as
+    :func:`hpfunc.autoparallel.dryrun.measure_step`: ``peak_bytes`` is the state at rest plus the
+    step's peak) and the operators it dispatches (``ops``); then ``timed_steps`` steps, each timed
+    in this process's CPU seconds (``cpu_seconds``; a wait in a collective that sleeps is not in it)
+    and wall seconds (``step_seconds``)."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hpfunc.autoparallel.dryrun import PeakTracker, _build, _local_bytes, _sayer
+
+    class _Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            _Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    torch.set_num_threads(1)
+    b = _build(raw, "cpu", _sayer(False))
+    state, train_step = b["state"], b["train_step"]
+    at_rest = sum(_local_bytes(state.params).values()) + sum(_local_bytes(state.opt_state).values())
+    tracker = PeakTracker()
+    with _Count(), tracker:
+        state, metrics = train_step(state, b["batch"])
+    loss = float(metrics["loss"])
+    del metrics
+    cpu, wall = [], []
+    for _ in range(timed_steps):
+        dist.barrier()
+        c0, t0 = time.process_time(), time.perf_counter()
+        state, metrics = train_step(state, b["batch"])
+        float(metrics["loss"])
+        cpu.append(time.process_time() - c0)
+        wall.append(time.perf_counter() - t0)
+    return {"rank": dist.get_rank(), "at_rest_bytes": at_rest, "step_peak_bytes": tracker.peak,
+            "peak_bytes": at_rest + tracker.peak, "peak_by_op": dict(list(tracker.peak_by_op.items())[:8]),
+            "ops": _Count.ops, "loss": loss, "cpu_seconds": cpu, "step_seconds": wall}
+
+
 def estimate(raw: Mapping[str, Any], hardware: Any = "cpu") -> dict[str, Any]:
     """The cost model's memory (no reserve) and step time of ``raw`` on ``hardware`` (a preset name,
     a :class:`~hpfunc.autoparallel.hardware.Hardware`, e.g. a calibrated profile)."""
@@ -60,4 +107,5 @@ def estimate(raw: Mapping[str, Any], hardware: Any = "cpu") -> dict[str, Any]:
     mem = memory(desc, lay, work)
     t = step_time(desc, lay, work, _hardware(hardware))
     return {"layout": lay.name, "memory_bytes": dict(mem.terms), "memory_total_bytes": mem.total,
-            "pipeline_rank": mem.rank, "step_seconds": t.total, "time_seconds": dict(t.terms)}
+            "pipeline_rank": mem.rank, "step_seconds": t.total, "time_seconds": dict(t.terms),
+            "busy_seconds": t.busy_seconds}

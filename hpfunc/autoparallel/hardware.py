@@ -37,7 +37,10 @@ class Hardware:
     Bandwidths are bytes per second one device sends (unidirectional): ``intra_node_bw`` between
     devices of a node (NVLink), ``inter_node_bw`` per device to other nodes (its NIC share),
     ``host_bw`` between the device and host memory (activation swap), ``hbm_bw`` to its own memory.
-    ``latency_s`` is paid once per collective.
+    ``latency_s`` is paid once per collective. ``op_overhead_s`` is the host's time per operator it
+    dispatches: on a CPU it adds to the compute (``host_overlap=False``, the same thread runs both); on
+    a GPU the host queues kernels ahead of the device and only the larger of the two counts (the GPU
+    presets leave it at 0: at the sizes they plan, a layer's kernels take far longer than their launch).
     """
 
     name: str
@@ -54,6 +57,8 @@ class Hardware:
     moe_efficiency: float = 0.45
     link_efficiency: float = 0.8
     async_copy: bool = True  # device-host copies overlap compute (a copy stream); False: they add to the step
+    op_overhead_s: float = 0.0  # host seconds per dispatched operator (framework, autograd, launch)
+    host_overlap: bool = True  # the device runs while the host dispatches (a GPU); False: they add (a CPU)
 
     def peak_flops(self, dtype: str) -> float:
         """Dense peak FLOP/s for ``dtype`` (``bfloat16``, ``float16``, ``float32``, ``float8``)."""
@@ -87,7 +92,8 @@ HARDWARE: dict[str, Hardware] = {
     "cpu": Hardware(name="cpu", flops={"float32": 50e9, "bfloat16": 10e9, "float64": 25e9},
                     hbm_bytes=8 * 2**30, hbm_bw=10e9, intra_node_bw=2e9, inter_node_bw=1e9, host_bw=10e9,
                     ranks_per_node=2, latency_s=200e-6, matmul_efficiency=0.5, attention_efficiency=0.3,
-                    moe_efficiency=0.3, link_efficiency=0.5, async_copy=False),
+                    moe_efficiency=0.3, link_efficiency=0.5, async_copy=False, op_overhead_s=20e-6,
+                    host_overlap=False),
 }
 
 

@@ -34,7 +34,8 @@ __all__ = ["Candidate", "Rejection", "PlanResult", "PlanError", "layouts", "sear
 
 # memory terms in the order they are checked against the limit (model states first)
 TERM_ORDER = (("model states", ("params", "grads", "master", "optimizer")), ("gathered", ("gathered",)),
-              ("activations", ("activations",)), ("recompute", ("recompute",)), ("loss", ("loss",)),
+              ("activations", ("activations",)), ("recompute", ("recompute",)), ("backward", ("backward",)),
+              ("loss", ("loss",)),
               ("reserve", ("reserve",)))
 
 

@@ -159,7 +159,7 @@ def balance_layout(desc, layout, work, hw, *, memory_limit: float,
         for s in rank_stages(layout, r):
             stage_inflight[s] = peaks[r]
     base = memory(desc, layout, work).terms
-    other = base["gathered"] + base["recompute"] + base["reserve"]
+    other = base["gathered"] + base["recompute"] + base["backward"] + base["reserve"]
     first_d, _ = rank_params(desc, layout, [], True, False)
     last_d, _ = rank_params(desc, layout, [], False, True)
     head = tokens * desc.head_flops_per_token / (hw.peak_flops(work.dtype) * hw.matmul_efficiency)

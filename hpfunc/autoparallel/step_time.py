@@ -5,7 +5,8 @@ experts' grouped GEMMs at ``moe_efficiency``, scaled by the routing imbalance), 
 ``attention_efficiency``, every non-matmul saved value written and read once more through HBM;
 backward costs twice the forward; recompute adds the forward work the remat kind drops
 (:func:`hpfunc.autoparallel.flops.recompute_flops_per_token`). Collectives cost ``latency + bytes /
-(link bandwidth x link_efficiency)``, on the intra-node link when the axis's group lies inside one
+(link bandwidth x link_efficiency)`` (the latency once per message a ring step waits for, and per
+FSDP parameter group), on the intra-node link when the axis's group lies inside one
 node (axes ordered ``pp, dp, fsdp, ep, tp``, the last varying fastest), else the inter-node one.
 Tensor-, expert- and pipeline-parallel traffic is on the layer's critical path; data-parallel
 traffic overlaps compute and only its excess counts. A pipeline's step is the makespan of
@@ -37,7 +38,19 @@ from hpfunc.autoparallel.hardware import Hardware
 from hpfunc.autoparallel.memory_model import memory, rank_stages, stage_layers, tokens_per_microbatch
 from hpfunc.models.description import LayerDescription, ModelDescription
 
-__all__ = ["TimeEstimate", "step_time", "collective_seconds", "layer_seconds"]
+__all__ = ["TimeEstimate", "step_time", "collective_seconds", "layer_seconds", "ring_steps", "OPS_PER_PARAM_TENSOR",
+           "EP_EXCHANGE_FORWARD_OPS", "TP_FORWARD_OPS"]
+
+# Operators the step dispatches per parameter tensor outside the layers (AdamW's update, the gradient
+# norm, FSDP's copies in and out of its buffers): fitted to the op counts of the tiny MoE's real
+# step on 4 gloo ranks (fsdp 4: 2,084 ops per rank; the 1F1B ranks of pp 2 x fsdp 2: 1,597 and 1,845).
+OPS_PER_PARAM_TENSOR = 14
+# Operators a plan adds to a layer's forward (its backward: 2 x), counted the same way: expert
+# parallelism's exchange in the padded dispatcher (counts, buffers, the all-to-alls: fsdp 2 x ep 2
+# dispatches 505 ops per rank more than fsdp 4 for 2 MoE layers), tensor parallelism's reductions
+# (fsdp 2 x tp 2: 72 more).
+EP_EXCHANGE_FORWARD_OPS = 84
+TP_FORWARD_OPS = 12
 
 
 @attrs.frozen
@@ -48,6 +61,7 @@ class TimeEstimate:
     total: float
     tokens: int
     world: int
+    busy_seconds: float = 0.0  # every rank's busy time (compute, host, communication, optimizer) summed
 
     @property
     def tokens_per_second_per_device(self) -> float:
@@ -63,18 +77,29 @@ def _span(axis: str, layout: Layout) -> int:
     return span
 
 
-def collective_seconds(c: Collective, layout: Layout, hw: Hardware) -> float:
-    """Time of ``c`` on its axis's link."""
+def ring_steps(collective: str, n: int) -> int:
+    """Messages one rank waits for in a ring collective over ``n`` ranks (each pays the link latency):
+    ``n - 1`` for all-gather, reduce-scatter and all-to-all, ``2 (n - 1)`` for all-reduce, 1 for a
+    point-to-point send."""
+    if collective == "send_recv":
+        return 1
+    return (2 if collective == "all_reduce" else 1) * max(0, n - 1)
+
+
+def collective_seconds(c: Collective, layout: Layout, hw: Hardware, groups: int = 1) -> float:
+    """Time of ``c`` on its axis's link: ``groups`` calls per counted collective (FSDP's one per
+    parameter group), each paying :func:`ring_steps` latencies, plus its bytes over the bandwidth."""
     span = _span(c.axis, layout)
+    lat = c.count * groups * ring_steps(c.collective, c.group) * hw.latency_s
     if span <= hw.ranks_per_node:
-        return c.count * hw.latency_s + c.bytes / (hw.intra_node_bw * hw.link_efficiency)
+        return lat + c.bytes / (hw.intra_node_bw * hw.link_efficiency)
     if c.collective == "all_to_all":  # the peers inside the node over its links, the others over the NIC
         n = c.group
         local = max(1, min(n, hw.ranks_per_node // max(1, span // n)))
         intra = c.bytes * (local - 1) / (n - 1) / hw.intra_node_bw
         inter = c.bytes * (n - local) / (n - 1) / hw.inter_node_bw
-        return c.count * hw.latency_s + max(intra, inter) / hw.link_efficiency
-    return c.count * hw.latency_s + c.bytes / (hw.inter_node_bw * hw.link_efficiency)
+        return lat + max(intra, inter) / hw.link_efficiency
+    return lat + c.bytes / (hw.inter_node_bw * hw.link_efficiency)
 
 
 def layer_seconds(layer: LayerDescription, layout: Layout, work: Workload, hw: Hardware, remat: str,
@@ -97,7 +122,16 @@ def layer_seconds(layer: LayerDescription, layout: Layout, work: Workload, hw: H
     elif remat == "selective":  # attention, the elementwise values and uncached (grouped) GEMMs again
         uncached = sum(v.recompute_flops_per_token for v in layer.saved if not v.matmul)
         rec = f_attn + f_mem + tokens * uncached * work.expert_rows_factor / t / (peak * hw.moe_efficiency)
-    return fwd, 2.0 * (f_mm + f_attn) + 2.0 * f_mem + rec
+    bwd = 2.0 * (f_mm + f_attn) + 2.0 * f_mem + rec
+    # the host's time per dispatched operator: the forward's, twice that in the backward, the forward
+    # again under full recompute; serial with the compute on a CPU, hidden behind it on a GPU
+    ops = layer.forward_ops + (EP_EXCHANGE_FORWARD_OPS if layer.is_moe and layout.ep > 1 else 0) + (
+        TP_FORWARD_OPS if layout.tp > 1 else 0)
+    h_f = ops * hw.op_overhead_s
+    h_b = (2.0 + (remat == "full")) * h_f
+    if hw.host_overlap:
+        return max(fwd, h_f), max(bwd, h_b)
+    return fwd + h_f, bwd + h_b
 
 
 def step_time(desc: ModelDescription, layout: Layout, work: Workload, hw: Hardware, *,
@@ -107,11 +141,13 @@ def step_time(desc: ModelDescription, layout: Layout, work: Workload, hw: Hardwa
     tokens = tokens_per_microbatch(layout, work)
     comm = communication(desc, layout, work)
     by_kind = {"tp": 0.0, "ep": 0.0, "pp": 0.0, "data": 0.0}
+    counts = stage_layers(desc.num_layers, layout.num_stages, layout.layers_per_stage)
+    # FSDP gathers and reduces each layer (and the embedding, head and final norm) on its own
+    fsdp_groups = max(sum(counts[s] for s in rank_stages(layout, r)) for r in range(layout.pp)) + 1
     for c in comm:
-        s = collective_seconds(c, layout, hw)
+        s = collective_seconds(c, layout, hw, fsdp_groups if (c.phase == "data" and layout.zero == 3) else 1)
         key = "data" if c.phase == "data" else c.axis
         by_kind[key] = by_kind.get(key, 0.0) + s
-    counts = stage_layers(desc.num_layers, layout.num_stages, layout.layers_per_stage)
     starts = [sum(counts[:s]) for s in range(len(counts))]
     remat_of = (lambda s: layout.stage_remat[s]) if layout.stage_remat is not None else (lambda s: layout.remat)
     stage_f, stage_b = [], []
@@ -159,9 +195,18 @@ def step_time(desc: ModelDescription, layout: Layout, work: Workload, hw: Hardwa
     mem = memory(desc, layout, work)
     states = mem.model_states
     optimizer = 2.0 * states / hw.hbm_bw
+    # the optimizer's and FSDP's operators per parameter tensor of the rank (its layers' and the ends')
+    tensors = max(sum(desc.layers[i].param_tensors for s in rank_stages(layout, r)
+                      for i in range(starts[s], starts[s] + counts[s])) + 2 for r in range(layout.pp))
+    host_opt = tensors * OPS_PER_PARAM_TENSOR * hw.op_overhead_s
+    optimizer = max(optimizer, host_opt) if hw.host_overlap else optimizer + host_opt
     terms = {"compute": compute, "tp_comm": by_kind["tp"], "ep_comm": by_kind["ep"], "pp_comm": by_kind["pp"],
              "pp_bubble": bubble, "data_comm": by_kind["data"], "data_comm_exposed": data_exposed,
              "optimizer": optimizer}
     total = body + data_exposed + optimizer
-    return TimeEstimate(terms, total, work.tokens, layout.world)
+    # what the ranks are busy with, summed: where ranks share cores (this CPU: 4 ranks on 2), one rank's
+    # idle time (the pipeline's bubble, a wait) is another's, and the step is this over the cores
+    busy = sum(sum(stage_f[s] + stage_b[s] + mp for s in rank_stages(layout, r)) * layout.microbatches
+               + by_kind["data"] + optimizer for r in range(layout.pp)) * (layout.world // layout.pp)
+    return TimeEstimate(terms, total, work.tokens, layout.world, busy)
 

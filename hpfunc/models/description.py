@@ -65,6 +65,7 @@ class LayerDescription:
     FLOPs are forward FLOPs per token: ``matmul_flops_per_token`` (2 x the parameters a token
     multiplies with), ``attention_flops_per_token_per_position`` (``4 x query width``: scores and
     weighted values, per position attended; causal attention attends ``s / 2`` on average).
+    ``forward_ops``: the operators its forward dispatches (what a host-bound step pays per op).
     """
 
     hidden: int
@@ -81,6 +82,8 @@ class LayerDescription:
     kv_heads: int = 1
     tp_divides: tuple[int, ...] = ()  # sizes tensor parallelism must divide (heads, kv heads, widths)
     act_bytes: int = 2  # bytes of one activation element
+    forward_ops: int = 0  # operators the host dispatches for the layer's forward (its backward: about 2 x)
+    param_tensors: int = 0  # parameter tensors (the optimizer and FSDP handle each)
 
     @property
     def params(self) -> int:

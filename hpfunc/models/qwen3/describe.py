@@ -29,6 +29,22 @@ from hpfunc.models.description import LayerDescription, ModelDescription, SavedV
 __all__ = ["describe"]
 
 
+# Operators one decoder layer's forward dispatches (aten ops under a dispatch mode, the local path:
+# tests/autoparallel/test_autoparallel_costs.py counts them on the real layer); a parallel plan adds
+# its collectives and the MoE dispatcher's exchange.
+MOE_FORWARD_OPS = 111
+DENSE_FORWARD_OPS = 86
+
+
+def _tensors(cfg: Qwen3Config, i: int) -> int:
+    from hpfunc import tree
+    from hpfunc.models.qwen3.model import param_shapes
+
+    import torch
+
+    return len(tree.leaves(param_shapes(cfg)["layers"][i], is_leaf=lambda x: isinstance(x, torch.Size)))
+
+
 def _norm_bytes(H: int, a: int) -> int:
     """What a hidden-width RMSNorm keeps per token besides its output: in 16-bit its float32 copy of the
     input and the statistics (``4 H + 4``); in float32 the upcast is the input itself, which it keeps,
@@ -119,7 +135,8 @@ def describe(cfg: Qwen3Config, *, act_bytes: int = 2) -> ModelDescription:
                 hidden=H, dense_params=dense, tp_params=tp, expert_params=experts, expert_tp_params=experts,
                 num_experts=E, top_k=k, matmul_flops_per_token=mm, attention_flops_per_token_per_position=4.0 * Q,
                 heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads, tp_divides=divides,
-                saved=tuple(_attention_values(cfg, a, u) + _mlp_values(cfg, i, a, u)), act_bytes=a))
+                saved=tuple(_attention_values(cfg, a, u) + _mlp_values(cfg, i, a, u)), act_bytes=a,
+                forward_ops=MOE_FORWARD_OPS, param_tensors=_tensors(cfg, i)))
         else:
             I = cfg.intermediate_size
             mlp = 3 * I * H
@@ -129,7 +146,8 @@ def describe(cfg: Qwen3Config, *, act_bytes: int = 2) -> ModelDescription:
                 matmul_flops_per_token=2.0 * (attn_mm + mlp), attention_flops_per_token_per_position=4.0 * Q,
                 heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads,
                 tp_divides=(cfg.num_attention_heads, cfg.num_key_value_heads, I),
-                saved=tuple(_attention_values(cfg, a, u) + _mlp_values(cfg, i, a, u)), act_bytes=a))
+                saved=tuple(_attention_values(cfg, a, u) + _mlp_values(cfg, i, a, u)), act_bytes=a,
+                forward_ops=DENSE_FORWARD_OPS, param_tensors=_tensors(cfg, i)))
     same: dict[LayerDescription, LayerDescription] = {}
     layers = [same.setdefault(layer, layer) for layer in layers]  # equal layers: one object (cheap lookups)
     return ModelDescription(
