@@ -27,6 +27,7 @@ This is a model, not a measurement: the efficiencies are the hardware preset's a
 
 from __future__ import annotations
 
+import math
 from typing import Mapping
 
 import attrs
@@ -83,12 +84,18 @@ def _span(axis: str, layout: Layout) -> int:
 
 
 def ring_steps(collective: str, n: int) -> int:
-    """Messages one rank waits for in a ring collective over ``n`` ranks (each pays the link latency):
-    ``n - 1`` for all-gather, reduce-scatter and all-to-all, ``2 (n - 1)`` for all-reduce, 1 for a
-    point-to-point send."""
+    """Messages one rank waits for, in sequence, in a collective over ``n`` ranks (each pays the link
+    latency): a ring's ``n - 1`` for all-gather, reduce-scatter and all-to-all, ``2 (n - 1)`` for
+    all-reduce, capped at a tree's ``2 log2 n`` per direction (NCCL's algorithms at scale keep the
+    latency logarithmic); 1 for a point-to-point send.
+
+    >>> ring_steps("all_gather", 4), ring_steps("all_reduce", 2), ring_steps("all_gather", 256)
+    (3, 2, 16)
+    """
     if collective == "send_recv":
         return 1
-    return (2 if collective == "all_reduce" else 1) * max(0, n - 1)
+    steps = min(max(0, n - 1), 2 * max(1, math.ceil(math.log2(max(n, 2)))))
+    return (2 if collective == "all_reduce" else 1) * steps
 
 
 def collective_seconds(c: Collective, layout: Layout, hw: Hardware, groups: int = 1) -> float:
