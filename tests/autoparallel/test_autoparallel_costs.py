@@ -152,3 +152,34 @@ def test_bad_hardware_and_sizes_name_the_flag():
         Layout(ep=8).check(6, global_batch=64, layers=48, num_experts=128)
     with pytest.raises(LayoutError, match=r"parallel.mesh.ep: 3 does not divide the model's 128 experts"):
         Layout(ep=3).check(3, global_batch=3, layers=48, num_experts=128)
+
+
+@pytest.mark.parametrize("moe", [True, False], ids=["moe", "dense"])
+def test_layer_forward_ops_equal_the_dispatched_count(moe):
+    # the host term of the time model charges each layer its forward's operators: count what the real
+    # decoder layer dispatches (aten ops under a dispatch mode, autograd on, the local path)
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hpfunc import tree
+    from hpfunc.models.qwen3 import model as M
+
+    kw = {} if moe else dict(num_experts=0, moe_intermediate_size=0, num_experts_per_tok=0)
+    cfg = M.preset("qwen3-moe-tiny", **kw)
+    g = torch.Generator().manual_seed(0)
+    params = tree.tree_map(lambda s: (torch.randn(tuple(s), generator=g) * 0.02).requires_grad_(),
+                           M.param_shapes(cfg)["layers"][0], is_leaf=lambda x: isinstance(x, torch.Size))
+    h = torch.randn(2, 33, cfg.hidden_size, generator=g, requires_grad=True)
+    cos, sin = M.rope_for(h, torch.arange(33)[None], cfg)
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        M.decoder_layer(params, h, cos, sin, cfg)
+    layer = describe(cfg, act_bytes=4).layers[0]
+    assert layer.forward_ops == Count.ops
+    assert layer.param_tensors == len(tree.leaves(params))

@@ -36,13 +36,12 @@ MOE_FORWARD_OPS = 111
 DENSE_FORWARD_OPS = 86
 
 
-def _tensors(cfg: Qwen3Config, i: int) -> int:
-    from hpfunc import tree
-    from hpfunc.models.qwen3.model import param_shapes
-
+def _tensors(layer_shapes: dict) -> int:
     import torch
 
-    return len(tree.leaves(param_shapes(cfg)["layers"][i], is_leaf=lambda x: isinstance(x, torch.Size)))
+    from hpfunc import tree
+
+    return len(tree.leaves(layer_shapes, is_leaf=lambda x: isinstance(x, torch.Size)))
 
 
 def _norm_bytes(H: int, a: int) -> int:
@@ -119,6 +118,9 @@ def describe(cfg: Qwen3Config, *, act_bytes: int = 2) -> ModelDescription:
     attn_mm = Q * H + 2 * K * H + H * Q
     attn_bias = (Q + 2 * K + H) if cfg.attention_bias else 0
     attn = attn_mm + attn_bias + 2 * D
+    from hpfunc.models.qwen3.model import param_shapes
+
+    shapes = param_shapes(cfg)["layers"]
     layers = []
     for i in range(cfg.num_hidden_layers):
         norms = 2 * H
@@ -136,7 +138,7 @@ def describe(cfg: Qwen3Config, *, act_bytes: int = 2) -> ModelDescription:
                 num_experts=E, top_k=k, matmul_flops_per_token=mm, attention_flops_per_token_per_position=4.0 * Q,
                 heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads, tp_divides=divides,
                 saved=tuple(_attention_values(cfg, a, u) + _mlp_values(cfg, i, a, u)), act_bytes=a,
-                forward_ops=MOE_FORWARD_OPS, param_tensors=_tensors(cfg, i)))
+                forward_ops=MOE_FORWARD_OPS, param_tensors=_tensors(shapes[i])))
         else:
             I = cfg.intermediate_size
             mlp = 3 * I * H
@@ -147,7 +149,7 @@ def describe(cfg: Qwen3Config, *, act_bytes: int = 2) -> ModelDescription:
                 heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads,
                 tp_divides=(cfg.num_attention_heads, cfg.num_key_value_heads, I),
                 saved=tuple(_attention_values(cfg, a, u) + _mlp_values(cfg, i, a, u)), act_bytes=a,
-                forward_ops=DENSE_FORWARD_OPS, param_tensors=_tensors(cfg, i)))
+                forward_ops=DENSE_FORWARD_OPS, param_tensors=_tensors(shapes[i])))
     same: dict[LayerDescription, LayerDescription] = {}
     layers = [same.setdefault(layer, layer) for layer in layers]  # equal layers: one object (cheap lookups)
     return ModelDescription(
