@@ -2,12 +2,13 @@
 
 :data:`PLANS` are the trainer configs (fsdp, fsdp x tp, fsdp x ep, a 1F1B pipeline over fsdp with and
 without full recompute) of one workload (:func:`config`: ``qwen3-moe-tiny`` in fp32, AdamW, the padded
-dispatcher, 8 sequences of 64 tokens). :func:`hpfunc.autoparallel.dryrun.measure_step` runs each
-one's real step on a real process group (every rank calls it) and measures its peak on storage
-liveness; :func:`estimate` is the cost model's figure for the same config (no reserve: the
+dispatcher, 8 sequences of 64 tokens by default). :func:`measure` runs each one's real step on a real
+process group (every rank calls it), measures its peak on storage liveness, counts its dispatched ops
+and times its steps in CPU seconds; :func:`estimate` is the cost model's figure for the same config (no reserve: the
 measurement has no allocator). ``tests/autoparallel/test_autoparallel_estimator.py`` holds the
-estimate within 10% of the busiest rank's measured peak for each plan; ``bench/estimator.py``
-also times the steps and compares the ranking by time.
+estimate within 10% of the busiest rank's measured peak for each plan at :data:`WORKLOADS`, and the
+estimated ranking against a recorded measured table; ``bench/estimator.py`` measures that table (CPU
+seconds per step summed over the ranks) beside the estimates.
 
     >>> sorted(PLANS)
     ['fsdp2xep2', 'fsdp2xtp2', 'fsdp4', 'pp2xfsdp2 1f1b', 'pp2xfsdp2 1f1b remat=full']

@@ -8,8 +8,6 @@ Terms (bytes, per rank; the largest rank of the pipeline is reported):
   the non-expert parameters over ``fsdp x ep`` (``ep`` shards them as fsdp), the experts over
   ``fsdp``; ZeRO-1 shards only master and optimizer state, ZeRO-2 the gradients too. With mixed
   precision and ZeRO-3 this is ``16 Psi / n`` (docs/reference.md#model-state-memory).
-* ``gathered``: FSDP's unsharded copies of two layers (the one computing and the one prefetched) and
-  one layer's unreduced gradients.
 * ``activations``: per layer and token, the saved values of the model description kept under the
   remat kind (Korthikanti et al. 2022: ``2 s b h`` with full recompute; hidden-width values split over
   ``tp`` only with sequence parallelism); times the tokens of a microbatch; times the rank's
@@ -18,8 +16,17 @@ Terms (bytes, per rank; the largest rank of the pipeline is reported):
   ``s^2`` term; without it the float32 probabilities ``4 a s`` per token are added. The dispatched MoE
   values scale with the workload's ``expert_rows_factor`` (the padded dispatcher's buffers, 1.5 x by
   default, or the routing imbalance of the dropless one).
-* ``recompute``: with remat, one layer's full activations are rebuilt in its backward.
-* ``loss``: the last stage's logits for one microbatch, bf16 plus float32 log-softmax and its gradient.
+* ``gathered``, ``recompute``, ``backward``: what a layer's backward holds besides
+  (:func:`backward_phase_bytes`): its parameters gathered again with its unreduced gradients (FSDP),
+  its activations rebuilt (remat), the SwiGLU backward's temporaries and the residual gradient.
+* ``loss``: the last stage's logits for one microbatch, bf16 plus float32 log-softmax and its gradient
+  (with the final norm's saved values, in ``activations`` for that phase).
+
+The peak is the largest of three phases of the step (measured by storage liveness on the real step:
+docs/autoparallel.md), not the sum of the terms: the loss's backward, the backward of the rank's last
+layer, the backward of its first layer; the terms of the other phases are 0. ``grads`` is what is held
+at the peak (all of them once a microbatch's backward ran before it, else those already made);
+:attr:`MemoryEstimate.model_states` keeps them all.
 * ``reserve``: the workload's reserve for what is not modelled (:data:`UNMODELLED`).
 
     >>> from hpfunc.models.qwen3.describe import describe

@@ -2,11 +2,13 @@
 4 gloo ranks, for five plans of the tiny Qwen3 MoE (:mod:`hpfunc.autoparallel.estimator_check`) at two
 workloads each (8 x 64 and 16 x 64 tokens: model states and activations in different proportions).
 
-Deliberate bugs tried: the estimator's peak as the sum of its phases (the loss's backward and a layer's
-backward both counted, as the previous model did) fails fsdp x tp and the 1F1B pipeline at 16 x 64 (and
-others); without the SwiGLU backward's temporaries (``backward`` 0) fsdp 4 at 16 x 64 falls to
-0.84; the gradient term always held (not only after a microbatch's backward) fails none alone (it moves
-the pipelines by +6%), so it is not claimed as caught.
+Deliberate bugs tried: without the SwiGLU backward's temporaries (``backward`` 0 in
+``memory_model.backward_phase_bytes``) 5 of the 10 fail (fsdp 4 at 8 x 64: 0.888, the pipelines down to
+0.73); offline against the same measured peaks, the previous model's sum of both phases (the loss and
+the layer's backward) puts 8 of the 10 above 1.1, and the fp32 RMSNorm counted without its input and
+normalised value puts fsdp x tp at 0.81. The ranking test: ranking by the modelled wall step
+(``step_seconds``) instead of the ranks' busy time fails all three workloads, as does dropping both the
+host term and the collective latency (dropping the host term alone does not fail it).
 """
 
 from __future__ import annotations
