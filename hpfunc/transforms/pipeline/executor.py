@@ -87,7 +87,7 @@ class Run:
         self.posted: dict[tuple, PendingRecv] = {}
 
     def run(self) -> tuple[list[torch.Tensor], list[Any], dict[int, Any]]:
-        handlers = self.HANDLERS
+        handlers, final_at = self.HANDLERS, self.step.grads_final_at
         for k, a in enumerate(self.step.actions):
             where = Where(self.pp_index, k, a)
             compute = a.kind in _COMPUTES
@@ -96,6 +96,8 @@ class Run:
             handlers[a.kind](self, a.stage, a.microbatch, a, where)
             if compute:
                 event("end", a)
+            if k in final_at:  # the stage's last weight gradient: its data-parallel reduction starts
+                self.params.gradients_final(a.stage)
         if self.posted:  # pragma: no cover - every posted receive has its RECV action
             raise PipelineError(f"pp rank {self.pp_index}: receives posted but never waited for: {sorted(self.posted)}")
         self.wire.finish_sends(self.pending)
@@ -117,7 +119,7 @@ class Run:
         # A method of its own, so that no local (the outputs, the inputs) outlives the action: a
         # loop variable would keep this microbatch's graph alive until the next forward.
         step, params, mbs = self.step, self.params, self.mbs
-        if s not in params.live:
+        if not params.ready(s):  # (lands the stage's gathers in flight)
             raise PipelineError(f"{where}: stage {s} is used while its parameters are not gathered (UNSHARD)")
         if s == 0:
             x = mbs[i] if step.first_input is None else step.first_input(mbs[i])

@@ -93,6 +93,12 @@ class PipelineStep:
         for a in self.actions:
             if a.kind is K.RECV_F:
                 self.recv_f.setdefault(a.stage, []).append(a)
+        # where each local stage's gradients are final (its last W or BW): its data-parallel reduction starts
+        # there (stage_params.StageParams.gradients_final); with FSDP, REDUCE_GRAD says it
+        last_weight = {a.stage: k for k, a in enumerate(self.actions) if a.kind in (K.W, K.BW)}
+        self.grads_final_at = ({k: s for s, k in last_weight.items()}
+                               if data_axis is not None and not self.fsdp else {})
+        self.stage_layouts: dict[tuple, Any] = {}  # (stage, structure) -> its StageLayout (stage_params.py)
         self.wire = Wire(mesh, axis, schedule.num_stages, schedule.num_microbatches, early_headers=with_microbatch)
 
     @property
