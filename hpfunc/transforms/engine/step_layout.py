@@ -28,20 +28,16 @@ from hpfunc.transforms.engine.view import Blocks, lazy
 __all__ = ["RankStep", "reduce_batch_stats"]
 
 
-def reduce_batch_stats(tree: Any, data_axes: tuple[str, ...], *, loss: torch.Tensor | None = None) -> Any:
+def reduce_batch_stats(tree: Any, data_axes: tuple[str, ...]) -> Any:
     """Batch statistics over the data shards: floating tensors averaged, integer ones summed. The
     tensors of one dtype travel in one collective (a ``pmean`` of the floating ones, a ``psum`` of the
-    integer ones): on gloo each call is a round trip that costs more host time than its bytes. With
-    ``loss`` (this rank's loss), returns ``(its mean over the data shards, tree)``, the loss packed with
-    the floating statistics of its dtype.
+    integer ones): on gloo each call is a round trip that costs more host time than its bytes.
 
     >>> import torch
     >>> reduce_batch_stats({"tokens": torch.tensor(3), "ce": torch.tensor(0.5)}, ())
     {'tokens': tensor(3), 'ce': tensor(0.5000)}
     """
     leaves, treedef = _tree.flatten(tree)
-    if loss is not None:
-        leaves = [loss, *leaves]
     out = [x.detach() if isinstance(x, torch.Tensor) else x for x in leaves]
     if data_axes:
         groups: dict[torch.dtype, list[int]] = {}
@@ -55,9 +51,7 @@ def reduce_batch_stats(tree: Any, data_axes: tuple[str, ...], *, loss: torch.Ten
             red = lax.pmean(flat, data_axes) if mean else lax.psum(flat, data_axes)
             for k, x, part in zip(idx, members, red.split([x.numel() for x in members])):
                 out[k] = part.view(x.shape)
-    if loss is None:
-        return _tree.unflatten(treedef, out)
-    return out[0], _tree.unflatten(treedef, out[1:])
+    return _tree.unflatten(treedef, out)
 
 
 class _Accumulation:
@@ -212,10 +206,11 @@ class RankStep:
     def _over_data(self, loss: torch.Tensor, aux: Any, has_aux: bool) -> tuple[torch.Tensor, Any]:
         """The per-rank loss as the mean over the data shards, and ``aux``'s batch statistics reduced."""
         axes = self.cfg.data_axes
-        with torch.no_grad():  # the loss and aux's statistics in one collective per dtype
-            if has_aux:
-                return reduce_batch_stats(aux, axes, loss=loss)
-            return (lax.pmean(loss.detach(), axes) if axes else loss.detach()), aux
+        with torch.no_grad():
+            value = lax.pmean(loss.detach(), axes) if axes else loss.detach()
+            if has_aux:  # aux's statistics in one collective per dtype
+                aux = reduce_batch_stats(aux, axes)
+        return value, aux
 
     def _call_on_params(self, fn: Callable, args: tuple, kwargs: dict, flat: list, index: list,
                         with_params: list[int]) -> Callable[[list[torch.Tensor], Callable], Any]:
