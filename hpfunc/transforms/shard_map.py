@@ -609,9 +609,7 @@ def _enter_leaves(leaves: list, leaf_specs: Sequence[P], mesh: Mesh, argname: st
 
 def _on_device(y: torch.Tensor, device_type: str) -> bool:
     """Whether ``y`` lives on a device of ``device_type`` (for CPU without building a ``torch.device``)."""
-    if device_type == "cpu":
-        return y.get_device() < 0 and not y.is_meta
-    return y.device.type == device_type
+    return y.is_cpu if device_type == "cpu" else y.device.type == device_type
 
 
 def _exit_leaves(leaves: list, leaf_specs: Sequence[P], mesh: Mesh, checks: Any, to_check: list,
