@@ -85,7 +85,7 @@ __all__ = [
 class _Axes:
     """A resolved axis argument: the process group and the logical <-> group rank maps."""
 
-    __slots__ = ("mesh", "names", "group", "n", "g2l", "l2g", "me", "identity_order")
+    __slots__ = ("mesh", "names", "group", "n", "g2l", "l2g", "me", "identity_order", "_peers")
 
     def __init__(self, mesh: Mesh, axes: AxisName | Sequence[str]):
         names = normalize_axes(axes)
@@ -128,6 +128,13 @@ class _Axes:
             for g, li in enumerate(g2l):
                 self.l2g[li] = g
         self.me = mesh.axis_index(names)
+        self._peers: list[int] | None = None
+
+    def peer(self, logical: int) -> int:
+        """The global rank of the rank at logical index ``logical`` along these axes."""
+        if self._peers is None:  # asked once: dist.get_global_rank scans the group's rank table
+            self._peers = [dist.get_global_rank(self.group, self.l2g[li]) for li in range(self.n)]
+        return self._peers[logical]
 
 
 def _axes_of(mesh: Mesh, axes: AxisName | Sequence[str]) -> _Axes:
@@ -208,18 +215,20 @@ def _scatter_dim0(x: torch.Tensor, ax: _Axes, collectors, name: str) -> torch.Te
         return x[0].clone()
     if not ax.identity_order:
         x = x[torch.tensor(ax.g2l)]  # group rank g must receive logical chunk g2l[g]
-    flat = x.reshape(-1).clone()
+    # the input is only read (gloo and NCCL both leave it as it was): no copy of it, a fresh output
+    flat = x.reshape(-1).contiguous()
     if collectors:
         _comm.record(collectors, op="reduce_scatter", name=name, axes=ax.names, n=ax.n, payload_bytes=_nbytes(flat),
                      phase=_phase())
     try:
         if _is_func_wrapped(flat) and dist.get_backend(ax.group) == "gloo":
             # gloo's reduce-scatter copies its result into the output on a worker thread, which fails for
-            # tensors wrapped by torch.func transforms: all-reduce in place and keep this rank's block.
+            # tensors wrapped by torch.func transforms: all-reduce a copy in place and keep this rank's block.
+            flat = flat.clone()
             dist.all_reduce(flat, group=ax.group)
             out = flat.view(ax.n, -1)[ax.l2g[ax.me]].clone()  # row g goes to group rank g
         else:
-            out = flat[: flat.numel() // ax.n].clone()
+            out = flat.new_empty(flat.numel() // ax.n)  # new_empty: same torch.func level as the input
             _REDUCE_SCATTER(out, flat, group=ax.group)
     except RuntimeError as e:
         _faults.raise_collective_error(e, name, ax.names, ax.n)
@@ -463,6 +472,19 @@ def _a2a(x: torch.Tensor, ax: _Axes, split_dim: int, concat_dim: int, split_size
                 f"all_to_all over {ax.names} (size {n}) needs split dimension {split_dim} of size "
                 f"{x.shape[split_dim]} to be divisible by {n}, or explicit split_sizes"
             )
+        if n > 1 and split_dim == 0 and concat_dim == 0 and ax.identity_order:
+            # fast path (e.g. MoE token dispatch): rows already go to ranks in order; no layout copies
+            send = x.contiguous()
+            out = send.new_empty(send.shape)
+            if collectors:
+                _comm.record(collectors, op="all_to_all", name=name, axes=ax.names, n=n, payload_bytes=_nbytes(send),
+                             phase=_phase())
+            try:
+                dist.all_to_all_single(out, send, group=ax.group)
+            except RuntimeError as e:
+                _faults.raise_collective_error(e, name, ax.names, ax.n)
+                raise
+            return out, split_sizes, [send.shape[0] // n] * n
         chunks = list(torch.chunk(x, n, dim=split_dim)) if n > 1 else [x]
         even = True
     else:
@@ -476,19 +498,6 @@ def _a2a(x: torch.Tensor, ax: _Axes, split_dim: int, concat_dim: int, split_size
         even = False
     if n == 1:
         return torch.cat(chunks, dim=concat_dim).clone(), split_sizes, recv_sizes if recv_sizes else split_sizes
-    if even and split_dim == 0 and concat_dim == 0 and ax.identity_order:
-        # fast path (e.g. MoE token dispatch): rows already go to ranks in order; no layout copies
-        send = x.contiguous()
-        out = send.new_empty(send.shape)
-        if collectors:
-            _comm.record(collectors, op="all_to_all", name=name, axes=ax.names, n=n, payload_bytes=_nbytes(send),
-                         phase=_phase())
-        try:
-            dist.all_to_all_single(out, send, group=ax.group)
-        except RuntimeError as e:
-            _faults.raise_collective_error(e, name, ax.names, ax.n)
-            raise
-        return out, split_sizes, [send.shape[0] // n] * n
     # Move the split dim to the front so each chunk is contiguous rows; concat happens after.
     chunks = [c.movedim(split_dim, 0).contiguous() for c in chunks]
     rest = tuple(chunks[0].shape[1:])
@@ -778,7 +787,7 @@ def _permute(x: torch.Tensor, ax: _Axes, perm: Sequence[tuple[int, int]], collec
         if d == ax.me:
             out.copy_(x)
             continue
-        peer = dist.get_global_rank(ax.group, ax.l2g[d])
+        peer = ax.peer(d)
         ops.append(dist.P2POp(dist.isend, x, peer, group=ax.group))
         if collectors:
             _comm.record(collectors, op="ppermute", name=name, axes=ax.names, n=ax.n, payload_bytes=_nbytes(x),
@@ -786,7 +795,7 @@ def _permute(x: torch.Tensor, ax: _Axes, perm: Sequence[tuple[int, int]], collec
     for s in src:
         if s == ax.me:
             continue
-        peer = dist.get_global_rank(ax.group, ax.l2g[s])
+        peer = ax.peer(s)
         ops.append(dist.P2POp(dist.irecv, out, peer, group=ax.group))
     if ops:
         try:
@@ -864,13 +873,13 @@ def _permute_issue(x: torch.Tensor, ax: _Axes, perm: Sequence[tuple[int, int]], 
         if s == ax.me and d == ax.me:
             out.copy_(x)
         elif s == ax.me:
-            ops.append(dist.P2POp(dist.isend, x, dist.get_global_rank(ax.group, ax.l2g[d]), group=ax.group))
+            ops.append(dist.P2POp(dist.isend, x, ax.peer(d), group=ax.group))
             if collectors:
                 _comm.record(collectors, op="ppermute", name="ppermute_start", axes=ax.names, n=ax.n,
                              payload_bytes=_nbytes(x), phase=_phase())
     for s, d in perm:
         if d == ax.me and s != ax.me:
-            ops.append(dist.P2POp(dist.irecv, out, dist.get_global_rank(ax.group, ax.l2g[s]), group=ax.group))
+            ops.append(dist.P2POp(dist.irecv, out, ax.peer(s), group=ax.group))
     works: list = []
     if ops:
         try:

@@ -47,7 +47,7 @@ from torch.distributed.tensor import DTensor
 from hpfunc import layout
 from hpfunc import tree as _tree
 from hpfunc.layout import LeafLayout, PlanError
-from hpfunc.sharding import P, sharding_of, spec_to_placements
+from hpfunc.sharding import P, _contiguous_stride, _DTensorSpec, _TensorMeta, sharding_of, spec_to_placements
 from hpfunc.transforms.engine.differentiate import EngineConfig
 from hpfunc.transforms.engine.gather import group_key
 from hpfunc.transforms.engine.reduce import reduction_bucket
@@ -117,6 +117,11 @@ class Lowered:
         self.expected = tuple(
             (tuple(spec_to_placements(s, mesh, x.ndim)), x.shape, x.dtype) if isinstance(x, torch.Tensor) else None
             for x, s in zip(positions, self.in_specs.leaves))
+        # per position, how the step's output leaf there leaves as a DTensor (shard_map's FlatSpecs.wraps:
+        # block shape, dtype, the DTensorSpec each output gets a copy of, replicated): the next call's
+        # state then fits by identity of those specs' parts (fits), without comparing shapes and placements
+        self.wraps = [None if e is None else _wrap_of(s, e, mesh) for s, e in zip(self.in_specs.leaves, self.expected)]
+        self.batches: set = set()  # the batch structures and shapes checked against the plan
         self.batch_spec = plan.batch_spec(mesh)
         self.donate = owner.donate_state
         # the layout seam's two bindings: the step's body (its StepLayout, bound per call; the model's
@@ -148,21 +153,39 @@ class Lowered:
         """``LAID_OUT``: every tensor of ``positions`` (the state flattened with ``None`` as a leaf) is a
         DTensor laid out as planned and needing no gradient; ``CHECK``: shapes and dtypes are those
         planned, the layout must be checked; ``RELOWER``: another structure of shapes or dtypes."""
+        return self.fit(positions)[0]
+
+    def fit(self, positions: list) -> tuple[int, list | None]:
+        """:meth:`fits`, and with ``LAID_OUT`` the local block of every position (what ``shard_map``
+        hands the step). A DTensor this step returned (its spec a copy of the one planned for its
+        position) is recognised by the identity of its spec's parts; any other is compared."""
         if len(positions) != len(self.expected):
-            return RELOWER
+            return RELOWER, None
         dm, tensor, dtensor = self.mesh.device_mesh, torch.Tensor, DTensor
         out = LAID_OUT
-        for x, e in zip(positions, self.expected):
+        local: list | None = []
+        for x, e, w in zip(positions, self.expected, self.wraps):
             if e is None:
                 if isinstance(x, tensor):
-                    return RELOWER
+                    return RELOWER, None
+                if local is not None:
+                    local.append(x)
                 continue
+            if type(x) is dtensor and w is not None:
+                sp = x._spec
+                if sp.tensor_meta is w[2].tensor_meta and sp.placements is w[2].placements and sp.mesh is dm \
+                        and not x.requires_grad:
+                    if local is not None:
+                        local.append(x._local_tensor)
+                    continue
             if not isinstance(x, tensor) or x.shape != e[1] or x.dtype != e[2]:
-                return RELOWER
+                return RELOWER, None
             if out is LAID_OUT and (type(x) is not dtensor or x.requires_grad or x._spec.mesh is not dm
                                     or x._spec.placements != e[0]):
-                out = CHECK
-        return out
+                out, local = CHECK, None
+            elif local is not None:
+                local.append(x._local_tensor)
+        return out, local
 
     # -- the pipeline executor, the SDC counter (engine reads) -----------------------------------------
     def pipeline_executor(self) -> Any:
@@ -188,18 +211,21 @@ class Lowered:
     def __call__(self, state: Any, batch: Any) -> tuple[Any, Any]:
         """Run the step on a state of this structure (its layout checked unless it is as planned)."""
         positions, treedef = _tree.flatten(state, none_is_leaf=True)
-        fit = self.fits(positions) if treedef == self.treedef else RELOWER
+        fit, local = self.fit(positions) if treedef == self.treedef else (RELOWER, None)
         if fit == RELOWER:
             raise PlanError(f"Lowered: this step was lowered for a state of structure {self.treedef} with the "
                             f"shapes and dtypes it had; call train_step(state, batch) (which lowers again) or "
                             f"train_step.lower(state, batch) for this one")
-        return self.run(state, positions, batch, laid_out=fit == LAID_OUT)
+        return self.run(state, positions, batch, laid_out=fit == LAID_OUT, local=local)
 
-    def run(self, state: Any, positions: list, batch: Any, *, laid_out: bool) -> tuple[Any, Any]:
+    def run(self, state: Any, positions: list, batch: Any, *, laid_out: bool,
+            local: list | None = None) -> tuple[Any, Any]:
+        """Run on a state of this structure flattened to ``positions``; ``laid_out`` and ``local`` as
+        :meth:`fit` found them."""
         owner = self.owner
         if not laid_out:
             check_params(get_path(state, owner.params), self.res, self.mesh, self.paths, self.placements)
-        self.plan.check_batch(batch, self.mesh)
+        self.check_batch(batch)
         step = owner.step
 
         def fn(user_state: Any, b: Any) -> tuple:
@@ -208,8 +234,16 @@ class Lowered:
                 raise TypeError(f"parallelize: the step must return (state, metrics); found {type(out).__name__}")
             return out
 
-        return self._run(fn, Flat(positions, self.treedef), (batch,), (self.batch_spec,), self._step_out_specs,
-                         donate=self.donate, laid_out=laid_out)
+        return self._run(fn, Flat(positions, self.treedef, local if laid_out else None), (batch,), (self.batch_spec,),
+                         self._step_out_specs, donate=self.donate, laid_out=laid_out)
+
+    def check_batch(self, batch: Any) -> None:
+        """The plan's check of the batch (:meth:`Plan.check_batch`), once per batch structure and shapes."""
+        leaves, treedef = _tree.flatten(batch)
+        key = (treedef, tuple(x.shape if isinstance(x, torch.Tensor) else None for x in leaves))
+        if key not in self.batches:
+            self.plan.check_batch(batch, self.mesh)
+            self.batches.add(key)
 
     def _step_out_specs(self, out: tuple) -> FlatSpecs:
         """The flat out specs of ``(state, metrics)``, once per metrics structure and shapes."""
@@ -220,6 +254,9 @@ class Lowered:
         if hit is None:
             metric_specs = _tree.map_with_path(lambda path, x: _metric_spec(path, x, self.res, self.mesh), metrics)
             hit = self.out_specs[key] = flat_specs((self.specs, metric_specs), out, "out_specs", self.mesh)
+            # the state's positions leave as planned (fit recognises them next call); the metrics' are
+            # found by their first output
+            hit.wraps = self.wraps + [None] * (len(hit.leaves) - len(self.wraps))
         return hit
 
     def _run(self, fn: Callable, state_in: Any, args: tuple, arg_specs: tuple, out_specs: Any, *,
@@ -372,6 +409,20 @@ def _state_leaf_spec(path: str, x: Any, res: Mapping[str, LeafLayout]) -> P:
                         f"{suffix!r} but not with its shape {res[suffix].shape}; its sharding cannot be "
                         f"inferred (optimizer state must be shaped like the parameters)")
     return res[suffix].spec.opt
+
+
+def _wrap_of(spec: P, expected: tuple, mesh: Any) -> tuple | None:
+    """How a state leaf planned as ``expected`` (placements, global shape, dtype) leaves ``shard_map``:
+    its block shape, dtype, the DTensorSpec its DTensors get copies of, and whether it is replicated on
+    some mesh axis (:attr:`hpfunc.transforms.shard_map.FlatSpecs.wraps`)."""
+    if _DTensorSpec is None:  # (a torch without DTensorSpec: every output takes shard_map's own path)
+        return None
+    placements, shape, dtype = expected
+    block = torch.Size(s // mesh.axis_size(spec.dim_axes(d)) for d, s in enumerate(shape))
+    dspec = _DTensorSpec(mesh.device_mesh, placements,
+                         tensor_meta=_TensorMeta(torch.Size(shape), _contiguous_stride(shape), dtype))
+    replicated = any(a not in spec.axes and mesh.axis_size(a) > 1 for a in mesh.axis_names)
+    return block, dtype, dspec, replicated
 
 
 def _metric_spec(path: str, x: Any, res: Mapping[str, LeafLayout], mesh: Any) -> P:

@@ -169,11 +169,11 @@ class ParallelizedStep:
         self._check_context()
         positions, treedef = _tree.flatten(state, none_is_leaf=True)
         lowered = self._lowered.get(treedef)  # one lookup by structure
-        fit = RELOWER if lowered is None else lowered.fits(positions)
+        fit, local = (RELOWER, None) if lowered is None else lowered.fit(positions)
         if fit == RELOWER:  # first sight of this structure, or other shapes or dtypes in it
             lowered = self._lowered[treedef] = Lowered(self, state, positions, treedef)
-            fit = lowered.fits(positions)
-        return lowered.run(state, positions, batch, laid_out=fit == LAID_OUT)
+            fit, local = lowered.fit(positions)
+        return lowered.run(state, positions, batch, laid_out=fit == LAID_OUT, local=local)
 
 
 def _broadcast_stages(local: Any, plan: Plan, mesh: Mesh) -> Any:

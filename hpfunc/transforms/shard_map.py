@@ -78,15 +78,21 @@ class FlatSpecs:
     with :func:`flat_specs` and passes it as ``in_specs`` / ``out_specs`` / ``check_rep`` (or returns it
     from the callable form), so that the spec tree is not flattened and broadcast again on every call."""
 
-    __slots__ = ("treedef", "leaves", "laid_out", "_modes")
+    __slots__ = ("treedef", "leaves", "laid_out", "_modes", "wraps")
 
-    def __init__(self, treedef: Any, leaves: Sequence[Any], *, laid_out: bool = False):
+    def __init__(self, treedef: Any, leaves: Sequence[Any], *, laid_out: bool = False,
+                 wraps: list | None = None):
         self.treedef, self.leaves = treedef, tuple(leaves)
         self._modes: tuple | None = None  # as checks: (HPFUNC_CHECK_REP, the mode of each leaf) last read
         # as in_specs: the caller vouches that every DTensor leaf of the values is already laid out on the
         # mesh as its spec says (it compared them: a lowered step's Lowered.fits), so that each enters as
         # its local block without the layout being looked up and compared again
         self.laid_out = laid_out
+        # as out_specs: per leaf, how an output block of a given shape and dtype leaves (its block shape,
+        # dtype, the DTensorSpec each output gets a copy of, whether it is replicated on some axis), or
+        # None until the first output of that leaf showed it: facts of the structure, filled once and
+        # read by every later call without building a key or looking in the mesh's table
+        self.wraps = wraps
 
     def vouched(self) -> "FlatSpecs":
         """These specs, with the caller's word that the values' DTensors are laid out by them (see above)."""
@@ -99,12 +105,14 @@ class FlatSpecs:
 class Flat:
     """An argument already flattened as ``shard_map`` flattens (``None`` as a leaf), passed in place of the
     tree by a caller that has its leaves at hand (``hpfunc.parallelize``: the state); the function sees
-    the tree as usual."""
+    the tree as usual. ``local``: with in_specs vouched laid out (:meth:`FlatSpecs.vouched`), each leaf's
+    local block, which the caller read while comparing the layouts (``None`` where the leaf is not a
+    tensor): the function gets these."""
 
-    __slots__ = ("leaves", "treedef")
+    __slots__ = ("leaves", "treedef", "local")
 
-    def __init__(self, leaves: list, treedef: Any):
-        self.leaves, self.treedef = leaves, treedef
+    def __init__(self, leaves: list, treedef: Any, local: list | None = None):
+        self.leaves, self.treedef, self.local = leaves, treedef, local
 
 
 def flat_specs(specs: Any, values: Any, what: str = "in_specs", mesh: Mesh | None = None) -> FlatSpecs:
@@ -564,14 +572,20 @@ def _out_layout(y: torch.Tensor, spec: P, mesh: Mesh, where: Callable[[], str]) 
 
 
 def _enter_leaves(leaves: list, leaf_specs: Sequence[P], mesh: Mesh, argname: str, path: Callable[[int], str],
-                  entered: dict, laid_out: bool = False) -> list:
+                  entered: dict, laid_out: bool = False, local: list | None = None) -> list:
     """:func:`_enter` of every leaf. A DTensor already laid out as its spec says on this mesh, whose
     layout was checked before for its spec and shape (a parallelized step's state from the second step
     on), is its local tensor at once: the check and the placements are read from the mesh's facts (with
     ``laid_out``, the caller's word for it: not even that). Each such DTensor is noted in ``entered``
     with its spec under the block handed to the function, so that an output that *is* that block (the
-    same tensor object) leaves as that DTensor again (:func:`_exit_leaves`)."""
+    same tensor object) leaves as that DTensor again (:func:`_exit_leaves`). ``local``: the blocks the
+    caller already read (:class:`Flat`), used as they are."""
     memo, dm = mesh._memo, mesh.device_mesh
+    if laid_out and local is not None:  # the caller read the blocks while comparing the layouts
+        for x, s, block in zip(leaves, leaf_specs, local):
+            if type(x) is DTensor:
+                entered[id(block)] = (x, s, block)
+        return local
     out = []
     for j, (x, s) in enumerate(zip(leaves, leaf_specs)):
         if x is None:  # (a pipeline rank's state holds None for other stages' leaves)
@@ -593,12 +607,18 @@ def _enter_leaves(leaves: list, leaf_specs: Sequence[P], mesh: Mesh, argname: st
     return out
 
 
+def _on_device(y: torch.Tensor, device_type: str) -> bool:
+    """Whether ``y`` lives on a device of ``device_type`` (for CPU without building a ``torch.device``)."""
+    return y.is_cpu if device_type == "cpu" else y.device.type == device_type
+
+
 def _exit_leaves(leaves: list, leaf_specs: Sequence[P], mesh: Mesh, checks: Any, to_check: list,
-                 path: Callable[[int], str], entered: dict | None = None) -> list:
+                 path: Callable[[int], str], entered: dict | None = None, wraps: list | None = None) -> list:
     """:func:`_exit` of every leaf. A plain tensor that needs no gradient is, when it is the very block
     handed in for an input DTensor of the same spec (``entered``: a state leaf the step returned
     unchanged), that DTensor again; else, of a spec, shape and dtype seen before and with no
-    replication check due, it is wrapped at once with a copy of the DTensor spec cached then."""
+    replication check due, it is wrapped at once with a copy of the DTensor spec cached then (with
+    ``wraps``, :attr:`FlatSpecs.wraps`, the one of its position)."""
     memo, device_type = mesh._memo, mesh.device_type
     out = []
     for j, (y, s) in enumerate(zip(leaves, leaf_specs)):
@@ -615,16 +635,22 @@ def _exit_leaves(leaves: list, leaf_specs: Sequence[P], mesh: Mesh, checks: Any,
                     if replicated:
                         to_check.append((check, functools.partial(path, j), y, replicated))
                 o = hit[0]
+            w = None if wraps is None or o is not None else wraps[j]
+            if w is not None and (check is None or not w[3]) and y.shape == w[0] and y.dtype == w[1] \
+                    and _on_device(y, device_type):
+                o = DTensor.__new__(DTensor, y, _copy_spec(w[2]), requires_grad=False)
             if o is None:
                 key = ("shard_map.out wrap", s, y.shape, y.dtype)
                 hit = memo.get(key)
-                if hit is not None and (check is None or not hit[1]) and y.device.type == device_type:
+                if hit is not None and (check is None or not hit[1]) and _on_device(y, device_type):
                     o = DTensor.__new__(DTensor, y, _copy_spec(hit[0]), requires_grad=False)
                 else:
                     o = _exit(functools.partial(path, j), y, s, mesh, check, to_check)
                     if hit is None and type(o) is DTensor and o._local_tensor is y:
                         _, replicated, _ = _out_layout(y, s, mesh, lambda: path(j))  # cached by _exit just now
-                        memo[key] = (_copy_spec(o._spec), replicated)
+                        hit = memo[key] = (_copy_spec(o._spec), replicated)
+                if wraps is not None and hit is not None and wraps[j] is None:
+                    wraps[j] = (y.shape, y.dtype, hit[0], hit[1])
         else:
             o = _exit(functools.partial(path, j), y, s, mesh, check, to_check)
         out.append(o)
@@ -695,15 +721,17 @@ def shard_map(
         for i, (spec_i, arg) in enumerate(zip(specs, args)):
             leaves, leaf_specs, treedef, path = _pair_specs(spec_i, arg, "in_specs", m)
             laid_out = isinstance(spec_i, FlatSpecs) and spec_i.laid_out
+            local = arg.local if isinstance(arg, Flat) else None
             local_args.append(optree.tree_unflatten(treedef, _enter_leaves(leaves, leaf_specs, m, f"args[{i}]", path,
-                                                                           entered, laid_out)))
+                                                                           entered, laid_out, local)))
         with m:
             out = f(*local_args)
         specs_out = out_specs(out) if callable(out_specs) else out_specs
         leaves, leaf_specs, treedef, path = _pair_specs(specs_out, out, "out_specs", m)
         checks = _leaf_checks(check_rep(out) if callable(check_rep) else check_rep, out, m, treedef)
         to_check: list = []
-        new = _exit_leaves(leaves, leaf_specs, m, checks, to_check, path, entered)
+        wraps = specs_out.wraps if isinstance(specs_out, FlatSpecs) else None
+        new = _exit_leaves(leaves, leaf_specs, m, checks, to_check, path, entered, wraps)
         del entered
         if to_check:
             for mode, run in (("exact", _check_exact), ("checksum", _check_checksums)):

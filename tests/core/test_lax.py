@@ -310,3 +310,31 @@ def test_all_to_all_start_equals_all_to_all_and_transposes(pools, data):
         torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(g, g_want, rtol=1e-6, atol=1e-6)
         assert [p for p, _ in starts] == ["forward", "forward", "backward", "backward"], starts
+
+
+def run_inputs_unchanged(mesh_shape, axis):
+    """Each collective on a contiguous input and on a non-contiguous one: the inputs keep their values
+    (``psum_scatter`` hands its input to the reduce-scatter without a copy: the backend only reads it)."""
+    import torch.distributed as dist
+
+    import hpfunc
+
+    mesh = hpfunc.Mesh(mesh_shape)
+    r = dist.get_rank()
+    n = mesh.axis_size(axis)
+    changed = []
+    for op in OPS:
+        p = {"dim": 0, "split": 0, "concat": 0, "perm": [(i, (i + 1) % n) for i in range(n)]}
+        for transpose in (False, True):
+            x = make_input(3, r, (n, 2 * n) if not transpose else (2 * n, n))
+            x = x.t() if transpose else x  # (n, 2n) either way; the second not contiguous
+            before = x.clone()
+            with mesh:
+                apply_op(op, x, axis, p)
+            if not torch.equal(x, before):
+                changed.append((op, transpose))
+    return changed
+
+
+def test_collectives_leave_their_input_unchanged(pool2):
+    assert pool2.run(run_inputs_unchanged, {"x": 2}, "x") == [[], []]

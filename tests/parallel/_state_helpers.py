@@ -270,3 +270,30 @@ def run_marked_state() -> dict:
     return {"marked": marked, "after_fresh": after_fresh, "after_other": after_other, "losses": losses,
             "fresh": float(m_fresh["loss"].full_tensor()), "other": float(m_other["loss"].full_tensor()),
             "same": float(m_same["loss"].full_tensor()), "wrong": wrong}
+
+
+def run_aux_stats_packed() -> dict:
+    """A step whose differentiated function returns float and integer ``aux`` statistics of several
+    dtypes, under ddp on this pool: the values (floats averaged, integers summed over the data shards)
+    and the collectives that reduced them (one per dtype)."""
+    import hpfunc
+    from hpfunc.transforms import plans
+
+    def step(state, batch):
+        def f(p):
+            y = batch @ p["w"]
+            aux = {"s": y.sum(), "v": batch.mean(0), "d": batch.double().sum(), "n": torch.tensor(batch.shape[0]),
+                   "m": torch.tensor([batch.shape[0], 1], dtype=torch.int32)}
+            return y.pow(2).mean(), aux
+
+        (loss, aux), g = hpfunc.value_and_grad(f, has_aux=True)(state["params"])
+        return state, {"loss": loss, **aux}
+
+    ts = hpfunc.parallelize(step, hpfunc.Mesh({"dp": 2}), plans.ddp("dp"))
+    state = {"params": ts.shard_params({"w": torch.arange(3.0)})}
+    batch = torch.arange(12.0).reshape(4, 3)
+    ts(state, batch)
+    with hpfunc.comm_stats() as stats:
+        _, m = ts(state, batch)
+    fwd = sorted((r.name, r.payload_bytes) for r in stats.records if r.phase == "forward")
+    return {"records": fwd, **{k: v.full_tensor() for k, v in m.items()}}

@@ -6,6 +6,7 @@ AdamW or Muon + AdamW, clipping by the global norm inside the optimizer chain, a
 from __future__ import annotations
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -81,3 +82,15 @@ def test_a_state_laid_out_as_lowered_skips_the_layout_check(pools):
         assert out["marked"] == 0 and out["after_fresh"] == 0 and out["after_other"] == 1, out
         assert out["fresh"] == out["same"] == out["other"] and out["losses"][1] < out["losses"][0], out
         assert "'w' is stored as" in out["wrong"] and "P('fsdp')" in out["wrong"], out["wrong"]
+
+
+def test_aux_statistics_reduced_in_one_collective_per_dtype(pools):
+    for out in pools(2).run(S.run_aux_stats_packed):
+        batch = torch.arange(12.0).reshape(4, 3)
+        y = batch @ torch.arange(3.0)
+        # the mean over the 2 data shards of each shard's statistic; integers summed
+        assert out["s"].item() == y.sum().item() / 2 and out["d"].item() == batch.sum().item() / 2, out
+        torch.testing.assert_close(out["v"], batch.mean(0), rtol=0, atol=0)
+        assert out["n"].item() == 4 and out["m"].tolist() == [4, 2], out
+        # the loss's pmean; float32 s and v in one pmean (1 + 3 elements), float64 d, int64 n, int32 m
+        assert out["records"] == sorted([("pmean", 4), ("pmean", 16), ("pmean", 8), ("psum", 8), ("psum", 8)]), out
