@@ -35,16 +35,27 @@ def _fake(bug=None) -> dict:
 
 def test_no_optimizer_state_byte_stays_on_the_device_between_steps():
     """Storage liveness on fake CUDA: with offload the live device bytes after each step are those without
-    it less exactly the moments' bytes (2 x the fp32 parameter blocks), and none of them is a moment."""
+    it less exactly the moments' bytes (2 x the fp32 parameter blocks), and none of them is a moment. During
+    the update, streamed leaf by leaf, at most two leaves' moments are on the device at once (the one
+    updated and the next, coming in), not the whole state as in one group."""
     out = _fake()
     for run in out.values():  # a checkpoint stages every block in host memory (none back on the device)
         assert run.pop()["staged"] == ["cpu"]
-    for plain, off in zip(out[False], out[True]):
-        assert plain["opt_rest"] == ["cuda"] and off["opt_rest"] == ["cpu"], (plain, off)
+    for plain, off, leafwise in zip(out["plain"], out["offload"], out["leafwise"]):
+        assert plain["opt_rest"] == ["cuda"] and off["opt_rest"] == leafwise["opt_rest"] == ["cpu"], (plain, off)
         assert plain["moment_bytes"] == off["moment_bytes"] == 2 * plain["param_bytes"] > 0
         assert plain["opt_device_bytes"] == plain["moment_bytes"]  # without offload: the moments live on cuda
-        assert off["opt_device_bytes"] == 0
-        assert plain["device_bytes"] - off["device_bytes"] == plain["moment_bytes"], (plain, off)
+        for o in (off, leafwise):
+            assert o["opt_device_bytes"] == 0
+            assert plain["device_bytes"] - o["device_bytes"] == plain["moment_bytes"], (plain, o)
+        # the update's peak of streamed-in state: nothing without offload, the whole state in one group, and
+        # leaf by leaf the largest two consecutive leaves' moments (the double buffer)
+        leaves = leafwise["leaf_moment_bytes"]
+        assert sum(leaves) == plain["moment_bytes"] and len(leaves) > 2
+        assert plain["update_peak"] == 0
+        assert off["update_peak"] == plain["moment_bytes"]
+        assert leafwise["update_peak"] == max(a + b for a, b in zip(leaves, leaves[1:])), (leafwise, leaves)
+        assert leafwise["update_peak"] < plain["moment_bytes"] / 2
 
 
 def test_the_yaml_key_builds_the_plan_option():
