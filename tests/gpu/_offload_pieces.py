@@ -20,12 +20,13 @@ def _plan(name: str, cfg):
     return plan
 
 
-def run_offload_parity(name: str, steps: int = 2, bug: str | None = None) -> dict:
+def run_offload_parity(name: str, steps: int = 2, bug: str | None = None, group_bytes: int | None = None) -> dict:
     """The tiny dense Qwen3 trained ``steps`` steps by ``parallel_train_step`` (AdamW with a global-norm clip) under
     plan ``name`` with and without ``with_state_offload("optimizer")`` (the offloaded one with
     ``donate_state``: the update writes into the streamed copies): per step the losses, the gradients, the
     updates (new minus old parameters) and the optimizer state, full tensors, and where the offloaded
-    run's moments rest. ``bug`` plants a deliberate fault in the offload to show the comparison fails."""
+    run's moments rest. ``group_bytes``: the offload's streaming groups (``0``: leaf by leaf). ``bug`` plants a
+    deliberate fault in the offload to show the comparison fails."""
     import functools
 
     import hpfunc
@@ -57,7 +58,7 @@ def run_offload_parity(name: str, steps: int = 2, bug: str | None = None) -> dic
         lowered_mod.to_rest = stale
     runs = {}
     for offload in (False, True):
-        p = plan.with_state_offload("optimizer") if offload else plan
+        p = plan.with_state_offload("optimizer", group_bytes=group_bytes) if offload else plan
         step = parallel_train_step(loss, tx, mesh, p, has_aux=True, clip_norm=None, return_grads=True)
         if offload:
             step = attr_donating(step, parallelize)

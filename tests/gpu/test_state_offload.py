@@ -10,9 +10,10 @@ from tests.gpu import _offload_pieces as op
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("name, world", [("fsdp", 2), ("fsdp x tp", 4)])
-def test_offloaded_optimizer_state_equals_the_plan_without(pools, name, world):
-    outs = pools(world).run(op.run_offload_parity, name)
+@pytest.mark.parametrize("name, world, group_bytes", [("fsdp", 2, 0), ("fsdp x tp", 4, None)])
+def test_offloaded_optimizer_state_equals_the_plan_without(pools, name, world, group_bytes):
+    """Streamed leaf by leaf (``group_bytes=0``) and in the default groups (the whole tiny state in one)."""
+    outs = pools(world).run(op.run_offload_parity, name, 2, None, group_bytes)
     for out in outs:
         for i, e in enumerate(out["errors"]):
             assert e["loss"] <= 1e-5 and e["grads"] <= 1e-5 and e["updates"] <= 1e-5 and e["opt"] <= 1e-5, (i, e)
@@ -77,3 +78,13 @@ def test_what_cannot_be_offloaded_is_named():
     with pytest.raises(plans.PlanError, match="cannot offload 'master'"):
         plans.fsdp("fsdp").with_state_offload("master")
     assert (plans.fsdp("fsdp").with_state_offload("optimizer") + plans.ddp("dp")).state_offload == ("optimizer",)
+    with pytest.raises(plans.PlanError, match="group_bytes must be an int >= 0"):
+        plans.fsdp("fsdp").with_state_offload("optimizer", group_bytes=-1)
+    assert plans.fsdp("fsdp").with_state_offload("optimizer", group_bytes=0).offload_group_bytes == 0
+
+
+def test_the_yaml_and_the_plan_share_one_list_of_what_can_be_offloaded():
+    from hpfunc.train.config import parallel_grammar
+    from hpfunc.transforms import state_offload
+
+    assert parallel_grammar.OFFLOAD_STATE is state_offload.KINDS
