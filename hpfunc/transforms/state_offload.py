@@ -11,9 +11,15 @@ forward and backward run:
 2. the step receives it as a host block; :func:`hpfunc.optim.update_and_apply` streams it to the
    device on a copy stream when the update needs it (:func:`hpfunc.optim.base.stream_state_in`),
    after the backward, so the forward and backward never hold it;
-3. the update writes the new state on the device (in place with ``donate_state``); :func:`to_rest`
-   copies it back to fresh host buffers on a copy stream (the allocator keeps each device block until
-   its copy ends) and the device copy goes with the step.
+3. the step runs inside :func:`hpfunc.optim.streaming_state` (groups of at most the plan's
+   ``offload_group_bytes``, default :data:`GROUP_BYTES`): AdamW's fused path streams the moments group by
+   group (the next copied in while one is updated in place in its streamed copy, each copied back to
+   fresh host buffers and released), so about two groups are on the device at once; those new leaves
+   leave the step in host memory and :func:`to_rest` wraps them with the received state's layout. An
+   update that cannot stream brings the whole state in (:func:`hpfunc.optim.base.stream_state_in`) and
+   writes the new state on the device; :func:`to_rest` copies it back to fresh host buffers on a copy
+   stream (the allocator keeps each device block until its copy ends) and the device copy goes with the
+   step.
 
 The values are those of the same plan without offload, bit for bit (the same arithmetic on the same
 numbers; only where they rest changes). On the CPU host and device are one memory: the copies are
