@@ -31,7 +31,8 @@ from typing import Any, Sequence
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-__all__ = ["is_shape_only", "on_real_cuda", "to_host", "to_device"]
+__all__ = ["is_shape_only", "on_real_cuda", "copy_stream_for", "to_host", "to_device", "start_to_device", "Incoming",
+           "join"]
 
 
 def is_shape_only(t: torch.Tensor) -> bool:
@@ -44,11 +45,22 @@ def on_real_cuda(t: torch.Tensor) -> bool:
     return t.device.type == "cuda" and not is_shape_only(t) and torch.cuda.is_available()
 
 
-def to_host(tensors: Sequence[torch.Tensor], *, pin: bool | None = None) -> tuple[list[torch.Tensor], Any]:
+def copy_stream_for(device: torch.device) -> Any:
+    """A side stream of ``device`` for copies (``None`` where there is no real CUDA device: the copies of
+    this module are then made at once)."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return torch.cuda.Stream(device)
+
+
+def to_host(tensors: Sequence[torch.Tensor], *, pin: bool | None = None,
+            stream: Any = None) -> tuple[list[torch.Tensor], Any]:
     """Host copies of ``tensors`` (all of one device) and the event their copies end at (``None`` when
     they are done on return: CPU, fake devices).
 
-    ``pin``: pinned host buffers (default: when the tensors are on a CUDA device).
+    ``pin``: pinned host buffers (default: when the tensors are on a CUDA device). ``stream``: the side
+    stream to copy on (default: a new one).
     """
     if not tensors:
         return [], None
@@ -62,7 +74,7 @@ def to_host(tensors: Sequence[torch.Tensor], *, pin: bool | None = None) -> tupl
         return out, None
     pin = True if pin is None else pin
     device = first.device
-    stream = torch.cuda.Stream(device)
+    stream = torch.cuda.Stream(device) if stream is None else stream
     stream.wait_stream(torch.cuda.current_stream(device))  # the values as the compute left them
     out = []
     with torch.cuda.stream(stream):
@@ -81,16 +93,50 @@ def to_device(tensors: Sequence[torch.Tensor], device: torch.device, *, after: A
 
     On CUDA the copies run on a side stream and the current stream waits for them (the host does not).
     """
-    if not tensors:
-        return []
+    return start_to_device(tensors, device, after=after).wait()
+
+
+class Incoming:
+    """Device copies under way (:func:`start_to_device`): :meth:`wait` hands them out once the current
+    stream waits for them (on CUDA an event; the host never waits)."""
+
+    __slots__ = ("tensors", "event", "device")
+
+    def __init__(self, tensors: list[torch.Tensor], event: Any, device: torch.device):
+        self.tensors, self.event, self.device = tensors, event, device
+
+    def wait(self) -> list[torch.Tensor]:
+        out, self.tensors = self.tensors, []
+        if self.event is not None:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(self.event)
+            for d in out:
+                d.record_stream(current)  # made on the copy stream, used and freed on the current one
+        return out
+
+
+def start_to_device(tensors: Sequence[torch.Tensor], device: torch.device, *, after: Any = None,
+                    stream: Any = None) -> Incoming:
+    """Start device copies of the host ``tensors`` without making the current stream wait for them yet:
+    on CUDA they run on ``stream`` (a side stream, default a new one) after the work queued so far and
+    after the event ``after``, so that the current stream computes meanwhile (the double buffer of a
+    streamed update: the next group comes in while this one is updated); :meth:`Incoming.wait` before use.
+
+    >>> import torch
+    >>> h = torch.ones(3)
+    >>> [d] = start_to_device([h], torch.device("cpu")).wait()
+    >>> torch.equal(d, h), d.data_ptr() != h.data_ptr()
+    (True, True)
+    """
     device = torch.device(device)
+    if not tensors:
+        return Incoming([], None, device)
     if device.type != "cuda" or not torch.cuda.is_available() or any(is_shape_only(t) for t in tensors):
         if device.type == "cpu":
-            return [t.detach().clone() for t in tensors]  # a distinct "device" copy, as on an accelerator
-        return [t.detach().to(device, non_blocking=True) for t in tensors]
-    stream = torch.cuda.Stream(device)
-    current = torch.cuda.current_stream(device)
-    stream.wait_stream(current)
+            return Incoming([t.detach().clone() for t in tensors], None, device)  # a distinct "device" copy
+        return Incoming([t.detach().to(device, non_blocking=True) for t in tensors], None, device)
+    stream = torch.cuda.Stream(device) if stream is None else stream
+    stream.wait_stream(torch.cuda.current_stream(device))
     if after is not None:
         stream.wait_event(after)
     out = []
@@ -99,7 +145,14 @@ def to_device(tensors: Sequence[torch.Tensor], device: torch.device, *, after: A
             d = torch.empty(t.shape, dtype=t.dtype, device=device)
             d.copy_(t, non_blocking=True)
             out.append(d)
-    current.wait_stream(stream)
-    for d in out:
-        d.record_stream(current)  # made on the copy stream, used and freed on the current one
-    return out
+        done = torch.cuda.Event()
+        done.record(stream)
+    return Incoming(out, done, device)
+
+
+def join(event: Any, device: torch.device) -> None:
+    """Make the current stream of ``device`` wait for ``event`` (of :func:`to_host`; ``None``: nothing to
+    wait for): work queued after, the next step's copies in included, starts after those copies end,
+    and the host does not wait."""
+    if event is not None:
+        torch.cuda.current_stream(torch.device(device)).wait_event(event)

@@ -28,6 +28,7 @@ from hpfunc.optim.base import (
     Updates,
     apply_updates,
     identity,
+    streaming_state,
     update_and_apply,
 )
 from hpfunc.optim.clipping import clip_by_global_norm, global_norm
@@ -48,6 +49,7 @@ __all__ = [
     "identity",
     "apply_updates",
     "update_and_apply",
+    "streaming_state",
     "FusedUpdate",
     # building blocks
     "scale",

@@ -28,10 +28,14 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
+from hpfunc.copy_stream import is_shape_only
 from hpfunc.optim import _ops, _tree
 from hpfunc.optim.adam import ScaleByAdamState
-from hpfunc.optim.base import EmptyState, OptState, Params, UpdateFn, Updates, apply_updates
+from hpfunc.optim.base import (
+    EmptyState, OptState, Params, UpdateFn, Updates, apply_updates, stream_group_bytes, stream_state_in,
+)
 from hpfunc.optim.combine import MaskedState, mask_flags
 from hpfunc.optim.scale import ScalarOrSchedule, ScaleByScheduleState
 from hpfunc.optim.schedules import Tabled
@@ -62,13 +66,21 @@ def adamw_apply(chain_update: UpdateFn, *, b1: float, b2: float, eps: float, eps
     @torch.no_grad()
     def apply(grads: Updates, state: OptState, params: Params, *, donate: bool = False) -> tuple[Params, OptState]:
         if not _fusable_state(state, mask is not None, callable(learning_rate)) or params is None:
-            return fallback(grads, state, params)
+            return fallback(grads, stream_state_in(state, params), params)
         adam, decay_state, rate_state = state
         (g, m, v, p), spec = _tree.flatten_aligned([grads, adam.mu, adam.nu, params],
                                                    ["updates", "state.mu", "state.nu", "params"], "adamw")
         if not g:
-            return fallback(grads, state, params)
-        kernel = eps_root == 0.0 and _kernel_leaves(p, g, m, v)
+            return fallback(grads, stream_state_in(state, params), params)
+        group_bytes = stream_group_bytes()  # inside streaming_state: the moments held in host memory come by groups
+        streamed = (group_bytes is not None and eps_root == 0.0 and _kernel_leaves(p, g, p, p, shape_only=True)
+                    and _held_like(m, v, p))
+        if group_bytes is not None and not streamed:  # the whole state to the device, then as without offload
+            state = stream_state_in(state, params)
+            adam = state[0]
+            (g, m, v, p), spec = _tree.flatten_aligned([grads, adam.mu, adam.nu, params],
+                                                       ["updates", "state.mu", "state.nu", "params"], "adamw")
+        kernel = streamed or eps_root == 0.0 and _kernel_leaves(p, g, m, v)
         if not kernel:
             if not _ops.foreachable(g, m, v, p):
                 return fallback(grads, state, params)
@@ -102,9 +114,13 @@ def adamw_apply(chain_update: UpdateFn, *, b1: float, b2: float, eps: float, eps
             # torch's fused step: an fp32 tensor on the parameters' device, counted
             step = (count.to(torch.float32) if on_device
                     else torch.tensor(float(int(count)), dtype=torch.float32, device=p[0].device))
-            new_p, new_m, new_v = _fused_kernel(p, m, v, g, flags, step=step, lr=lr if lr_tensor is None else lr_tensor,
-                                                b1=b1, b2=b2, eps=eps,
-                                                weight_decay=weight_decay, in_place=in_place)
+            hyper = dict(step=step, lr=lr if lr_tensor is None else lr_tensor, b1=b1, b2=b2, eps=eps,
+                         weight_decay=weight_decay)
+            if streamed:
+                new_p, new_m, new_v = _streamed_kernel(p, m, v, g, flags, group_bytes=group_bytes, in_place=in_place,
+                                                       **hyper)
+            else:
+                new_p, new_m, new_v = _fused_kernel(p, m, v, g, flags, in_place=in_place, **hyper)
             new_adam = ScaleByAdamState(count=count, mu=_tree.unflatten(spec, new_m), nu=_tree.unflatten(spec, new_v))
             return _tree.unflatten(spec, new_p), (new_adam, decay_state, new_rate_state)
         new_p: list[torch.Tensor] = []
@@ -138,15 +154,18 @@ def adamw_apply(chain_update: UpdateFn, *, b1: float, b2: float, eps: float, eps
         new_adam = ScaleByAdamState(count=count, mu=_tree.unflatten(spec, new_m), nu=_tree.unflatten(spec, new_v))
         return _tree.unflatten(spec, new_p), (new_adam, decay_state, new_rate_state)
 
+    apply.streams_state = True  # type: ignore[attr-defined]  # it streams a state held in host memory itself
     return apply
 
 
-def _kernel_leaves(p: list[torch.Tensor], g: list[torch.Tensor], m: list[torch.Tensor], v: list[torch.Tensor]) -> bool:
+def _kernel_leaves(p: list[torch.Tensor], g: list[torch.Tensor], m: list[torch.Tensor], v: list[torch.Tensor],
+                   shape_only: bool = False) -> bool:
     """Whether torch's fused AdamW kernel (``torch._fused_adamw_``, what ``torch.optim.AdamW(fused=True)``
     runs) can take these leaves (with no ``eps_root``, which torch lacks): plain tensors, all fp32 or all
     fp64 on one device, contiguous (the kernel walks each tensor's memory in order), each parameter's
     gradient and moments of its shape. One pass; a leaf that does not fit sends the step the foreach way,
-    whose checks name what is wrong."""
+    whose checks name what is wrong. ``shape_only``: fake tensors count as plain (the streamed update's
+    shape-only run, which skips the kernel itself: :func:`_fused_kernel`)."""
     if _FUSED is None:
         return False
     first = p[0]
@@ -155,7 +174,7 @@ def _kernel_leaves(p: list[torch.Tensor], g: list[torch.Tensor], m: list[torch.T
         return False
     device = first.device
     cpu = device.type == "cpu"
-    plain = _ops.plain_type
+    plain = _computes_plain if shape_only else _ops.plain_type
     for a, b, c, d in zip(p, g, m, v):
         for x in (a, b, c, d):
             if (not plain(type(x)) or x.dtype is not dtype or not x.is_contiguous()
@@ -170,19 +189,31 @@ def _kernel_leaves(p: list[torch.Tensor], g: list[torch.Tensor], m: list[torch.T
 _FUSED = getattr(torch, "_fused_adamw_", None)
 
 
+def _computes_plain(cls: type) -> bool:
+    """``cls`` computes as a plain tensor for the kernel: a plain tensor, or a fake one (``FakeTensorMode``:
+    the shape-only run of the same kernel a device runs; the dry run and the fake-device tests)."""
+    return _ops.plain_type(cls) or issubclass(cls, FakeTensor)
+
+
 def _fused_kernel(p: list[torch.Tensor], m: list[torch.Tensor], v: list[torch.Tensor], g: list[torch.Tensor],
                   flags: list[bool], *, step: torch.Tensor, lr: float | torch.Tensor, b1: float, b2: float, eps: float, weight_decay: float,
-                  in_place: bool) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+                  in_place: bool, state_in_place: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
     """The update by torch's fused AdamW kernel: one pass over each leaf's parameter, gradient and
     moments, no temporaries (about 4x faster on CPU than the 8 foreach passes). It writes in place: into
-    the donated buffers, else into copies. The decayed and the other leaves go in two calls, as two
-    ``torch.optim.AdamW`` parameter groups would (``weight_decay`` 0 for the second)."""
+    the donated buffers, else into copies (``state_in_place``: the moments in place whatever ``in_place``
+    says: they are the streamed copies of a state at rest in host memory). The decayed and the other
+    leaves go in two calls, as two ``torch.optim.AdamW`` parameter groups would (``weight_decay`` 0 for
+    the second)."""
     if not in_place:
-        p, m, v = ([x.clone() for x in xs] for xs in (p, m, v))
+        p = [x.clone() for x in p]
+        if not state_in_place:
+            m, v = ([x.clone() for x in xs] for xs in (m, v))
     for decay in (True, False):
         idx = [k for k, f in enumerate(flags) if f is decay]
         if not idx:
             continue
+        if is_shape_only(p[0]):  # fake tensors (a streamed update's dry or fake-device run): the kernel writes
+            continue             # in place and makes nothing, so its shape-only run is no op at all
         pick = (lambda xs: xs) if len(idx) == len(p) else (lambda xs: [xs[k] for k in idx])
         _FUSED(pick(p), pick(g), pick(m), pick(v), [], [step] * len(idx), amsgrad=False, lr=lr, beta1=b1, beta2=b2,
                weight_decay=weight_decay if decay else 0.0, eps=eps, maximize=False, grad_scale=None,
@@ -190,6 +221,77 @@ def _fused_kernel(p: list[torch.Tensor], m: list[torch.Tensor], v: list[torch.Te
     if in_place:  # new tensor objects over the same memory: the outputs are not the inputs
         return ([x.detach() for x in xs] for xs in (p, m, v))  # type: ignore[return-value]
     return p, m, v
+
+
+def _streamed_kernel(p: list[torch.Tensor], m: list[torch.Tensor], v: list[torch.Tensor], g: list[torch.Tensor],
+                     flags: list[bool], *, group_bytes: int, in_place: bool,
+                     **hyper: Any) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """:func:`_fused_kernel` over moments ``m``, ``v`` held in host memory, streamed through the parameters'
+    device by groups of leaves of at most ``group_bytes`` bytes of moments (:func:`_byte_groups`): group
+    ``k + 1`` is copied in on a copy stream while group ``k`` is updated in place in its streamed copy, which
+    is then copied back to fresh host buffers on another copy stream and released. About two groups are on
+    the device at once (the copy in flight and the one updated), never the whole state. The values are the
+    unstreamed kernel's bit for bit (it is elementwise per leaf). Returns the new params (on the device) and
+    the new moments (in host memory); the current stream waits for the last copy back (no host wait)."""
+    from hpfunc.copy_stream import copy_stream_for, join, start_to_device, to_host
+
+    device = p[0].device
+    groups = _byte_groups(m, v, group_bytes)
+    streams = copy_stream_for(device), copy_stream_for(device)  # in, back: each direction on its own
+    new_p: list[torch.Tensor] = []
+    new_m: list[torch.Tensor] = []
+    new_v: list[torch.Tensor] = []
+    a, b = groups[0]
+    incoming = start_to_device(m[a:b] + v[a:b], device, stream=streams[0])
+    done = None
+    for k, (a, b) in enumerate(groups):
+        here = incoming.wait()
+        if k + 1 < len(groups):  # the next group comes in while this one is updated
+            c, d = groups[k + 1]
+            incoming = start_to_device(m[c:d] + v[c:d], device, stream=streams[0])
+        n = b - a
+        np_, nm, nv = _fused_kernel(p[a:b], here[:n], here[n:], g[a:b], flags[a:b], in_place=in_place,
+                                    state_in_place=True, **hyper)
+        del here
+        hosts, done = to_host(nm + nv, stream=streams[1])
+        del nm, nv  # the device copies go (on CUDA once their copy back ends)
+        new_p += np_
+        new_m += hosts[:n]
+        new_v += hosts[n:]
+    join(done, device)
+    return new_p, new_m, new_v
+
+
+def _byte_groups(m: list[torch.Tensor], v: list[torch.Tensor], group_bytes: int) -> list[tuple[int, int]]:
+    """``[(start, stop), ...]``: consecutive leaves whose moments take at most ``group_bytes`` bytes (one
+    leaf at least; ``0``: one leaf per group).
+
+    >>> z = [torch.zeros(4), torch.zeros(4), torch.zeros(16)]  # 32, 32 and 128 bytes of m and v
+    >>> _byte_groups(z, z, 64), _byte_groups(z, z, 0), _byte_groups(z, z, 1 << 20)
+    ([(0, 2), (2, 3)], [(0, 1), (1, 2), (2, 3)], [(0, 3)])
+    """
+    out, start, size = [], 0, 0
+    for k, (x, y) in enumerate(zip(m, v)):
+        n = x.numel() * x.element_size() + y.numel() * y.element_size()
+        if k > start and size + n > group_bytes:
+            out.append((start, k))
+            start, size = k, 0
+        size += n
+    if m:
+        out.append((start, len(m)))
+    return out
+
+
+def _held_like(m: list[torch.Tensor], v: list[torch.Tensor], p: list[torch.Tensor]) -> bool:
+    """The moments are held in host memory, each a plain contiguous tensor of its parameter's shape and
+    dtype (what the streamed kernel takes; fake tensors too: the shape-only run of a streamed update)."""
+    plain = _computes_plain
+    for x, y, w in zip(m, v, p):
+        for t in (x, y):
+            if (not plain(type(t)) or t.device.type != "cpu" or t.dtype is not w.dtype or t.shape != w.shape
+                    or not t.is_contiguous()):
+                return False
+    return True
 
 
 # Leaves are updated in groups of at most this many elements (one leaf at least): the denominators (and

@@ -17,7 +17,9 @@ the optax sign convention: they are *added* to the params, so a descent step is 
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Protocol
+import contextlib
+import contextvars
+from typing import Any, Iterator, NamedTuple, Protocol
 
 import torch
 
@@ -38,6 +40,8 @@ __all__ = [
     "update_and_apply",
     "new_count",
     "stream_state_in",
+    "streaming_state",
+    "stream_group_bytes",
 ]
 
 Params = Any
@@ -198,8 +202,10 @@ def update_and_apply(tx: GradientTransformation, updates: Updates, state: OptSta
     >>> params["w"]
     tensor([0.9000, 0.9000])
     """
-    state = stream_state_in(state, params)
     apply = getattr(tx.update, "apply", None)
+    if apply is not None and getattr(apply, "streams_state", False) and _STREAM.get() is not None:
+        return apply(updates, state, params, donate=donate)  # it streams the host-held state itself, by groups
+    state = stream_state_in(state, params)
     if apply is not None:
         return apply(updates, state, params, donate=donate)
     new_updates, new_state = tx.update(updates, state, params)
@@ -238,3 +244,38 @@ def stream_state_in(state: OptState, params: Params) -> OptState:
     for k, x in zip(held, moved):
         leaves[k] = x
     return _tree.unflatten(spec, leaves)
+
+
+# the bytes of optimizer state (per group of leaves) that an update streams through the device at once,
+# set by a step whose plan keeps the optimizer state in host memory; None: no streaming (the whole state)
+_STREAM: contextvars.ContextVar[int | None] = contextvars.ContextVar("hpfunc.optim.stream_group_bytes", default=None)
+
+
+@contextlib.contextmanager
+def streaming_state(group_bytes: int) -> Iterator[None]:
+    """Inside, :func:`update_and_apply` streams the optimizer state held in host memory through the device
+    in groups of leaves of at most ``group_bytes`` bytes (one leaf at least): the next group is copied in on
+    a copy stream while this one is updated, then copied back to fresh host buffers and released, so that
+    about two groups of the state are on the device at once instead of all of it. Only a transformation
+    whose fused apply can stream (``adamw``'s kernel path, a ``chain`` ending in it) does; the others bring
+    the whole state in (:func:`stream_state_in`). Inside, the new state of a streamed update is in host
+    memory. A plan with ``with_state_offload("optimizer")`` runs its step inside this.
+
+    >>> with streaming_state(1 << 20):
+    ...     stream_group_bytes()
+    1048576
+    >>> stream_group_bytes() is None
+    True
+    """
+    if isinstance(group_bytes, bool) or not isinstance(group_bytes, int) or group_bytes < 0:
+        raise ValueError(f"streaming_state: group_bytes must be an int >= 0 (0: one leaf per group), found {group_bytes!r}")
+    token = _STREAM.set(group_bytes)
+    try:
+        yield
+    finally:
+        _STREAM.reset(token)
+
+
+def stream_group_bytes() -> int | None:
+    """The group size of :func:`streaming_state` in force (``None`` outside)."""
+    return _STREAM.get()

@@ -6,7 +6,9 @@ from typing import Any, Callable, Hashable, Mapping, NamedTuple
 
 
 from hpfunc.optim import _tree
-from hpfunc.optim.base import FusedUpdate, GradientTransformation, OptState, Params, Updates
+from hpfunc.optim.base import (
+    FusedUpdate, GradientTransformation, OptState, Params, Updates, stream_group_bytes, stream_state_in,
+)
 from hpfunc.optim.errors import OptimError, TreeMismatchError, UnknownLabelError
 
 __all__ = ["chain", "MaskedState", "masked", "PartitionState", "partition"]
@@ -55,12 +57,15 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
         if not isinstance(state, tuple) or len(state) != len(transforms):
             update(updates, state, params)  # raises the chain's error
         new_states = []
+        streamed = apply.streams_state and stream_group_bytes() is not None  # type: ignore[attr-defined]
         for t, s in zip(transforms[:-1], state[:-1]):
-            updates, s = t.update(updates, s, params)
+            # under streaming the last one streams its own state in; the others' state comes in whole
+            updates, s = t.update(updates, stream_state_in(s, params) if streamed else s, params)
             new_states.append(s)
         params, s = last(updates, state[-1], params, donate=donate)
         return params, (*new_states, s)
 
+    apply.streams_state = getattr(last, "streams_state", False)  # type: ignore[attr-defined]
     return GradientTransformation(init, FusedUpdate(update, apply))
 
 

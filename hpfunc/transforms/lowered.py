@@ -37,6 +37,7 @@ can), and one of other shapes or dtypes is lowered again.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -47,6 +48,7 @@ from torch.distributed.tensor import DTensor
 from hpfunc import layout
 from hpfunc import tree as _tree
 from hpfunc.layout import LeafLayout, PlanError
+from hpfunc.optim.base import streaming_state
 from hpfunc.sharding import P, _contiguous_stride, _DTensorSpec, _TensorMeta, sharding_of, spec_to_placements
 from hpfunc.transforms.engine.differentiate import EngineConfig
 from hpfunc.transforms.engine.gather import group_key
@@ -54,7 +56,7 @@ from hpfunc.transforms.engine.reduce import reduction_bucket
 from hpfunc.transforms.engine.state import get_path, param_suffix, positions_of, replace_path
 from hpfunc.transforms.engine.step_layout import RankStep
 from hpfunc.transforms.shard_map import Flat, FlatSpecs, flat_checks, flat_specs, shard_map
-from hpfunc.transforms.state_offload import rest_paths, to_rest
+from hpfunc.transforms.state_offload import GROUP_BYTES, rest_paths, to_rest
 
 if TYPE_CHECKING:
     from hpfunc.transforms.parallelize import ParallelizedStep
@@ -102,6 +104,9 @@ class Lowered:
         self.n_state_leaves = len(state_pairs)
         # the state leaves that rest in host memory between steps (plan.with_state_offload)
         self.rest_paths = rest_paths(plan.state_offload, state_pairs, is_param, res)
+        self.state_paths: list[str] = []  # every position's path (None leaves too): where a held leaf's layout is
+        if self.rest_paths:
+            _tree.map_with_path(lambda path, x: self.state_paths.append(path), state, none_is_leaf=True)
         self.engine = EngineConfig(mesh, plan, [res[p] for p in self.paths], self.dtypes)
         self.placements = [tuple(spec_to_placements(res[p].spec.storage, mesh, len(res[p].shape), where=p))
                            for p in self.paths]
@@ -265,19 +270,35 @@ class Lowered:
         state lowered as ``out`` (default: this one)."""
         out_lowered = self if out is None else out
         pp, outer = self.owner.params, self.outer_binding
+        # state offload: the update streams the state at rest through the device (optim.streaming_state) and
+        # returns it in host memory; such leaves leave the shard_map as None (wrapping would copy them back to
+        # the device) and are put back at rest after it, with the layout of the state the step received
+        at_rest = self.rest_paths if out is None else frozenset()
+        held: dict[str, torch.Tensor] = {}
+        group_bytes = self.plan.offload_group_bytes
+        group_bytes = GROUP_BYTES if group_bytes is None else group_bytes
+
+        def hold(path: str, x: Any) -> Any:
+            if path in at_rest and isinstance(x, torch.Tensor) and x.device.type == "cpu":
+                held[path] = x
+                return None
+            return x
 
         def body(state: Any, *rest: Any) -> Any:
             params = get_path(state, pp)
             storage, treedef = _tree.flatten(params)
             ctx = RankStep(self, storage, donate_state=donate)
             user_state = replace_path(state, pp, _tree.unflatten(treedef, ctx.opt_blocks))
-            with layout.binding(attrs.evolve(outer, step=ctx)):
+            with layout.binding(attrs.evolve(outer, step=ctx)), \
+                    (streaming_state(group_bytes) if at_rest else contextlib.nullcontext()):
                 new_state, *extra = fn(user_state, *rest)
             new_leaves, new_def = _tree.flatten(get_path(new_state, pp))
             if new_def != treedef:
                 raise PlanError(f"parallelize: the step changed the structure of the parameters "
                                 f"({new_def} instead of {treedef})")
             new_state = replace_path(new_state, pp, _tree.unflatten(treedef, ctx.to_storage(new_leaves)))
+            if at_rest:
+                new_state = _tree.map_with_path(hold, new_state, none_is_leaf=True)
             return (new_state, *extra)
 
         # replicated by construction (the state: reduced gradients, identical updates; the metrics: the
@@ -299,7 +320,10 @@ class Lowered:
         result = shard_map(body, mesh=self.mesh, in_specs=(in_specs, *arg_specs), out_specs=out_specs,
                            check_rep=check)(state_in, *args)
         if out_lowered.rest_paths:  # the offloaded state back to host memory (its device copy goes with it)
-            result = (to_rest(result[0], out_lowered.rest_paths), *result[1:])
+            like = None
+            if held:
+                like = {path: x for path, x in zip(self.state_paths, state_in.leaves) if path in held}
+            result = (to_rest(result[0], out_lowered.rest_paths, held, like), *result[1:])
         return result
 
     # -- printing -----------------------------------------------------------------------------------

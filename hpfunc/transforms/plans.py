@@ -203,6 +203,7 @@ class Plan:
     sdc_check: str | None = None
     context: Any = None  # a ContextParallelLayer (hpfunc.transforms.context_parallel_plan), from cp(...)
     state_offload: tuple[str, ...] = ()  # what is kept in host memory between steps ("optimizer")
+    offload_group_bytes: int | None = None  # the optimizer state an update streams at once (None: the default)
 
     def __add__(self, other: "Plan") -> "Plan":
         def one(name: str) -> Any:
@@ -222,7 +223,7 @@ class Plan:
                     one("param_dtype"), one("reduce_dtype"), one("gradient_scaling_factor"),
                     self.pipeline if self.pipeline is not None else other.pipeline, one("sdc_check"),
                     self.context if self.context is not None else other.context,
-                    tuple(dict.fromkeys(self.state_offload + other.state_offload)))
+                    tuple(dict.fromkeys(self.state_offload + other.state_offload)), one("offload_group_bytes"))
 
     def with_mixed_precision(self, param_dtype: torch.dtype | None = torch.bfloat16,
                              reduce_dtype: torch.dtype | None = torch.float32) -> "Plan":
@@ -265,22 +266,27 @@ class Plan:
                             f"found {policy!r}")
         return attrs.evolve(self, sdc_check=policy)
 
-    def with_state_offload(self, *what: str) -> "Plan":
+    def with_state_offload(self, *what: str, group_bytes: int | None = None) -> "Plan":
         """Keep the named state in host memory between steps (selective state offload).
 
         ``"optimizer"``: every optimizer-state leaf laid out like a parameter (AdamW's moments, Muon's
         momentum) rests in host memory (pinned where the device is CUDA) between steps and reaches the
-        step there; :func:`hpfunc.optim.update_and_apply` streams it to the device for the update on a
-        copy stream, and the step copies the new state back (:mod:`hpfunc.transforms.state_offload`).
-        The values are those of the same plan without offload, bit for bit; the forward and backward
-        run without the optimizer state on the device. Scalar counters stay on the device.
+        step there; :func:`hpfunc.optim.update_and_apply` streams it through the device for the update
+        by groups of leaves of at most ``group_bytes`` bytes (default
+        :data:`hpfunc.transforms.state_offload.GROUP_BYTES`, 64 MiB; ``0``: leaf by leaf), the next group
+        copied in while one is updated and each copied back as soon as it is, so that about two groups
+        are on the device at once (AdamW's kernel path; another update brings the whole state in). The
+        values are those of the same plan without offload, bit for bit; the forward and backward run
+        without the optimizer state on the device. Scalar counters stay on the device. See
+        :mod:`hpfunc.transforms.state_offload`.
 
         >>> fsdp("fsdp").with_state_offload("optimizer").state_offload
         ('optimizer',)
         """
-        from hpfunc.transforms.state_offload import check_kinds
+        from hpfunc.transforms.state_offload import check_group_bytes, check_kinds
 
-        return attrs.evolve(self, state_offload=check_kinds(what, "with_state_offload"))
+        return attrs.evolve(self, state_offload=check_kinds(what, "with_state_offload"),
+                            offload_group_bytes=check_group_bytes(group_bytes, "with_state_offload"))
 
     def with_rules(self, rules: Sequence[tuple[str, Any]]) -> "Plan":
         conv = tuple((pat, sp if isinstance(sp, LeafSpec) else LeafSpec.of(sp)) for pat, sp in rules)

@@ -11,9 +11,15 @@ forward and backward run:
 2. the step receives it as a host block; :func:`hpfunc.optim.update_and_apply` streams it to the
    device on a copy stream when the update needs it (:func:`hpfunc.optim.base.stream_state_in`),
    after the backward, so the forward and backward never hold it;
-3. the update writes the new state on the device (in place with ``donate_state``); :func:`to_rest`
-   copies it back to fresh host buffers on a copy stream (the allocator keeps each device block until
-   its copy ends) and the device copy goes with the step.
+3. the step runs inside :func:`hpfunc.optim.streaming_state` (groups of at most the plan's
+   ``offload_group_bytes``, default :data:`GROUP_BYTES`): AdamW's fused path streams the moments group by
+   group (the next copied in while one is updated in place in its streamed copy, each copied back to
+   fresh host buffers and released), so about two groups are on the device at once; those new leaves
+   leave the step in host memory and :func:`to_rest` wraps them with the received state's layout. An
+   update that cannot stream brings the whole state in (:func:`hpfunc.optim.base.stream_state_in`) and
+   writes the new state on the device; :func:`to_rest` copies it back to fresh host buffers on a copy
+   stream (the allocator keeps each device block until its copy ends) and the device copy goes with the
+   step.
 
 The values are those of the same plan without offload, bit for bit (the same arithmetic on the same
 numbers; only where they rest changes). On the CPU host and device are one memory: the copies are
@@ -38,14 +44,17 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from hpfunc import tree as _tree
-from hpfunc.copy_stream import to_host
+from hpfunc.copy_stream import join, to_host
 from hpfunc.layout import LeafLayout, PlanError
 from hpfunc.sharding import _copy_spec
 from hpfunc.transforms.engine.state import param_suffix
 
-__all__ = ["KINDS", "check_kinds", "rest_paths", "to_rest", "on_host"]
+__all__ = ["KINDS", "GROUP_BYTES", "check_kinds", "check_group_bytes", "rest_paths", "to_rest", "on_host"]
 
-KINDS = ("optimizer",)  # what with_state_offload can keep in host memory
+# what with_state_offload (and the YAML's parallel.offload_state, hpfunc.train.config) can keep in host memory
+KINDS = ("optimizer",)
+# the optimizer state (bytes of moments) a streamed update brings to the device per group of leaves
+GROUP_BYTES = 64 << 20
 
 
 def check_kinds(what: Iterable[Any], where: str) -> tuple[str, ...]:
@@ -61,6 +70,16 @@ def check_kinds(what: Iterable[Any], where: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(out))
 
 
+def check_group_bytes(group_bytes: Any, where: str) -> int | None:
+    """``group_bytes`` checked: ``None`` (the default, :data:`GROUP_BYTES`) or an int >= 0."""
+    if group_bytes is None:
+        return None
+    if isinstance(group_bytes, bool) or not isinstance(group_bytes, int) or group_bytes < 0:
+        raise PlanError(f"{where}: group_bytes must be an int >= 0 (the bytes of optimizer state an update streams "
+                        f"through the device at once; 0: leaf by leaf), found {group_bytes!r}")
+    return group_bytes
+
+
 def rest_paths(kinds: tuple[str, ...], state_pairs: list[tuple[str, Any]], is_param: Mapping[int, int],
                res: Mapping[str, LeafLayout]) -> frozenset[str]:
     """The dotted paths of the state leaves that rest in host memory under ``kinds``: with
@@ -73,13 +92,19 @@ def rest_paths(kinds: tuple[str, ...], state_pairs: list[tuple[str, Any]], is_pa
                      and param_suffix(path, res) is not None)
 
 
-def to_rest(state: Any, paths: frozenset[str]) -> Any:
+def to_rest(state: Any, paths: frozenset[str], held: Mapping[str, torch.Tensor] | None = None,
+            like: Mapping[str, DTensor] | None = None) -> Any:
     """``state`` with the DTensor leaves at ``paths`` moved to host memory (same layout, a host block).
 
     One batch of copies on a copy stream where the device is CUDA (pinned buffers); the device
-    blocks are released as soon as ``state``'s old leaves are (after their copies end)."""
+    blocks are released as soon as ``state``'s old leaves are (after their copies end), and the current
+    stream waits for the copies (work queued after them, the next step's copies in included, starts after
+    they end; the host does not wait). ``held``: the leaves the step already returned in host memory (a
+    streamed update, :func:`hpfunc.optim.streaming_state`; ``None`` in ``state``), by path, wrapped as they
+    are with the layout of the DTensor at the same path of ``like`` (the state the step received)."""
     if not paths:
         return state
+    held = held or {}
     found: list[tuple[str, DTensor]] = []
 
     def pick(path: str, x: Any) -> Any:
@@ -88,13 +113,21 @@ def to_rest(state: Any, paths: frozenset[str]) -> Any:
         return x
 
     _tree.map_with_path(pick, state)
-    moving = found  # on the CPU too: a real copy into a distinct buffer
-    if not moving:
+    new: dict[str, DTensor] = {}
+    if found:  # on the CPU too: a real copy into a distinct buffer
+        hosts, done = to_host([x._local_tensor.detach() for _, x in found])
+        join(done, found[0][1]._local_tensor.device)
+        new.update((p, DTensor.__new__(DTensor, h, _copy_spec(x._spec), requires_grad=False))
+                   for (p, x), h in zip(found, hosts))
+    if held:
+        if like is None or any(p not in like for p in held):
+            raise PlanError(f"to_rest: the held leaves {sorted(held)} need the DTensors they replace (like=)")
+        new.update((p, DTensor.__new__(DTensor, h, _copy_spec(like[p]._spec), requires_grad=False))
+                   for p, h in held.items())
+    if not new:
         return state
-    hosts, _ = to_host([x._local_tensor.detach() for _, x in moving])
-    new = {p: DTensor.__new__(DTensor, h, _copy_spec(x._spec), requires_grad=False)
-           for (p, x), h in zip(moving, hosts)}
-    return _tree.map_with_path(lambda path, x: new.get(path, x) if isinstance(x, DTensor) else x, state)
+    return _tree.map_with_path(lambda path, x: new.get(path, x) if x is None or isinstance(x, DTensor) else x,
+                               state, none_is_leaf=True)
 
 
 def on_host(state: Any, paths: frozenset[str]) -> list[str]:

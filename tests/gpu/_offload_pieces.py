@@ -4,6 +4,8 @@ an isolated fake-CUDA process)."""
 from __future__ import annotations
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
 
 PLANS = {"fsdp": {"fsdp": 2}, "fsdp x tp": {"fsdp": 2, "tp": 2}}
 
@@ -18,12 +20,13 @@ def _plan(name: str, cfg):
     return plan
 
 
-def run_offload_parity(name: str, steps: int = 2, bug: str | None = None) -> dict:
+def run_offload_parity(name: str, steps: int = 2, bug: str | None = None, group_bytes: int | None = None) -> dict:
     """The tiny dense Qwen3 trained ``steps`` steps by ``parallel_train_step`` (AdamW with a global-norm clip) under
     plan ``name`` with and without ``with_state_offload("optimizer")`` (the offloaded one with
     ``donate_state``: the update writes into the streamed copies): per step the losses, the gradients, the
     updates (new minus old parameters) and the optimizer state, full tensors, and where the offloaded
-    run's moments rest. ``bug`` plants a deliberate fault in the offload to show the comparison fails."""
+    run's moments rest. ``group_bytes``: the offload's streaming groups (``0``: leaf by leaf). ``bug`` plants a
+    deliberate fault in the offload to show the comparison fails."""
     import functools
 
     import hpfunc
@@ -48,14 +51,14 @@ def run_offload_parity(name: str, steps: int = 2, bug: str | None = None) -> dic
         real = state_offload.to_rest
         seen: dict = {}
 
-        def stale(state, paths):
+        def stale(state, paths, *rest):
             old = seen.get("state")
-            seen["state"] = real(state, paths)
+            seen["state"] = real(state, paths, *rest)
             return seen["state"] if old is None else old
         lowered_mod.to_rest = stale
     runs = {}
     for offload in (False, True):
-        p = plan.with_state_offload("optimizer") if offload else plan
+        p = plan.with_state_offload("optimizer", group_bytes=group_bytes) if offload else plan
         step = parallel_train_step(loss, tx, mesh, p, has_aux=True, clip_norm=None, return_grads=True)
         if offload:
             step = attr_donating(step, parallelize)
@@ -100,13 +103,19 @@ def _rel(xs, ys) -> float:
     return worst
 
 
+VARIANTS = ("plain", "offload", "leafwise")  # no offload; offload, default groups (one: the whole state); leaf by leaf
+
+
 def fake_liveness(mesh, steps: int = 2, bug: str | None = None) -> dict:
     """On fake CUDA devices (rank 5 of a fake world): the tiny dense Qwen3 trained by
     ``parallel_train_step`` (AdamW with a schedule and a clip, bf16 compute over fp32 storage) under
-    ``fsdp`` with and without ``with_state_offload("optimizer")``. Every storage the run makes is logged
-    weakly (:class:`hpfunc.memory._storage.StorageLog`); after each step (and a garbage collection) the
-    bytes of the logged storages still alive on the device are summed: in all, and those of the
-    optimizer-state leaves' blocks. ``bug="keep"`` keeps the device copies of the new state alive."""
+    ``fsdp`` without offload (``plain``), with ``with_state_offload("optimizer")`` (``offload``: the default
+    group size, which takes this model's whole state in one group) and with ``group_bytes=0`` (``leafwise``).
+    Every storage the run makes is logged weakly (:class:`hpfunc.memory._storage.StorageLog`); after each
+    step (and a garbage collection) the bytes of the logged storages still alive on the device are summed:
+    in all, and those of the optimizer-state leaves' blocks. During each step :class:`StatePeak` measures
+    the peak bytes of live device storages copied in from the at-rest state. ``bug="keep"`` keeps the
+    streamed device copies of the state alive (their copy back keeps a reference)."""
     import functools
     import gc
     import os
@@ -114,13 +123,11 @@ def fake_liveness(mesh, steps: int = 2, bug: str | None = None) -> dict:
     # the production default: outputs unchecked (the suite's exact check reads values fake tensors lack)
     os.environ.pop("HPFUNC_CHECK_REP", None)
 
-    from hpfunc import optim, random
+    from hpfunc import copy_stream, optim, random
     from hpfunc import tree as _tree
     from hpfunc.memory._storage import ProducerMode, StorageLog, storage_key
     from hpfunc.models import qwen3
     from hpfunc.models.qwen3 import parallel_plan
-    from hpfunc.transforms import lowered as lowered_mod
-    from hpfunc.transforms import state_offload
     from hpfunc.transforms.parallelize import init_sharded, parallel_train_step
     from hpfunc.transforms import plans
 
@@ -131,17 +138,17 @@ def fake_liveness(mesh, steps: int = 2, bug: str | None = None) -> dict:
     loss = lambda p, b: parallel_plan.loss(p, b, cfg)  # noqa: E731
     kept: list = []
     if bug == "keep":
-        real = state_offload.to_rest
+        real = copy_stream.to_host
 
-        def keeping(state, paths):
-            kept.append(state)  # the device copies stay referenced
-            return real(state, paths)
-        lowered_mod.to_rest = keeping
+        def keeping(tensors, **kw):
+            kept.append(list(tensors))  # the device copies stay referenced
+            return real(tensors, **kw)
+        copy_stream.to_host = keeping
     out = {}
-    for offload in (False, True):
+    for variant in VARIANTS:
         plan = plans.fsdp("fsdp").with_mixed_precision()
-        if offload:
-            plan = plan.with_state_offload("optimizer")
+        if variant != "plain":
+            plan = plan.with_state_offload("optimizer", group_bytes=0 if variant == "leafwise" else None)
         step = parallel_train_step(loss, tx, mesh, plan, has_aux=True)
         log = StorageLog()
         with ProducerMode(log):
@@ -152,7 +159,15 @@ def fake_liveness(mesh, steps: int = 2, bug: str | None = None) -> dict:
             per_step = []
             for i in range(steps):
                 tokens = random.randint(random.fold_in(key, 10 + i), (16, 9), 0, cfg.vocab_size)
-                params, opt, metrics = step(params, opt, {"tokens": tokens})
+                # the moments' blocks in flattening order (the update's order), and the at-rest host storages
+                blocks = [x._local_tensor for x in _tree.leaves(opt) if x.ndim > 0]
+                peak = StatePeak({storage_key(b) for b in blocks if b.device.type == "cpu"}, dev)
+                half = len(blocks) // 2  # mu's leaves, then nu's: leaf k's moments are blocks k and half + k
+                leaf_bytes = [blocks[k].untyped_storage().nbytes() + blocks[half + k].untyped_storage().nbytes()
+                              for k in range(half)]
+                del blocks  # (the old state goes with the step)
+                with peak:
+                    params, opt, metrics = step(params, opt, {"tokens": tokens})
                 gc.collect()
                 alive = [a for a in log.alive() if a[5] == dev]
                 opt_keys = {storage_key(x) for x in _tree.leaves(opt) if x.ndim > 0}
@@ -163,6 +178,8 @@ def fake_liveness(mesh, steps: int = 2, bug: str | None = None) -> dict:
                     "moment_bytes": sum(x._local_tensor.untyped_storage().nbytes()
                                         for x in _tree.leaves(opt) if x.ndim > 0),
                     "param_bytes": sum(x._local_tensor.untyped_storage().nbytes() for x in _tree.leaves(params)),
+                    "leaf_moment_bytes": leaf_bytes,
+                    "update_peak": peak.peak,
                 })
             # a checkpoint's staging: every block (device-resident or resting in host memory) copied to host memory
             from hpfunc.checkpoint.async_save import stage
@@ -170,7 +187,32 @@ def fake_liveness(mesh, steps: int = 2, bug: str | None = None) -> dict:
             staged = stage(dict(_tree.leaves_with_paths({"params": params, "opt": opt})))
             per_step.append({"staged": sorted({x._local_tensor.device.type for x in staged.values() if x.ndim > 0})})
             del params, opt, metrics, staged
-        out[offload] = per_step
+        out[variant] = per_step
     if bug == "keep":
-        lowered_mod.to_rest = real
+        copy_stream.to_host = real
     return out
+
+
+class StatePeak(TorchDispatchMode):
+    """A dispatch mode measuring, by storage liveness, the peak bytes of live device storages copied in from
+    the given host storages (the at-rest optimizer state): each op with one of them among its inputs and a
+    device output logs that output's storage weakly; after every op the logged storages still alive are
+    summed (their sizes read from the storages themselves)."""
+
+    def __init__(self, sources: set, device_type: str):
+        super().__init__()
+        self.sources, self.device_type = sources, device_type
+        self.refs: dict = {}
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from hpfunc.memory._storage import live_total, local, storage_key, tensors_in
+
+        out = func(*args, **(kwargs or {}))
+        if any(t.device.type == "cpu" and storage_key(t) in self.sources for t in tensors_in((args, kwargs))):
+            for t in tensors_in(out):
+                if t.device.type == self.device_type:
+                    self.refs[storage_key(t)] = StorageWeakRef(local(t).untyped_storage())
+        if self.refs:
+            self.peak = max(self.peak, live_total(self.refs))
+        return out

@@ -163,3 +163,54 @@ def test_a_rate_the_dtype_cannot_hold_gives_what_the_chain_gives():
     got, _ = optim.update_and_apply(tx, grads, tx.init(params), params)
     u, _ = tx.update(grads, tx.init(params), params)
     assert torch.equal(got["w"], optim.apply_updates(params, u)["w"]) and not torch.isfinite(got["w"]).any()
+
+
+@settings(max_examples=15, deadline=None)
+@given(shapes=SHAPES, group_bytes=st.sampled_from([0, 40, 200, 1 << 20]), use_schedule=st.booleans(),
+       masked=st.booleans(), clip=st.booleans(), donate=st.booleans(), seed=st.integers(0, 2**16))
+def test_a_streamed_update_is_the_unstreamed_one_bit_for_bit(shapes, group_bytes, use_schedule, masked, clip, donate,
+                                                            seed):
+    """Inside ``optim.streaming_state(group_bytes)`` the moments (held in host memory: on the CPU every leaf
+    is) go through the "device" by groups of at most ``group_bytes`` bytes (one leaf at least), each group a
+    real copy in, updated, copied back to fresh buffers: params and state equal the unstreamed update's bit
+    for bit, each step copies back once per group, and the old moments are left as they were."""
+    from hpfunc import copy_stream
+    from hpfunc.optim.adamw_apply import _byte_groups
+
+    params0 = {k: randn(s, seed=seed + i) for i, (k, s) in enumerate(sorted(shapes.items()))}
+    grads = grad_sequence(shapes, 3, seed)
+    lr = 1e-2
+    schedule = optim.linear_warmup_cosine_decay(0.0, lr, warmup_steps=1, decay_steps=4) if use_schedule else None
+    tx = optim.adamw(schedule or lr, weight_decay=0.1, mask=_decays if masked else None)
+    if clip:
+        tx = optim.chain(optim.clip_by_global_norm(1.0), tx)
+    expected, expected_state = fused_run(params0, grads, tx, donate=donate)
+    calls: list[int] = []
+    real = copy_stream.to_host
+
+    def counting(tensors, **kw):
+        calls.append(len(tensors))
+        return real(tensors, **kw)
+
+    copy_stream.to_host = counting
+    try:
+        with optim.streaming_state(group_bytes):
+            params = {k: v.clone() for k, v in params0.items()}
+            state = tx.init(params)
+            for g in grads:
+                old = [x.clone() for x in optree.tree_leaves(state)]
+                old_refs = optree.tree_leaves(state)
+                params, state = optim.update_and_apply(tx, g, state, params, donate=donate)
+                assert all(torch.equal(a, b) for a, b in zip(old, old_refs))  # the held moments are not written
+    finally:
+        copy_stream.to_host = real
+    adam = state[-1][0] if clip else state[0]
+    moments = sorted(shapes)  # the flattening order of a dict: sorted keys
+    zeros = [torch.zeros(shapes[k]) for k in moments]
+    groups = _byte_groups(zeros, zeros, group_bytes)
+    assert calls == [2 * (b - a) for a, b in groups] * len(grads), (calls, groups)
+    for k in expected:
+        assert torch.equal(params[k], expected[k]), k
+    for a, b in zip(optree.tree_leaves(state), optree.tree_leaves(expected_state)):
+        assert torch.equal(a, b)
+    assert adam.mu.keys() == expected.keys()

@@ -28,6 +28,7 @@ from hpfunc.train.config.schema import (
     OPEN_SECTIONS, OPTION_TYPES, PLAN_KINDS, Config, ParallelConfig, PlanEntry,
 )
 from hpfunc.train.config.structure import Structurer
+from hpfunc.transforms.state_offload import KINDS as OFFLOAD_STATE  # parallel.offload_state: the plan's own list
 
 __all__ = ["parse_parallel", "SDC_CHECKS", "DEVICES"]
 
@@ -37,7 +38,6 @@ _PLAIN = Structurer(Config, open_fields=OPEN_SECTIONS)
 SDC_CHECKS = ("off", "raise", "warn")
 DEVICES = ("auto", "cpu", "cuda")  # parallel.device; resolved on the machine by hpfunc.train.device
 _PARALLEL_KEYS = ("mesh", "plan", "timeout_s", "sdc_check", "max_restarts", "device", "offload_state")
-OFFLOAD_STATE = ("optimizer",)  # parallel.offload_state: what may rest in host memory between steps
 
 
 def parse_parallel(data: Any, path: str) -> ParallelConfig:
