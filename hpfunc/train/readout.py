@@ -5,7 +5,7 @@ would stall the queue of kernels at every step. :class:`StepReadout` keeps each 
 ``ce_loss``, ``aux_loss``, ``grad_norm`` and ``lr`` on the device (one float64 row of five, stacked
 there) and, when the loop reads them (a logging step, a save, an evaluation, the end), moves every
 pending row and the logging step's MoE counters (``expert_load``, ``dropped_pairs``) with one
-``torch.cat(...).tolist()``. The values are those of ``float(metrics[k])`` bit for bit (each one is cast
+``torch.cat(...).cpu()`` (then read on the host). The values are those of ``float(metrics[k])`` bit for bit (each one is cast
 to float64 on the device, exactly).
 
     >>> import torch
@@ -78,7 +78,9 @@ class StepReadout:
         parts = [e.row for e in steps]
         for e in steps:
             parts += [x.reshape(-1).to(torch.float64) for x in e.kept.values()]
-        flat = torch.cat(parts).tolist()  # the one transfer
+        # the one transfer: a device-to-host copy of every value (the host waits for the device here, once),
+        # then read on the host
+        flat = torch.cat(parts).cpu().tolist()
         at = 0
         for e in steps:
             e.values = dict(zip(SCALARS, flat[at: at + len(SCALARS)]))
