@@ -232,3 +232,39 @@ def fed_and_read_steps(parallel: dict, *, steps: int = 4, log_every: int = 2, pr
                          "extras": {k: (tuple(v.shape), v.dtype, v.device.type) for e in read
                                     for k, v in e.extras.items()}})
     return per_step
+
+
+class _C10dOps(TorchDispatchMode):
+    """The torch.distributed collectives that reach the dispatcher (``c10d.*`` ops), in order."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func.overloadpacket)
+        if "c10d" in name:
+            self.ops.append(name.split(".")[-1])
+        return func(*args, **(kwargs or {}))
+
+
+def native_collectives(mesh, axis: str = "fsdp") -> dict:
+    """``hpfunc.lax``'s two backend-chosen paths over ``axis`` of ``mesh``, with the collectives each one
+    called: a tiled ``psum_scatter`` under ``torch.func.grad`` (gloo: an all-reduce in place, its
+    workaround; NCCL and the fake group: the reduce-scatter) and an uneven ``all_to_all`` whose receive
+    sizes are exchanged first (gloo: host tensors; else device tensors). Values too (real on gloo)."""
+    from hpfunc import lax
+
+    n, me, dev = mesh.axis_size(axis), mesh.axis_index(axis), mesh.device_type
+    x = torch.arange(2 * n * 3, dtype=torch.float32, device=dev).view(2 * n, 3) + me
+    split = [1] * (n - 1) + [2]  # the last rank gets two rows of each
+    y = torch.arange(n + 1, dtype=torch.float32, device=dev).view(n + 1, 1) + 10 * me
+    with mesh:
+        with _C10dOps() as rs:
+            grad = torch.func.grad(lambda t: (lax.psum_scatter(t, axis, tiled=True) ** 2).sum())(x)
+        with _C10dOps() as a2a:
+            out = lax.all_to_all(y, axis, 0, 0, split_sizes=split)
+    real = not (dev != "cpu" and not torch.cuda.is_available())
+    return {"psum_scatter_ops": rs.ops, "all_to_all_ops": a2a.ops,
+            "grad": (tuple(grad.shape), grad.device.type, grad.tolist() if real else None),
+            "all_to_all": (tuple(out.shape), out.device.type, out.reshape(-1).tolist() if real else None)}
