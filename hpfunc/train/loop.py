@@ -21,6 +21,11 @@ batch, the step is ``hpfunc.parallelize(train_step, mesh, plan)`` on parameters 
 state (under ``pp``: on a gathered copy on rank 0, its value sent to every rank); sampling gathers the
 parameters to full tensors (every rank takes part in the gather) and runs on rank 0.
 
+On a CUDA mesh the batch goes to the device pinned and ``non_blocking`` (the next one prefetched on a copy
+stream: :mod:`hpfunc.train.batch_feed`), and each step's loss, gradient norm and lr stay on the device
+until the logging step reads every pending step in one transfer (:mod:`hpfunc.train.readout`; with
+``train.on_nonfinite: skip``, and on the CPU, every step is read at once: :func:`reads_each_step`).
+
 Example:
     >>> from hpfunc.train.config import load_config_dict
     >>> cfg = load_config_dict({"train": {"steps": 2, "batch_size": 1, "seq_len": 8, "num_threads": 1},
