@@ -28,7 +28,8 @@ def test_lax_takes_the_native_collectives_off_gloo():
     assert out["all_to_all_ops"] == ["alltoall_base_", "alltoall_base_"]
     assert out["all_to_all"][:2] == ((4, 1), "cuda")
     assert [s.kind for s in run.record.host_syncs] == ["scalar read"] * 4  # one per rank of the axis
-    assert run.record.off_device == [] or {c.op for c in run.record.off_device} == {"lift_fresh"}
+    # nothing lax made stayed on the host (gloo's path would exchange the sizes as a host tensor)
+    assert [c for c in run.record.off_device if "hpfunc/lax.py" in c.where] == []
 
 
 def _on_gloo():
