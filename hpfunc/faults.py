@@ -73,6 +73,7 @@ __all__ = [
     "pop_failure",
     "Heartbeat",
     "Watchdog",
+    "nccl_environment",
 ]
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -510,6 +511,39 @@ def guard_rank() -> Heartbeat | None:
 
 # ---------------------------------------------------------------------------------------------
 # The launcher side
+
+# NCCL's own error handling, which gloo does not need (a gloo collective raises in the thread that issued
+# it; an NCCL one is queued on a stream and fails, or hangs, later): the variables torch's NCCL process
+# group reads, the values an hpfunc launcher gives its ranks when their backend is NCCL
+NCCL_ASYNC_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+NCCL_ENABLE_MONITORING = "TORCH_NCCL_ENABLE_MONITORING"
+NCCL_HEARTBEAT_TIMEOUT = "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"
+
+
+def nccl_environment(timeout_s: float, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The variables an hpfunc launcher adds to its ranks' environment when they start NCCL (those
+    ``environ``, default ``os.environ``, sets already are left as the user set them):
+
+    - ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1``: NCCL's watchdog thread aborts the communicators of a
+      collective that outlived the collective timeout and ends the rank, so the launcher sees it fail
+      (and restarts the group under ``parallel.max_restarts``) instead of the rank waiting forever on
+      a stream;
+    - ``TORCH_NCCL_ENABLE_MONITORING=1`` and ``TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC``: the monitor of that
+      watchdog thread ends the rank when the watchdog itself stops beating for the collective timeout
+      plus :func:`watchdog_grace`, the same limit the launcher's :class:`Watchdog` gives hpfunc's own
+      heartbeat (which works on NCCL as on gloo: a file each rank touches from a thread of its own).
+
+    >>> env = nccl_environment(300, environ={})
+    >>> env["TORCH_NCCL_ASYNC_ERROR_HANDLING"], env["TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"]
+    ('1', '302')
+    >>> nccl_environment(300, environ={"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}).get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
+    """
+    env = os.environ if environ is None else environ
+    timeout_s = check_timeout(timeout_s, "timeout")
+    want = {NCCL_ASYNC_ERROR_HANDLING: "1", NCCL_ENABLE_MONITORING: "1",
+            NCCL_HEARTBEAT_TIMEOUT: str(int(math.ceil(timeout_s + watchdog_grace(timeout_s))))}
+    return {k: v for k, v in want.items() if k not in env}
+
 
 
 class Watchdog:

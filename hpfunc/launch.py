@@ -36,7 +36,7 @@ import sys
 import threading
 from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
-from hpfunc.faults import Watchdog, check_timeout, timeout_from_env
+from hpfunc.faults import Watchdog, check_timeout, nccl_environment, timeout_from_env
 from hpfunc.host_memory import rank_environment
 
 __all__ = ["spmd", "main", "torchrun_args", "parse_args", "run_ranks", "LaunchArgs", "UsageError", "USAGE"]
@@ -208,7 +208,7 @@ def _signal_handlers_kept() -> Iterator[None]:
 
 
 def run_ranks(torchrun_argv: Sequence[str], *, nproc: int | None, timeout_s: float | None = None,
-              who: str = "hpfunc launch") -> int:
+              who: str = "hpfunc launch", backend: str | None = None) -> int:
     """Run torch's launcher on ``torchrun_argv`` (see :func:`torchrun_args`) in this process, each rank
     through :mod:`hpfunc.rank`, and return the exit status; what went wrong is printed on stderr.
 
@@ -222,6 +222,10 @@ def run_ranks(torchrun_argv: Sequence[str], *, nproc: int | None, timeout_s: flo
       0 when every rank exited 0; the status of the first rank that failed (1 when it was killed by
       a signal); 128 + the signal number when this process got SIGTERM, SIGINT, SIGHUP or SIGQUIT
       (the ranks are stopped first).
+
+    ``backend``: the ranks' process-group backend (default: NCCL when this machine has CUDA, as
+    :func:`hpfunc.mesh.init_distributed` chooses); on NCCL the ranks also get NCCL's error handling and
+    watchdog monitor for the same timeout (:func:`hpfunc.faults.nccl_environment`).
     """
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -238,7 +242,7 @@ def run_ranks(torchrun_argv: Sequence[str], *, nproc: int | None, timeout_s: flo
         args.training_script, args.module = "hpfunc.rank", True
     timeout = timeout_from_env() if timeout_s is None else check_timeout(timeout_s, "timeout")
     of = f" of {nproc}" if nproc else ""
-    with Watchdog(nproc, timeout, who=who) as dog, _environ({**rank_environment(), **dog.env()}), \
+    with Watchdog(nproc, timeout, who=who) as dog, _environ(rank_env(dog, timeout, backend)), \
             _signal_handlers_kept():
         try:
             torchrun.run(args)
@@ -261,6 +265,17 @@ def run_ranks(torchrun_argv: Sequence[str], *, nproc: int | None, timeout_s: flo
                   flush=True)
             return 128 + int(e.sigval)
     return 0
+
+
+def rank_env(dog: Watchdog, timeout_s: float, backend: str | None = None) -> dict[str, str]:
+    """What a launcher adds to its ranks' environment: the host allocator's thresholds, the watchdog's
+    variables (:meth:`hpfunc.faults.Watchdog.env`) and, when the ranks start NCCL (``backend``; None: NCCL
+    when this machine has CUDA), NCCL's error handling (:func:`hpfunc.faults.nccl_environment`)."""
+    if backend is None:
+        import torch
+
+        backend = os.environ.get("HPFUNC_BACKEND") or ("nccl" if torch.cuda.is_available() else "gloo")
+    return {**rank_environment(), **dog.env(), **(nccl_environment(timeout_s) if backend == "nccl" else {})}
 
 
 def _signal_name(sig: int) -> str:

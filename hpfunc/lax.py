@@ -51,7 +51,7 @@ from __future__ import annotations
 
 from fractions import Fraction
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -154,6 +154,13 @@ _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+def _host_backend(group: Any) -> bool:
+    """The group's backend is gloo (host tensors, its own workarounds); else (NCCL, the fake group of the
+    fake-device runs) the native device collectives: :func:`_scatter_dim0`'s reduce-scatter, the split
+    sizes of an uneven all-to-all exchanged as device tensors."""
+    return dist.get_backend(group) == "gloo"
+
+
 def _is_func_wrapped(x: torch.Tensor) -> bool:
     return bool(torch._C._functorch.is_functorch_wrapped_tensor(x))
 
@@ -221,7 +228,7 @@ def _scatter_dim0(x: torch.Tensor, ax: _Axes, collectors, name: str) -> torch.Te
         _comm.record(collectors, op="reduce_scatter", name=name, axes=ax.names, n=ax.n, payload_bytes=_nbytes(flat),
                      phase=_phase())
     try:
-        if _is_func_wrapped(flat) and dist.get_backend(ax.group) == "gloo":
+        if _is_func_wrapped(flat) and _host_backend(ax.group):
             # gloo's reduce-scatter copies its result into the output on a worker thread, which fails for
             # tensors wrapped by torch.func transforms: all-reduce a copy in place and keep this rank's block.
             flat = flat.clone()
@@ -505,7 +512,7 @@ def _a2a(x: torch.Tensor, ax: _Axes, split_dim: int, concat_dim: int, split_size
     if even:
         recv_sizes = rows_per[:]  # every rank sends the same shape
     elif recv_sizes is None:
-        recv_sizes = _exchange_sizes(split_sizes, ax)
+        recv_sizes = _exchange_sizes(split_sizes, ax, x.device)
     # order send chunks by destination group rank
     send = torch.cat([chunks[ax.g2l[g]] for g in range(n)], dim=0)
     in_split = [rows_per[ax.g2l[g]] for g in range(n)]
@@ -581,7 +588,7 @@ def all_to_all(
         raise ValueError("all_to_all with unequal split_sizes needs split_axis == concat_axis")
     if split_sizes is not None and recv_sizes is None:
         ax = _resolve(axis_name)
-        recv_sizes = _exchange_sizes(split_sizes, ax)
+        recv_sizes = _exchange_sizes(split_sizes, ax, x.device)
     return _call(_ALL_TO_ALL_FNS, x, axis_name, split_axis, concat_axis,
                            None if split_sizes is None else tuple(int(s) for s in split_sizes),
                            None if recv_sizes is None else tuple(int(s) for s in recv_sizes))
@@ -750,19 +757,24 @@ def all_to_all_start(x: torch.Tensor, axis_name: AxisName, *, split_sizes: Seque
             raise ValueError(f"all_to_all_start split_sizes {split_sizes} must have {n} entries summing to "
                              f"dimension 0 of size {x.shape[0]} (axis {ax.names})")
         if recv_sizes is None:
-            recv_sizes = _exchange_sizes(split_sizes, ax)
+            recv_sizes = _exchange_sizes(split_sizes, ax, x.device)
     pending = PendingAllToAll(axis_name, tuple(int(v) for v in split_sizes), tuple(int(v) for v in recv_sizes))
     pending._buf = _A2AStart.apply(x, pending)
     return pending
 
 
-def _exchange_sizes(split_sizes: Sequence[int], ax: _Axes) -> list[int]:
+def _exchange_sizes(split_sizes: Sequence[int], ax: _Axes, device: torch.device | None = None) -> list[int]:
+    """What every rank sends this one (logical order), from its ``split_sizes``; ``device``: where the
+    sizes travel on a backend that takes no host tensor (NCCL), the data's device."""
     n = ax.n
     if len(split_sizes) != n:
         raise ValueError(f"all_to_all split_sizes {list(split_sizes)} must have {n} entries (axis {ax.names})")
     if n == 1:
         return [int(split_sizes[0])]
-    sizes_in = torch.tensor([int(split_sizes[ax.g2l[g]]) for g in range(n)], dtype=torch.int64)
+    # gloo exchanges host tensors (read back without a device wait); NCCL only device ones: the sizes go
+    # over the group's device and their read below is the layer's documented host sync (docs/gpu.md)
+    sizes_in = torch.tensor([int(split_sizes[ax.g2l[g]]) for g in range(n)], dtype=torch.int64,
+                            device=None if _host_backend(ax.group) else device)
     sizes_out = torch.empty_like(sizes_in)
     try:
         dist.all_to_all_single(sizes_out, sizes_in, group=ax.group)

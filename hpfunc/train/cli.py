@@ -173,7 +173,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                     status = launch(["hpfunc.cli", "train", *argv], cfg.parallel.size, module=True,
                                     threads=cfg.train.num_threads, timeout_s=cfg.parallel.timeout_s,
                                     max_restarts=cfg.parallel.max_restarts,
-                                    shutdown_timeout_s=cfg.checkpoint.last_words_timeout_s + 10)
+                                    shutdown_timeout_s=cfg.checkpoint.last_words_timeout_s + 10,
+                                    backend=backend_for(device))
                 finally:
                     if before is None:
                         os.environ.pop(LOCK_ENV, None)

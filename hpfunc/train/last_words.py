@@ -110,16 +110,17 @@ class LastWords:
 
             self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.timeout_s))
 
-    def any_stop(self, signum: int | None, save_failed: bool = False) -> tuple[int | None, bool]:
+    def any_stop(self, signum: int | None, save_failed: bool = False, *, group: Any = None) -> tuple[int | None, bool]:
         """On a mesh: ``(the signal any rank got, whether any rank's asynchronous save failed)``, in one
-        all-reduce (every rank calls it after each step); else ``(signum, save_failed)``."""
+        all-reduce of host integers over ``group`` (a gloo group; default the default group) that every
+        rank calls after each step; else ``(signum, save_failed)``."""
         if not self.distributed:
             return signum, save_failed
         import torch
         import torch.distributed as dist
 
         flag = torch.tensor([signum or 0, int(save_failed)], dtype=torch.int64)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         return int(flag[0]) or None, bool(flag[1])
 
     def _agree(self, data_step: int) -> str | None:

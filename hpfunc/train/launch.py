@@ -45,7 +45,8 @@ def rank_of_this_process() -> int:
 
 
 def launch(target: Sequence[str], nproc: int, *, module: bool = False, threads: int | None = None,
-           timeout_s: float | None = None, max_restarts: int = 0, shutdown_timeout_s: float | None = None) -> int:
+           timeout_s: float | None = None, max_restarts: int = 0, shutdown_timeout_s: float | None = None,
+           backend: str | None = None) -> int:
     """Run ``target`` (a script and its arguments, or with ``module`` a module name and its arguments)
     on ``nproc`` local ranks through ``torch.distributed.run``; return the exit status.
 
@@ -62,6 +63,8 @@ def launch(target: Sequence[str], nproc: int, *, module: bool = False, threads: 
         times; the trainer's ranks of a restarted group resume from the newest checkpoint.
       shutdown_timeout_s: how long the launcher lets the ranks finish after SIGTERM (their last words)
         before it kills them (torchrun's ``--shutdown-timeout``; None: torch's 30 s).
+      backend: the ranks' backend (``nccl`` gives them NCCL's error handling for the same timeout,
+        :func:`hpfunc.faults.nccl_environment`); None: NCCL when this machine has CUDA.
 
     Returns:
       0 when every rank exited 0; otherwise the exit status of the first rank that failed (1 when it
@@ -82,7 +85,8 @@ def launch(target: Sequence[str], nproc: int, *, module: bool = False, threads: 
              *([f"--shutdown-timeout={int(math.ceil(shutdown_timeout_s))}"] if shutdown_timeout_s else [])]
     argv = ["--nproc", str(nproc), *extra, *(["--module"] if module else []), *target]
     try:
-        return run_ranks(torchrun_args(argv), nproc=nproc, timeout_s=timeout_s, who="hpfunc train")
+        return run_ranks(torchrun_args(argv), nproc=nproc, timeout_s=timeout_s, who="hpfunc train",
+                         backend=backend)
     finally:
         if unshare:
             os.environ.pop(_UNSHARE, None)

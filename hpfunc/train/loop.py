@@ -21,6 +21,11 @@ batch, the step is ``hpfunc.parallelize(train_step, mesh, plan)`` on parameters 
 state (under ``pp``: on a gathered copy on rank 0, its value sent to every rank); sampling gathers the
 parameters to full tensors (every rank takes part in the gather) and runs on rank 0.
 
+On a CUDA mesh the batch goes to the device pinned and ``non_blocking`` (the next one prefetched on a copy
+stream: :mod:`hpfunc.train.batch_feed`), and each step's loss, gradient norm and lr stay on the device
+until the logging step reads every pending step in one transfer (:mod:`hpfunc.train.readout`; with
+``train.on_nonfinite: skip``, and on the CPU, every step is read at once: :func:`reads_each_step`).
+
 Example:
     >>> from hpfunc.train.config import load_config_dict
     >>> cfg = load_config_dict({"train": {"steps": 2, "batch_size": 1, "seq_len": 8, "num_threads": 1},
@@ -49,19 +54,21 @@ import yaml
 from hpfunc import random
 from hpfunc.checkpoint import latest
 from hpfunc.faults import is_comm_failure, pop_failure, record_failure
+from hpfunc.train.batch_feed import BatchFeed
 from hpfunc.train.build import build_optimizer, build_schedule, check_buildable, model_dtype
 from hpfunc.train.checkpointing import (ResumePlan, TrainCheckpoints, checkpoint_root, clear_checkpoints, plan_resume,
                                         restore_state, truncate_metrics)
 from hpfunc.train.config import Config, ConfigError, config_to_dict
 from hpfunc.train.data import check_data, data_inputs, eval_batches, load_data, sample_batch
 from hpfunc.train.output import RunFolder
+from hpfunc.train.readout import StepReadout
 from hpfunc.train.distributed import is_distributed
 from hpfunc.train.fault_hooks import FaultHooks
 from hpfunc.train.last_words import LastWords, StopSignals, Stopped, stop_message
 from hpfunc.train.step_transforms import train_loss
 from hpfunc.train.step import TrainState, init_train_state, make_eval_step, make_grad_check_step, make_train_step
 
-__all__ = ["RunResult", "TrainingDiverged", "Stopped", "TrainingRun", "execute", "data_keys"]
+__all__ = ["RunResult", "TrainingDiverged", "Stopped", "TrainingRun", "execute", "data_keys", "reads_each_step"]
 
 
 class TrainingDiverged(RuntimeError):
@@ -295,6 +302,19 @@ class TrainingRun:
         )
         self.ep_size = next((cfg.parallel.mesh[e.axes[0]] for e in cfg.parallel.plan if e.kind == "ep"), 1)
         self.tokens_per_step = tc.batch_size * tc.seq_len
+        self.device = self.mesh.device_type if self.mesh is not None else "cpu"
+        # each step's batch on the device (pinned, non_blocking, the next one prefetched on CUDA) and its
+        # scalars kept there until a read: every step where reading waits for no device or must decide
+        # whether to apply the step (on_nonfinite: skip), else at the logging steps (docs/gpu.md)
+        self.feed = BatchFeed(self._host_batch, self.device)
+        self.readout = StepReadout()
+        self.each_step = reads_each_step(self.device, tc.on_nonfinite)
+
+    def _host_batch(self, n: int) -> dict[str, torch.Tensor]:
+        """Step ``n``'s batch on the host (a pure function of the seed and ``n``; the fault hooks' planted
+        bad batch included)."""
+        return self.hooks.batch(n, sample_batch(self.data.train, self.train_key, n - 1, self.tc.batch_size,
+                                                self.tc.seq_len, self.data.train_docs), self.spec.ignore_index)
 
     def _restore(self) -> None:
         """Where the run starts: step 0, or a checkpoint loaded into this run's layout (resharded)."""
@@ -342,6 +362,9 @@ class TrainingRun:
         cc = self.cfg.checkpoint
         self.ckpts = TrainCheckpoints(self.cfg, self.root) if cc.every > 0 else None
         self.words = LastWords(self.ckpts, distributed=self.mesh is not None, timeout_s=cc.last_words_timeout_s)
+        # the flags the ranks agree on between steps (a signal, a failed save) are host values: on a
+        # backend of device tensors (NCCL) they go over a gloo group of their own (a collective: every rank)
+        self.host_group = _host_group(self.mesh, self.cfg.parallel.timeout_s)
         self.use_words = self.ckpts is not None and cc.last_words
         self.hooks = FaultHooks.from_env()
         self._stack.callback(self._close_checkpoints)
@@ -355,6 +378,9 @@ class TrainingRun:
                 raise
         finally:
             self.words.close()
+            if self.host_group is not None:
+                torch.distributed.destroy_process_group(self.host_group)
+                self.host_group = None
 
     # ---------------------------------------------------------------------------------------------
     # failing and closing
@@ -414,28 +440,62 @@ class TrainingRun:
     def _step(self) -> dict[str, Any]:
         n = self.done + 1
         self.hooks.maybe_kill(n, rank=self.rank, attempt=self.plan.restart)
-        batch = self.hooks.batch(n, sample_batch(self.data.train, self.train_key, n - 1, self.tc.batch_size,
-                                                 self.tc.seq_len, self.data.train_docs), self.spec.ignore_index)
+        batch = self.feed.take(n)  # on CUDA the copy is queued (prefetched behind the step before): no wait
         t = time.perf_counter()
         try:
             new_state, metrics = self.train_step(self.state, batch)  # pure: `state` stays the last completed step's
             if self.mesh is not None:
                 metrics = _local_metrics(metrics)
-            loss = float(metrics["loss"])  # the host read also ends the step's work
+            logs = self._logs_at(n)
+            entry = self.readout.add(n, metrics, keep=("expert_load", "dropped_pairs") if logs else ())
+            if n < self.tc.steps:
+                self.feed.prefetch(n + 1)  # queued behind the step: the copy overlaps it
+            read = self.readout.read() if self.each_step or logs else []  # the host read also ends the steps' work
         except Exception as e:
             if is_comm_failure(e):
                 record_failure(f"rank {self.rank} lost a peer in step {n}")
             self.last_words(f"step {n} failed: {type(e).__name__}")
             raise
-        grad_norm, lr = float(metrics["grad_norm"]), float(metrics["lr"])
-        seconds = time.perf_counter() - t
+        entry.seconds = seconds = time.perf_counter() - t
         self.tally.train_time += seconds
-        if not _finite_step(loss, grad_norm):  # every rank holds the same values
-            self._skip(n, batch, loss=loss, grad_norm=grad_norm, lr=lr)
+        if self.each_step and not _finite_step(entry.loss, entry.grad_norm):  # every rank holds the same values
+            self._skip(n, batch, loss=entry.loss, grad_norm=entry.grad_norm, lr=entry.lr)
             return metrics
-        self._apply(n, new_state, metrics, loss=loss, grad_norm=grad_norm, lr=lr, seconds=seconds)
+        self._apply(n, new_state, metrics, read)
         self._between_steps()
         return metrics
+
+    def _logs_at(self, n: int) -> bool:
+        """Whether step ``n`` writes a metrics line: every ``train.log_every``, the first and the last."""
+        return n % self.tc.log_every == 0 or n == 1 or n == self.tc.steps
+
+    def _settle(self, read: list, *, at: int) -> dict[str, Any] | None:
+        """The host's part of the steps just read (in order): their losses into the tally, and the metrics
+        line of a logging step among them (returned). A step held on the device (not read at once) that
+        came out non-finite was applied already: the run stops naming it (found at step ``at``)."""
+        record = None
+        for e in read:
+            if not _finite_step(e.loss, e.grad_norm):
+                raise TrainingDiverged(
+                    f"step {e.step}: {_nonfinite_text(e.loss, e.grad_norm, e.lr)}; on a {self.device} mesh the loss "
+                    f"and gradient norm stay on the device until the logging interval (train.log_every: "
+                    f"{self.tc.log_every}) reads them, so this was found at step {at}, and the steps up to it were "
+                    f"applied (the state is not finite; no last words are saved); set train.on_nonfinite: skip to "
+                    f"check each step before applying it (one host read per step); {_DIVERGED_FIX}")
+            self.last = {"loss": e.loss, "grad_norm": e.grad_norm, "lr": e.lr}
+            self.tally.add(e.loss, e.values, grad_norm=e.grad_norm, seconds=e.seconds)
+            if self._logs_at(e.step) and e.step == at:
+                record = {**self.tally.line(e.step, lr=e.lr, tokens_per_step=self.tokens_per_step),
+                          **_step_extras(e.extras, self.ep_size)}
+                if self.tally.skipped:
+                    record["skipped_steps"] = self.tally.skipped
+        return record
+
+    def _flush(self) -> None:
+        """Read the steps still held on the device (before what needs the tally or the last values: a
+        save, an evaluation, the end of the run)."""
+        if self.readout.pending:
+            self._settle(self.readout.read(), at=-1)
 
     def _skip(self, n: int, batch: Any, *, loss: float, grad_norm: float, lr: float) -> None:
         """A step that is not finite: not applied; logged as skipped, or the run stops (train.on_nonfinite)."""
@@ -455,21 +515,15 @@ class TrainingRun:
         self._log({"step": n, "skipped": True, "reason": f"{what}; the step was not applied",
                    "skipped_steps": tally.skipped})
 
-    def _apply(self, n: int, state: Any, metrics: dict[str, Any], *, loss: float, grad_norm: float, lr: float,
-               seconds: float) -> None:
-        """An applied step: the new state, its metrics line (every ``log_every``), the callbacks, and the
-        validation when it is due."""
+    def _apply(self, n: int, state: Any, metrics: dict[str, Any], read: list) -> None:
+        """An applied step: the new state, the steps just read (``read``: this one, or at a logging step
+        those held on the device since the last read) and its metrics line (every ``log_every``), the
+        callbacks, and the validation when it is due."""
         tc, trainer = self.tc, self.trainer
         self.state, self.done = state, n
-        self.last = {"loss": loss, "grad_norm": grad_norm, "lr": lr}
-        self.tally.add(loss, metrics, grad_norm=grad_norm, seconds=seconds)
+        record = self._settle(read, at=n)
         self._say_recovery()
-        record = None
-        if n % tc.log_every == 0 or n == 1 or n == tc.steps:
-            record = {**self.tally.line(n, lr=lr, tokens_per_step=self.tokens_per_step),
-                      **_step_extras(metrics, self.ep_size)}
-            if self.tally.skipped:
-                record["skipped_steps"] = self.tally.skipped
+        if record is not None:
             self._log(record)
         trainer.state, trainer.record = self.state, record
         self.calls.step_end(trainer, n, metrics)
@@ -503,7 +557,7 @@ class TrainingRun:
             self.hooks.maybe_term(done, handled=signals.signum is None and signals.installed)
         if self.use_words:
             try:
-                signum, save_failed = self.words.any_stop(signals.signum, save_failed)
+                signum, save_failed = self.words.any_stop(signals.signum, save_failed, group=self.host_group)
             except Exception as e:  # a peer lost between two steps: the state of `done` is whole
                 if is_comm_failure(e):
                     record_failure(f"rank {self.rank} lost a peer after step {done}")
@@ -512,7 +566,7 @@ class TrainingRun:
             if signum is not None and done != self.tc.steps:
                 raise Stopped(stop_message(signum, done, self.last_words(_sig_name(signum))), signum)
         elif self.mesh is not None and ckpts is not None and ckpts.in_flight():
-            save_failed = _any_rank(save_failed)  # every rank stops at the same step
+            save_failed = _any_rank(save_failed, self.host_group)  # every rank stops at the same step
         elif signals is not None and signals.signum is not None and done != self.tc.steps:
             # one process without last words: still a message and 128 + the signal, after the step
             why = ("checkpoints are off (checkpoint.every: 0), so the run cannot be continued" if ckpts is None
@@ -528,6 +582,12 @@ class TrainingRun:
         """Save the state of the last completed step on the way out; the message says what happened."""
         if not self.use_words:
             return ""
+        try:
+            self._flush()  # the checkpoint keeps the tally
+        except Exception as e:  # noqa: BLE001 - a device that failed, or a state found not finite: not saved
+            message = f"no checkpoint: the steps held on the device could not be read ({type(e).__name__}: {str(e)[:200]})"
+            print(f"hpfunc train: last words ({why}): {message}", file=sys.stderr, flush=True)
+            return message
         _, message = self.words.save(self.state, self.done, self.tally.saved(), why=why)
         if self.main or message.startswith("no checkpoint"):
             where = f" [rank {self.rank}]" if self.mesh is not None else ""
@@ -546,6 +606,7 @@ class TrainingRun:
     def _validate(self, full: Any = None) -> float | None:
         if not self.val_batches:
             return None
+        self._flush()  # its messages name the last step's loss
         if self.sharded_eval is not None:  # every rank, on its shards: no gathered copy
             val = _evaluate_sharded(self.sharded_eval, self.state, self.val_batches)
         else:
@@ -570,6 +631,7 @@ class TrainingRun:
             if self.ckpts is None:  # checkpoint.every: 0, and asked for one (a collective on a mesh)
                 self.ckpts = self.trainer.checkpoints = TrainCheckpoints(self.cfg, self.root)
             self.writer.flush()
+            self._flush()  # the checkpoint keeps the tally
             with _save_errors(self.root, self.done):
                 if self.saved_step != self.done:
                     self.ckpts.save(self.state, self.done, self.tally.saved())
@@ -592,6 +654,7 @@ class TrainingRun:
             raise ValueError(f"the run is at step {self.done} of train.steps {self.tc.steps}; run the remaining "
                              f"steps first (or close() it unfinished)")
         with self._failing():
+            self._flush()
             final_params = self.full_params(self.state.params)  # a collective: every rank
             self._check_final(final_params)
             val = self._validate(final_params)
@@ -672,6 +735,18 @@ class TrainingRun:
 
 # ---------------------------------------------------------------------------------------------
 # helpers
+
+
+def reads_each_step(device: str, on_nonfinite: str) -> bool:
+    """Whether the loop reads each step's loss and gradient norm at that step (else at the logging steps,
+    in one transfer: :class:`~hpfunc.train.readout.StepReadout`): on the CPU, where a read waits for no
+    device, and under ``train.on_nonfinite: skip``, which must know before applying a step whether it is
+    finite.
+
+    >>> reads_each_step("cpu", "stop"), reads_each_step("cuda", "stop"), reads_each_step("cuda", "skip")
+    (True, False, True)
+    """
+    return device == "cpu" or on_nonfinite == "skip"
 
 
 def _finite_step(loss: float, grad_norm: float) -> bool:
@@ -795,11 +870,22 @@ def _first_nonfinite_grad(check_step: Callable, state: Any, batch: Any, *, on_me
     return "; every parameter's gradient is finite"
 
 
-def _any_rank(flag: bool) -> bool:
-    """Whether ``flag`` is true on any rank (one all-reduce of one integer)."""
+def _any_rank(flag: bool, group: Any = None) -> bool:
+    """Whether ``flag`` is true on any rank (one all-reduce of one host integer, over ``group``: a gloo
+    group, default the default one)."""
     t = torch.tensor([int(flag)], dtype=torch.int64)
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=group)
     return bool(t[0])
+
+
+def _host_group(mesh: Any, timeout_s: float) -> Any:
+    """``None`` (the default group takes host tensors: gloo, or no mesh), else a new gloo group of every
+    rank with the collective timeout, for the loop's host flags (NCCL takes device tensors only)."""
+    if mesh is None or torch.distributed.get_backend() == "gloo":
+        return None
+    import datetime
+
+    return torch.distributed.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
 
 
 @contextlib.contextmanager

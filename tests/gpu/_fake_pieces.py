@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 SHAPES = {"normal": (64, 48), "uniform": (33,), "randint": (5, 7), "bernoulli": (16, 4), "bits": (9,),
           "truncated_normal": (12,), "permutation": (20,)}
@@ -87,24 +88,12 @@ def trainer_steps(runs: list, *, steps: int = 2, preset: str = "qwen3-moe-tiny",
     Each step is recorded by its own :class:`DeviceRecorder` (inside the caller's): making the first
     state is not part of a step. A run that raises reports its error instead of stopping the others.
     """
-    import functools
-    import itertools
     import os
     import time
     import traceback
 
-    import torch
-    from torch.utils._python_dispatch import _disable_current_modes
-
     from hpfunc import random
-    from hpfunc.mesh import Mesh
-    from hpfunc.models import qwen3
     from hpfunc.testing.fake_devices import DeviceRecorder, answer_host_syncs
-    from hpfunc.train.build import build_model_config, build_optimizer, build_schedule, model_dtype
-    from hpfunc.train.config import load_config_dict
-    from hpfunc.train.distributed import build_plan
-    from hpfunc.train.step import init_train_state, make_train_step
-    from hpfunc.transforms.parallelize import init_sharded, parallelize
 
     # The production default: parallelize's outputs unchecked (the suite's exact replication check reads
     # values, which fake tensors do not have). This runs in the isolated child process only.
@@ -112,34 +101,8 @@ def trainer_steps(runs: list, *, steps: int = 2, preset: str = "qwen3-moe-tiny",
     out = {}
     for name, parallel, *model in runs:
         try:
-            size = 1
-            for n in parallel["mesh"].values():
-                size *= n
-            raw = {"model": {"preset": preset, "dtype": "float32", **(model[0] if model else {})},
-                   "optimizer": {"name": "adamw", "lr": 1e-3, "weight_decay": 0.1, "clip_norm": 1.0},
-                   "schedule": {"name": "cosine", "warmup_steps": 1},
-                   "train": {"steps": 10, "batch_size": 2 * size, "seq_len": 16},
-                   "parallel": {**parallel, "device": "cpu"}}  # cpu: the config's check of this machine
-            cfg = load_config_dict(raw)
-            with _disable_current_modes():  # a DeviceMesh is made of real rank tensors
-                mesh = Mesh(dict(parallel["mesh"]), device_type=device_type)
-                # and so are the groups of several axes, flattened at first use (host bookkeeping that
-                # would compute on fake rank tensors inside the step): made here
-                names = list(parallel["mesh"])
-                for r in range(2, len(names)):
-                    for axes in itertools.combinations(names, r):
-                        mesh.group(axes)
-            model_cfg = build_model_config(cfg.model)
-            optimizer, lr = build_optimizer(cfg.optimizer, build_schedule(cfg.schedule, cfg.train.steps))
-            plan = build_plan(cfg.parallel, model_cfg).with_mixed_precision(torch.bfloat16)
-            step = make_train_step(model_cfg, optimizer, expert_bias_rate=cfg.train.expert_bias_rate,
-                                   lr_schedule=lr, loss_fn=qwen3.parallel_plan.loss,
-                                   num_microbatches=cfg.train.microbatches)
-            train_step = parallelize(step, mesh, plan, params="params")
-            key = random.key(0, device=device_type)
-            init = functools.partial(qwen3.init, cfg=model_cfg, dtype=model_dtype(cfg.model))
-            params = init_sharded(init, mesh, plan, key, shapes=qwen3.param_shapes(model_cfg))
-            state = train_step.init_state(lambda p: init_train_state(p, optimizer), params)
+            train_step, state, key, cfg, model_cfg = _fake_trainer_step(parallel, model[0] if model else {}, preset,
+                                                                        device_type)
             per_step = []
             for i in range(steps):
                 tokens = random.randint(random.fold_in(key, 100 + i), (cfg.train.batch_size, cfg.train.seq_len + 1),
@@ -163,3 +126,145 @@ def _state_leaves(state):
     from hpfunc import tree
 
     return [x for x in tree.leaves(state) if hasattr(x, "device")]
+
+
+def _fake_trainer_step(parallel: dict, model: dict, preset: str, device_type: str) -> tuple:
+    """``(train_step, state, key, cfg, model_cfg)``: the trainer's step under ``hpfunc.parallelize`` (AdamW
+    with a global-norm clip, the cosine schedule, bf16 compute over fp32 storage) and its first state, on
+    a mesh of fake ``device_type`` devices (the fake process group must be the default one)."""
+    import functools
+    import itertools
+
+    import torch
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from hpfunc import random
+    from hpfunc.mesh import Mesh
+    from hpfunc.models import qwen3
+    from hpfunc.train.build import build_model_config, build_optimizer, build_schedule, model_dtype
+    from hpfunc.train.config import load_config_dict
+    from hpfunc.train.distributed import build_plan
+    from hpfunc.train.step import init_train_state, make_train_step
+    from hpfunc.transforms.parallelize import init_sharded, parallelize
+
+    size = 1
+    for n in parallel["mesh"].values():
+        size *= n
+    raw = {"model": {"preset": preset, "dtype": "float32", **model},
+           "optimizer": {"name": "adamw", "lr": 1e-3, "weight_decay": 0.1, "clip_norm": 1.0},
+           "schedule": {"name": "cosine", "warmup_steps": 1},
+           "train": {"steps": 10, "batch_size": 2 * size, "seq_len": 16},
+           "parallel": {**parallel, "device": "cpu"}}  # cpu: the config's check of this machine
+    cfg = load_config_dict(raw)
+    with _disable_current_modes():  # a DeviceMesh is made of real rank tensors
+        mesh = Mesh(dict(parallel["mesh"]), device_type=device_type)
+        # and so are the groups of several axes, flattened at first use (host bookkeeping that
+        # would compute on fake rank tensors inside the step): made here
+        names = list(parallel["mesh"])
+        for r in range(2, len(names)):
+            for axes in itertools.combinations(names, r):
+                mesh.group(axes)
+    model_cfg = build_model_config(cfg.model)
+    optimizer, lr = build_optimizer(cfg.optimizer, build_schedule(cfg.schedule, cfg.train.steps))
+    plan = build_plan(cfg.parallel, model_cfg).with_mixed_precision(torch.bfloat16)
+    step = make_train_step(model_cfg, optimizer, expert_bias_rate=cfg.train.expert_bias_rate,
+                           lr_schedule=lr, loss_fn=qwen3.parallel_plan.loss,
+                           num_microbatches=cfg.train.microbatches)
+    train_step = parallelize(step, mesh, plan, params="params")
+    key = random.key(0, device=device_type)
+    init = functools.partial(qwen3.init, cfg=model_cfg, dtype=model_dtype(cfg.model))
+    params = init_sharded(init, mesh, plan, key, shapes=qwen3.param_shapes(model_cfg))
+    state = train_step.init_state(lambda p: init_train_state(p, optimizer), params)
+    return train_step, state, key, cfg, model_cfg
+
+
+class _CopyRecorder(TorchDispatchMode):
+    """The host-to-device copies made inside: ``(source device, target device, non_blocking)`` (a blocking
+    one from pageable memory makes a GPU's host wait; the recorder of fake_devices counts only copies to
+    the host)."""
+
+    def __init__(self):
+        super().__init__()
+        self.copies = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._to_copy.default and kwargs.get("device") is not None:
+            self.copies.append((args[0].device.type, torch.device(kwargs["device"]).type,
+                                bool(kwargs.get("non_blocking", False))))
+        return func(*args, **kwargs)
+
+
+def fed_and_read_steps(parallel: dict, *, steps: int = 4, log_every: int = 2, preset: str = "qwen3-moe-tiny") -> dict:
+    """The trainer loop's device side on fake CUDA: each step's host batch through
+    :class:`hpfunc.train.batch_feed.BatchFeed` (made on the host before the recording), the parallel
+    step, its scalars into :class:`hpfunc.train.readout.StepReadout`, read at the logging steps (every
+    ``log_every``, as the loop does on a CUDA mesh). Per step: the host syncs and host reads (kind, op,
+    file), the batch's devices and, at a logging step, the steps read."""
+    import os
+
+    from hpfunc import random
+    from hpfunc.testing.fake_devices import DeviceRecorder, answer_host_syncs
+    from hpfunc.train.batch_feed import BatchFeed
+    from hpfunc.train.loop import _local_metrics
+    from hpfunc.train.readout import StepReadout
+
+    os.environ.pop("HPFUNC_CHECK_REP", None)
+    train_step, state, key, cfg, model_cfg = _fake_trainer_step(parallel, {}, preset, "cuda")
+    host = {n: {"tokens": random.randint(random.fold_in(random.key(0), n), (cfg.train.batch_size, cfg.train.seq_len + 1),
+                                         0, model_cfg.vocab_size)} for n in range(1, steps + 1)}
+    assert {x["tokens"].device.type for x in host.values()} == {"cpu"}
+    feed, readout = BatchFeed(host.__getitem__, "cuda"), StepReadout()
+    per_step = []
+    for n in range(1, steps + 1):
+        rec = DeviceRecorder("cuda", on_host_sync=answer_host_syncs(1))
+        with rec:
+            with _CopyRecorder() as copies:
+                batch = feed.take(n)
+            state, metrics = train_step(state, batch)
+            entry = readout.add(n, _local_metrics(metrics), keep=("expert_load",) if n % log_every == 0 else ())
+            feed.prefetch(n + 1)
+            read = readout.read() if n % log_every == 0 else []
+        per_step.append({"syncs": [(s.kind, s.op, s.where.split(":")[0]) for s in rec.host_syncs],
+                         "host_reads": [(s.kind, s.op, s.where.split(":")[0]) for s in rec.host_reads],
+                         "batch": batch["tokens"].device.type, "copies": copies.copies, "read": [e.step for e in read],
+                         "row": (tuple(entry.row.shape), entry.row.device.type) if entry.row is not None else None,
+                         "extras": {k: (tuple(v.shape), v.dtype, v.device.type) for e in read
+                                    for k, v in e.extras.items()}})
+    return per_step
+
+
+class _C10dOps(TorchDispatchMode):
+    """The torch.distributed collectives that reach the dispatcher (``c10d.*`` ops), in order."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func.overloadpacket)
+        if "c10d" in name:
+            self.ops.append(name.split(".")[-1])
+        return func(*args, **(kwargs or {}))
+
+
+def native_collectives(mesh, axis: str = "fsdp") -> dict:
+    """``hpfunc.lax``'s two backend-chosen paths over ``axis`` of ``mesh``, with the collectives each one
+    called: a tiled ``psum_scatter`` under ``torch.func.grad`` (gloo: an all-reduce in place, its
+    workaround; NCCL and the fake group: the reduce-scatter) and an uneven ``all_to_all`` whose receive
+    sizes are exchanged first (gloo: host tensors; else device tensors). Values too (real on gloo)."""
+    from hpfunc import lax
+
+    n, me, dev = mesh.axis_size(axis), mesh.axis_index(axis), mesh.device_type
+    x = torch.arange(2 * n * 3, dtype=torch.float32, device=dev).view(2 * n, 3) + me
+    split = [1] * (n - 1) + [2]  # the last rank gets two rows of each
+    y = torch.arange(n + 1, dtype=torch.float32, device=dev).view(n + 1, 1) + 10 * me
+    with mesh:
+        with _C10dOps() as rs:
+            grad = torch.func.grad(lambda t: (lax.psum_scatter(t, axis, tiled=True) ** 2).sum())(x)
+        with _C10dOps() as a2a:
+            out = lax.all_to_all(y, axis, 0, 0, split_sizes=split)
+    real = not (dev != "cpu" and not torch.cuda.is_available())
+    return {"psum_scatter_ops": rs.ops, "all_to_all_ops": a2a.ops,
+            "grad": (tuple(grad.shape), grad.device.type, grad.tolist() if real else None),
+            "all_to_all": (tuple(out.shape), out.device.type, out.reshape(-1).tolist() if real else None)}

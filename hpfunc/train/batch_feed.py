@@ -1,0 +1,78 @@
+"""The trainer's batches on the mesh's device: pinned host memory, ``non_blocking`` copies, the next one
+prefetched on a copy stream.
+
+The trainer samples each step's batch on the host (a pure function of the seed and the step,
+:func:`hpfunc.train.data.sample_batch`). :class:`BatchFeed` hands it to the step on the run's device:
+
+* on a CPU mesh (and the single-process trainer) the host batch itself: nothing is pinned or copied;
+* on a CUDA mesh the batch is pinned and copied ``non_blocking`` (:func:`hpfunc.host_to_device.put`):
+  the host does not wait for the device. After the loop has queued a step, :meth:`BatchFeed.prefetch`
+  samples the next step's batch and queues its copy on a side stream (``torch.cuda.Stream``), so that
+  it overlaps the step; :meth:`BatchFeed.take` makes the compute stream wait for that copy (an event:
+  the host does not wait) and tells the allocator the blocks are used there (``record_stream``);
+* on fake CUDA devices (the fake-CUDA tests, the dry run) the same ``non_blocking`` copies, unpinned and
+  without a side stream (a fake device has no streams to overlap).
+
+    >>> import torch
+    >>> feed = BatchFeed(lambda n: {"tokens": torch.full((2, 3), n)}, "cpu")
+    >>> feed.take(4)["tokens"][0].tolist(), feed.prefetch(5), feed.take(5)["tokens"][0, 0].item()
+    ([4, 4, 4], False, 5)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from hpfunc import tree as _tree
+from hpfunc.host_to_device import pins, put
+
+__all__ = ["BatchFeed"]
+
+
+class BatchFeed:
+    """Step ``n``'s batch on ``device`` (``make(n)``: the host batch of step ``n``, sampled on demand).
+
+    Args:
+      make: ``n -> batch``, a pytree of host tensors (a pure function of ``n``: a prefetched batch is
+        the one :meth:`take` would have made).
+      device: the device the step runs on (``mesh.device_type``, or ``"cpu"``).
+    """
+
+    def __init__(self, make: Callable[[int], Any], device: torch.device | str):
+        self.make = make
+        self.device = torch.device(device)
+        self._stream: Any = None
+        self._ahead: tuple[int, Any, Any] | None = None  # (step, device batch, copy event)
+
+    @property
+    def prefetches(self) -> bool:
+        """Whether :meth:`prefetch` copies ahead: on a CUDA device this process drives."""
+        return pins(self.device)
+
+    def take(self, n: int) -> Any:
+        """Step ``n``'s batch on the device (the prefetched one when it is step ``n``'s)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0] == n:
+            _, batch, done = ahead
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(done)  # the device waits for the copy; the host does not
+            for x in _tree.leaves(batch):
+                if isinstance(x, torch.Tensor):
+                    x.record_stream(current)  # made on the copy stream, used and freed on the compute one
+            return batch
+        return put(self.make(n), self.device)
+
+    def prefetch(self, n: int) -> bool:
+        """Sample step ``n``'s batch now and queue its copy on the copy stream (call it after queueing
+        the step before: the copy overlaps it). Whether it did (only on a CUDA device)."""
+        if not self.prefetches:
+            return False
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        batch = put(self.make(n), self.device, stream=self._stream)
+        done = torch.cuda.Event()
+        done.record(self._stream)
+        self._ahead = (n, batch, done)
+        return True
