@@ -1,11 +1,12 @@
 """hpfunc.transforms.shape_header: a header sent and received with batch_isend_irecv between two gloo
-ranks (real values), and the same layout as the pipeline's headers."""
+ranks (real values), and the header the pipeline's wire sends."""
 
 from __future__ import annotations
 
 import torch
 
-from hpfunc.transforms import pipeline, shape_header
+from hpfunc.transforms import shape_header
+from hpfunc.transforms.pipeline import wire
 
 
 def _exchange():
@@ -23,7 +24,7 @@ def _exchange():
     return shape_header.decode(buf.tolist())
 
 
-def test_a_header_crosses_ranks_and_matches_the_pipeline_layout(pool2):
+def test_a_header_crosses_ranks_and_is_the_pipeline_wire_header(pool2):
     assert pool2.run(_exchange)[1] == [((2, 5, 3), torch.float32), ((7,), torch.bool)]
-    assert (shape_header.HEADER_LEN, shape_header.DTYPES, shape_header.MAX_NDIM) == (
-        pipeline._HEADER, pipeline._DTYPES, pipeline._MAX_NDIM)
+    fields = wire.Wire.header_fields([torch.zeros(2, 5, 3)])  # the pipeline's wire speaks this module's layout
+    assert fields == shape_header.encode([torch.zeros(2, 5, 3)]) and len(fields) == shape_header.HEADER_LEN

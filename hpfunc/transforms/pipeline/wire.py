@@ -28,6 +28,9 @@ from hpfunc import comm
 from hpfunc import tree as _tree
 from hpfunc.mesh import Mesh
 from hpfunc.schedules import ActionKind
+from hpfunc.transforms import shape_header
+from hpfunc.transforms.shape_header import HEADER_LEN as _HEADER
+from hpfunc.transforms.shape_header import MAX_TENSORS
 from hpfunc.transforms.pipeline.errors import PipelineError
 from hpfunc.transforms.pipeline.timeline import event
 
@@ -35,11 +38,6 @@ __all__ = ["MAX_TENSORS", "Wire", "PendingRecv"]
 
 K = ActionKind
 
-MAX_TENSORS = 8
-_MAX_NDIM = 6
-_HEADER = 1 + MAX_TENSORS * (2 + _MAX_NDIM)
-_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-           torch.int16, torch.int8, torch.uint8, torch.bool)
 _KIND_TAG = {K.SEND_F: 0, K.RECV_F: 0, K.SEND_B: 1, K.RECV_B: 1}
 
 
@@ -112,28 +110,22 @@ class Wire:
 
     @staticmethod
     def header_fields(tensors: Sequence[torch.Tensor], where: Any = "send") -> list[int]:
-        """The header of ``tensors``: their count, then per tensor its dtype's index, its rank and its shape."""
-        # built as a list and made a tensor once (item assignments into a tensor cost a dispatch each)
-        fields = [0] * _HEADER
-        fields[0] = len(tensors)
-        for j, t in enumerate(tensors):
-            if t.dim() > _MAX_NDIM or t.dtype not in _DTYPES:
-                raise PipelineError(f"{where}: cannot send a {t.dtype} tensor of shape "
-                                    f"{tuple(t.shape)} (at most {_MAX_NDIM} dims, dtypes {_DTYPES})")
-            base = 1 + j * (2 + _MAX_NDIM)
-            fields[base] = _DTYPES.index(t.dtype)
-            fields[base + 1] = t.dim()
-            fields[base + 2: base + 2 + t.dim()] = t.shape
-        return fields
+        """The header of ``tensors`` (:mod:`hpfunc.transforms.shape_header`'s layout): their count, then per
+        tensor its dtype's index, its rank and its shape."""
+        try:
+            return shape_header.encode(tensors)
+        except ValueError as e:
+            raise PipelineError(f"{where}: {e}") from None
 
     def send(self, tensors: Sequence[torch.Tensor], action: Any, pending: list, *, header: bool) -> None:
         """Post ``action``'s send of ``tensors`` (with a header first if ``header``); its works join ``pending``."""
         peer = self.global_rank(action.peer)
         ops = []
         if header:
-            fields = self.header_fields(tensors, f"stage {action.stage}")
-            h = torch.tensor(fields, dtype=torch.int64, device=self.device)  # on the device: NCCL sends no host tensor
-            ops.append(dist.P2POp(dist.isend, h, peer, self.group, self.tag(action.kind, action.stage, action.microbatch, 0)))
+            self.header_fields(tensors, f"stage {action.stage}")  # the stage's wording for what cannot be sent
+            # on the device (NCCL sends no host tensor), copied from pinned memory without a host wait
+            ops.append(shape_header.header_send_op(tensors, peer, self.group,
+                                                   self.tag(action.kind, action.stage, action.microbatch, 0), self.device))
         for j, t in enumerate(tensors):
             ops.append(dist.P2POp(dist.isend, t.contiguous(), peer, self.group,
                                   self.tag(action.kind, action.stage, action.microbatch, j + 1)))
@@ -161,14 +153,12 @@ class Wire:
         kind, s, i = action.kind, action.stage, action.microbatch
         pending = PendingRecv(self, action, peer)
         if like is None:
-            pending.header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
-            pending.works = dist.batch_isend_irecv(
-                [dist.P2POp(dist.irecv, pending.header, peer, self.group, self.tag(kind, s, i, 0))])
+            pending.header, op = shape_header.header_recv_op(peer, self.group, self.tag(kind, s, i, 0), self.device)
+            pending.works = dist.batch_isend_irecv([op])
         else:
             if header and self.early_headers and kind is K.RECV_F:  # the sender's header still comes: take it too
-                pending.header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
-                pending.header_ops = [dist.P2POp(dist.irecv, pending.header, peer, self.group,
-                                                 self.tag(kind, s, i, 0))]
+                pending.header, op = shape_header.header_recv_op(peer, self.group, self.tag(kind, s, i, 0), self.device)
+                pending.header_ops = [op]
             pending.post_payload([torch.empty_like(t) if isinstance(t, torch.Tensor)
                                   else torch.empty(t[0], dtype=t[1], device=self.device) for t in like])
         event("post", action)
@@ -215,22 +205,17 @@ class PendingRecv:
             w.wait()
         self.works = []
         if self.bufs is None:  # the header told the shapes: receive the payload now
-            h = self.header.tolist()
-            bufs = []
-            for j in range(h[0]):
-                base = 1 + j * (2 + _MAX_NDIM)
-                nd = h[base + 1]
-                bufs.append(torch.empty(tuple(h[base + 2: base + 2 + nd]), dtype=_DTYPES[h[base]], device=self.wire.device))
+            bufs = [torch.empty(shape, dtype=dtype, device=self.wire.device)
+                    for shape, dtype in shape_header.decode(self.header.tolist())]
             self.post_payload(bufs)
             for w in self.works:
                 w.wait()
             self.works = []
         elif self.header is not None:  # posted early with the first microbatch's shapes: the header must agree
-            h = self.header.tolist()
+            told = shape_header.decode(self.header.tolist())
             for j, b in enumerate(self.bufs):
-                base = 1 + j * (2 + _MAX_NDIM)
-                shape = tuple(h[base + 2: base + 2 + h[base + 1]])
-                if h[0] != len(self.bufs) or shape != tuple(b.shape) or _DTYPES[h[base]] != b.dtype:
+                shape, dtype = told[j] if j < len(told) else ((), None)
+                if len(told) != len(self.bufs) or shape != tuple(b.shape) or dtype != b.dtype:
                     raise PipelineError(f"{self.action}: stage input {j} arrived as {shape} but the first "
                                         f"microbatch's was {tuple(b.shape)}; microbatches of one step must "
                                         f"give every stage inputs of one shape")
