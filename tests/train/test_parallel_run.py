@@ -55,10 +55,12 @@ def _run_in_ranks(cfg_path, parallel):
     said: list[str] = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: said.append(record.getMessage())
-    loggers = [logging.getLogger(n) for n in ("torch.distributed", "torch.distributed.tensor")]
+    # torch's logging setup stops some loggers' propagation: the handler goes on each one on the way down
+    loggers = [logging.getLogger(n) for n in ("torch.distributed", "torch.distributed.tensor",
+                                              "torch.distributed.tensor._redistribute")]
     levels = [log.level for log in loggers]
-    loggers[0].addHandler(handler)
     for log in loggers:
+        log.addHandler(handler)
         log.setLevel(logging.WARNING)
     stream = io.StringIO()
     try:
@@ -66,8 +68,8 @@ def _run_in_ranks(cfg_path, parallel):
             warnings.simplefilter("always")
             run(cfg, stream=stream, echo=True)
     finally:
-        loggers[0].removeHandler(handler)
         for log, level in zip(loggers, levels):
+            log.removeHandler(handler)
             log.setLevel(level)
     return stream.getvalue(), "\n".join(said + [str(w.message) for w in caught])
 
