@@ -36,6 +36,44 @@ def _env():
     return env
 
 
+def _run_in_ranks(cfg_path, parallel):
+    """``trainer.run`` of the config on a pool rank, as ``hpfunc train`` runs it on a launched one (the
+    launch itself is tested above): rank 0's console lines, every warning logged or raised meanwhile (the
+    pool silences torch.distributed's log otherwise; DTensor's once-per-mesh memory of its warnings is
+    cleared first), and the training records."""
+    import io
+    import logging
+    import warnings
+
+    from torch.distributed.tensor import _redistribute
+
+    from hpfunc.train.config import load_config
+    from hpfunc.train.trainer import run
+
+    cfg = load_config(cfg_path, [f"parallel={json.dumps(parallel)}"])
+    _redistribute._warned_flatten_issues.clear()
+    said: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: said.append(record.getMessage())
+    # torch's logging setup stops some loggers' propagation: the handler goes on each one on the way down
+    loggers = [logging.getLogger(n) for n in ("torch.distributed", "torch.distributed.tensor",
+                                              "torch.distributed.tensor._redistribute")]
+    levels = [log.level for log in loggers]
+    for log in loggers:
+        log.addHandler(handler)
+        log.setLevel(logging.WARNING)
+    stream = io.StringIO()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            run(cfg, stream=stream, echo=True)
+    finally:
+        for log, level in zip(loggers, levels):
+            log.removeHandler(handler)
+            log.setLevel(level)
+    return stream.getvalue(), "\n".join(said + [str(w.message) for w in caught])
+
+
 def test_a_plan_that_does_not_fit_fails_before_any_process_starts(tmp_path, capsys):
     path = _config(tmp_path, parallel={"mesh": {"fsdp": 1, "tp": 4}, "plan": ["fsdp", "tp"]})
     with pytest.raises(SystemExit) as info:
@@ -133,10 +171,12 @@ def test_train_on_a_2x2_mesh_matches_one_device(tmp_path):
 
 @pytest.mark.parametrize("parallel", [{"mesh": {"fsdp": 2, "ep": 2}, "plan": [{"fsdp": {"axis": "fsdp"}}, {"ep": {"axis": "ep"}}]},
                                       {"mesh": {"ep": 4}, "plan": ["ep"]}])
-def test_expert_parallel_train_matches_one_device(tmp_path, parallel):
-    """``hpfunc train`` with experts split over ``ep`` (with fsdp, and alone on 4 ranks): every per-step
-    loss, the load-balancing loss (the load of the whole batch) and the expert load equal the single-device
-    run of the same config, with the expert bias moving every step."""
+@pytest.mark.multirank
+def test_expert_parallel_train_matches_one_device(tmp_path, pools, parallel):
+    """The trainer with experts split over ``ep`` (with fsdp, and alone on 4 ranks; on the pool's ranks:
+    the launch is test_train_on_a_2x2_mesh_matches_one_device's): every per-step loss, the load-balancing
+    loss (the load of the whole batch) and the expert load equal the single-device run of the same config,
+    with the expert bias moving every step."""
     from hpfunc.train.config import load_config
     from hpfunc.train.trainer import run
 
@@ -144,10 +184,8 @@ def test_expert_parallel_train_matches_one_device(tmp_path, parallel):
     path = _config(tmp_path, parallel=parallel, optimizer={"name": "adamw", "lr": 1e-2},
                    train={**TINY["train"], "steps": steps, "log_every": 1, "eval_every": 0, "expert_bias_rate": 1e-2,
                           "aux_loss_coef": 0.1})
-    proc = subprocess.run([sys.executable, "-m", "hpfunc.cli", "train", str(path)], capture_output=True, text=True,
-                          env=_env(), timeout=240, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "ep('ep')" in proc.stdout and "redistributing" not in proc.stdout + proc.stderr
+    printed, warned = pools(4).run(_run_in_ranks, str(path), parallel)[0]
+    assert "ep('ep')" in printed and "redistributing" not in printed + warned, printed + warned
     single = run(load_config(path, ["parallel=null", f"output.dir={tmp_path / 'single'}"]), echo=False)
     par = [r for r in read_metrics(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
     want = [r for r in single.records if "loss" in r]
@@ -178,9 +216,11 @@ def test_expert_parallel_that_does_not_divide_the_experts_fails_before_launch(tm
       "plan": [{"pp": {"axis": "pp", "schedule": "zbv", "microbatches": 2, "layers_per_stage": [1, 2, 1, 1]}},
                {"fsdp": {"axis": "fsdp"}}]}, []),
 ], ids=["moe-pp2-1f1b", "dense-pp2-fsdp2-zbv"])
-def test_pipeline_parallel_train_matches_one_device(tmp_path, model, parallel, reference):
-    """``hpfunc train`` with ``pp`` in the plan: every per-step loss equals the single-device run of the
-    same config (rtol 1e-5), evaluation and sampling see the whole model gathered from the stages."""
+@pytest.mark.multirank
+def test_pipeline_parallel_train_matches_one_device(tmp_path, pools, model, parallel, reference):
+    """The trainer with ``pp`` in the plan (on the pool's ranks): every per-step loss equals the
+    single-device run of the same config (rtol 1e-5), evaluation and sampling see the whole model gathered
+    from the stages."""
     from hpfunc.train.config import load_config
     from hpfunc.train.trainer import run
 
@@ -188,10 +228,11 @@ def test_pipeline_parallel_train_matches_one_device(tmp_path, model, parallel, r
     path = _config(tmp_path, model=model if "preset" in model else {**TINY["model"], **model}, parallel=parallel,
                    train={**TINY["train"], "steps": steps, "log_every": 1, "eval_every": 0, "expert_bias_rate": 1e-2,
                           "aux_loss_coef": 0.1})
-    proc = subprocess.run([sys.executable, "-m", "hpfunc.cli", "train", str(path)], capture_output=True, text=True,
-                          env=_env(), timeout=240, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "pp('pp'" in proc.stdout, proc.stdout
+    world = 1
+    for size in parallel["mesh"].values():
+        world *= size
+    printed, _ = pools(world).run(_run_in_ranks, str(path), parallel)[0]
+    assert "pp('pp'" in printed, printed
     single = run(load_config(path, ["parallel=null", f"output.dir={tmp_path / 'single'}", *reference]), echo=False)
     par = [r for r in read_metrics(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
     want = [r for r in single.records if "loss" in r]
