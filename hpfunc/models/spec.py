@@ -79,7 +79,7 @@ class ModelSpec:
       loss: ``(params, batch, cfg) -> (loss, aux)`` on one device; ``aux`` may hold ``ce_loss``,
         ``aux_loss``, ``expert_load`` (``[moe_layers, E]``) and ``dropped_pairs``.
       apply: ``(params, tokens, cfg) -> logits`` (sampling).
-      parallel_loss: the loss with the model's parallel hooks (read from :mod:`hpfunc.layout`);
+      parallel_loss: the loss a parallelized step runs (the model reads its layout from :mod:`hpfunc.layout`);
         ``None``: ``loss`` is already parallel-aware (or the model has no tensor parallelism).
       tp_styles: ``(cfg, *, vocab_parallel, sequence_parallel) -> {pattern: Style}`` or ``None``.
       tp_divides: ``(cfg, *, vocab_parallel) -> [(field, what)]``: the config fields a tensor-parallel

@@ -20,8 +20,9 @@ from hpfunc.regions import Regions
 from hpfunc.testing import assert_trees_close
 
 
-def _layer_case(attention_bias: bool, moe: bool):
-    cfg = qwen3.preset("qwen3-moe-tiny" if moe else "qwen3-dense-tiny", attention_bias=attention_bias)
+def _layer_case(attention_bias: bool, moe: bool, shared: bool = False):
+    extra = {"shared_expert_intermediate_size": 32} if shared else {}
+    cfg = qwen3.preset("qwen3-moe-tiny" if moe else "qwen3-dense-tiny", attention_bias=attention_bias, **extra)
     params = qwen3.init(hpfunc.random.key(1), cfg)
     layer = params["layers"][0]
     if attention_bias:  # non-zero biases, so that where the output bias is added matters
@@ -31,7 +32,7 @@ def _layer_case(attention_bias: bool, moe: bool):
     return cfg, layer
 
 
-@pytest.mark.parametrize("case", ["whole", "seams", "seams_bias", "moe"])
+@pytest.mark.parametrize("case", ["whole", "seams", "seams_bias", "moe", "moe_shared"])
 def test_compiled_layer_equals_the_eager_layer(case, monkeypatch):
     """Forward and gradients of one decoder layer, compiled (one region; four around the tensor-parallel
     seams, under a bound tp axis whose seams scale here, so that a seam skipped or applied twice changes
@@ -40,7 +41,7 @@ def test_compiled_layer_equals_the_eager_layer(case, monkeypatch):
 
     from hpfunc import layout
 
-    cfg, layer = _layer_case(case == "seams_bias", case == "moe")
+    cfg, layer = _layer_case(case == "seams_bias", case.startswith("moe"), case == "moe_shared")
     bound = contextlib.nullcontext
     if case.startswith("seams"):
         monkeypatch.setattr(layout, "gather_sequence", lambda x: x * 1.5)
@@ -62,7 +63,8 @@ def test_compiled_layer_equals_the_eager_layer(case, monkeypatch):
     (ye, ge), (yc, gc) = run(), run(regions=regions)
     torch.testing.assert_close(yc, ye, rtol=1e-5, atol=1e-6)
     assert_trees_close(gc, ge, rtol=1e-5, atol=1e-6, what=case)
-    want = {"qwen3.layer": 1} if case == "whole" else {"qwen3.attention_block": 1, "moe.router": 1} if case == "moe" else {
+    moe = {"qwen3.attention_block": 1, "moe.router": 1, **({"moe.shared": 1} if case == "moe_shared" else {})}
+    want = {"qwen3.layer": 1} if case == "whole" else moe if case.startswith("moe") else {
         "qwen3.attention_in": 1, "qwen3.attention": 1, "qwen3.residual_norm": 1, "qwen3.mlp": 1}
     assert regions.compilations == want
 
@@ -83,6 +85,50 @@ def test_the_count_sees_a_recompilation():
             graphs.append(counters["stats"]["unique_graphs"] - start)
         assert seen == [{"qwen3.embed": k, "qwen3.layer": k, "qwen3.head_loss": k} for k in want]
         assert graphs == [3 * k for k in want]
+
+
+def test_lowered_compile_runs_the_same_step():
+    """``train_step.lower(state).compile("aot_eager")`` on a one-rank mesh against the eager step, 3 steps
+    from the same state on the same batches: equal losses (rtol 1e-5) and parameters after every step;
+    the regions (embedding, the layer shared by both layers, head and loss) compile in the first step
+    and never again; ``print`` says it is compiled; the eager program is untouched (no regions bound)."""
+    from hpfunc import optim
+    from hpfunc.train.step import init_train_state, make_train_step
+    from hpfunc.transforms import plans
+
+    cfg = qwen3.preset("qwen3-dense-tiny")
+    tx = optim.adamw(LR)
+    train_step = hpfunc.parallelize(make_train_step(cfg, tx, loss_fn=qwen3.parallel_plan.loss),
+                                    hpfunc.Mesh({"fsdp": 1}), plans.fsdp("fsdp"))
+    params = train_step.shard_params(qwen3.init(hpfunc.random.key(0), cfg))
+    state = train_step.init_state(lambda p: init_train_state(p, tx), params)
+    lowered = train_step.lower(state)
+    program = lowered.compile("aot_eager")
+    assert lowered.compile(False) is lowered and lowered.regions is None and program.regions is not None
+    assert "compiled regions (aot_eager)" in repr(program) and "compiled" not in repr(lowered)
+    g = torch.Generator().manual_seed(0)
+    eager_state, counts = state, []
+    for _ in range(3):
+        batch = {"tokens": torch.randint(0, cfg.vocab_size, (2, 8), generator=g)}
+        eager_state, me = train_step(eager_state, batch)
+        state, mc = program(state, batch)
+        torch.testing.assert_close(mc["loss"].full_tensor(), me["loss"].full_tensor(), rtol=1e-5, atol=0)
+        assert_trees_close(state.params, eager_state.params, rtol=1e-5, atol=1e-7, what="params")
+        counts.append(program.regions.compilations)
+    assert counts == [{"qwen3.embed": 1, "qwen3.layer": 1, "qwen3.head_loss": 1}] * 3
+
+
+def test_compile_requests():
+    from hpfunc.layout import PlanError
+    from hpfunc.transforms import plans
+
+    step = hpfunc.parallelize(lambda s, b: (s, {}), hpfunc.Mesh({"fsdp": 1}), plans.fsdp("fsdp"))
+    with pytest.raises(ValueError, match=r"ParallelizedStep.compile: expected true, false or one of \('inductor', "
+                                         r"'aot_eager', 'eager'\), found 'inductr'"):
+        step.compile("inductr")
+    assert step.compile(False) is step and step.compile("eager").regions.backend == "eager"
+    assert hpfunc.parallelize(lambda s, b: (s, {}), hpfunc.Mesh({"fsdp": 1}), plans.fsdp("fsdp"),
+                              compile=True).regions.backend == "inductor"
 
 
 def _raw(tmp_path, compile, tag):
