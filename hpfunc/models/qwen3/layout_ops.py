@@ -215,7 +215,7 @@ def _check_heads(cfg: Qwen3Config, cp: layout.ContextParallel) -> None:
 
 
 def context_split(cfg: Qwen3Config, batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Under a bound context-parallel layout, ``(local batch, hooks)``: this rank's tokens and labels of every
+    """Under a bound context-parallel layout, ``(local batch, parts)``: this rank's tokens and labels of every
     sequence (padded to ``2 P`` chunks, causally balanced; :class:`SequenceSplit`), and what the model's
     forward uses for them (:func:`qwen3.loss <hpfunc.models.qwen3.model.loss>` calls this itself when a
     context-parallel layout is bound): their global ``positions`` (RoPE), ``attend``
@@ -231,8 +231,8 @@ def context_split(cfg: Qwen3Config, batch: dict[str, torch.Tensor]) -> tuple[dic
     >>> from hpfunc.models import qwen3
     >>> from hpfunc import Mesh
     >>> with Mesh({"cp": 1}), layout.context_parallel(layout.ContextParallel("cp")):
-    ...     local, hooks = context_split(qwen3.preset("qwen3-dense-tiny"), {"tokens": torch.arange(3)[None]})
-    >>> local["tokens"].tolist(), local["labels"].tolist(), hooks["positions"].tolist()
+    ...     local, parts = context_split(qwen3.preset("qwen3-dense-tiny"), {"tokens": torch.arange(3)[None]})
+    >>> local["tokens"].tolist(), local["labels"].tolist(), parts["positions"].tolist()
     ([[0, 1, 2, 0]], [[1, 2, -100, -100]], [0, 1, 2, 3])
     """
     cp = layout.cp_binding()
@@ -254,7 +254,7 @@ def context_split(cfg: Qwen3Config, batch: dict[str, torch.Tensor]) -> tuple[dic
           "doc_ids": None if docs is None else check_doc_ids(docs, tokens.shape)}
     if cp.impl == "hybrid":
         kw["ulysses_axis"] = cp.ulysses_axis
-    hooks = {"positions": positions,
+    parts = {"positions": positions,
              "attend": lambda q, k, v: context_attention(q, k, v, split, axis=cp.axis, **kw),
              "counted": (positions < S).expand(tokens.shape[0], -1)}
-    return local, hooks
+    return local, parts

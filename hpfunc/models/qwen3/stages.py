@@ -100,7 +100,7 @@ def pipeline_stages(cfg: Qwen3Config, num_stages: int, *, layers: Sequence[int] 
             return (last,)
         raise PlanError(f"qwen3 pipeline: no stage for parameter {path!r}")
 
-    def hooks(mb: dict) -> tuple[dict, dict]:
+    def local_view(mb: dict) -> tuple[dict, dict]:
         """The microbatch as this rank sees it (its tokens of each sequence under context parallelism) and
         the positions, attention and counted tokens of the bound context-parallel layout for it."""
         cp: dict = {}
@@ -110,7 +110,7 @@ def pipeline_stages(cfg: Qwen3Config, num_stages: int, *, layers: Sequence[int] 
         return mb, cp
 
     def forward(s: int, params: Any, carry: Any, mb: dict) -> tuple:
-        mb, hk = hooks(mb)
+        mb, hk = local_view(mb)
         tokens = mb["tokens"]
         if s == 0:
             _model.check_tokens(tokens, cfg.vocab_size)
@@ -153,7 +153,7 @@ def pipeline_stages(cfg: Qwen3Config, num_stages: int, *, layers: Sequence[int] 
         return (h,) if stats is None else (h, *stats)
 
     def loss(params: Any, carry: tuple, mb: dict) -> tuple[torch.Tensor, dict]:
-        mb, _ = hooks(mb)
+        mb, _ = local_view(mb)
         tokens, labels = mb["tokens"], mb.get("labels")
         labels = _model.shift_labels(tokens) if labels is None else labels
         w_out = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
