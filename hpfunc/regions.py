@@ -42,12 +42,29 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["Regions", "plain", "BACKENDS"]
+__all__ = ["Regions", "plain", "BACKENDS", "backend_of"]
 
 # The torch.compile backends a trainer config may name (``train.compile``): inductor generates fused
 # kernels (C++ on CPU, Triton on GPU); aot_eager traces forward and backward with AOTAutograd and runs
 # the graphs eagerly (compiles in a fraction of the time: the test suite's choice); eager only captures.
 BACKENDS = ("inductor", "aot_eager", "eager")
+
+
+def backend_of(mode: bool | str, where: str = "compile") -> str | None:
+    """The backend a compile request names (``train.compile``, ``parallelize(compile=...)``,
+    ``Lowered.compile(mode)``): ``None`` for ``False`` (eager), ``inductor`` for ``True``, else one of
+    :data:`BACKENDS`.
+
+    >>> backend_of(True), backend_of("aot_eager"), backend_of(False)
+    ('inductor', 'aot_eager', None)
+    """
+    if mode is False or mode is None:
+        return None
+    if mode is True:
+        return "inductor"
+    if isinstance(mode, str) and mode in BACKENDS:
+        return mode
+    raise ValueError(f"{where}: expected true, false or one of {BACKENDS}, found {mode!r}")
 
 
 def plain(tree: Any) -> Any:

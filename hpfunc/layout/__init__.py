@@ -33,6 +33,8 @@ What you can ask:
 :func:`model_paths` (tree)           every parameter path of the model (a pipeline rank holds some)
 :func:`run_layer` (i, fn, ...)       a model's layer ``i``, through the bound per-layer transform (remat,
                                      offload per layer: :mod:`hpfunc.layout.layers`)
+:func:`regions`                      the compiled regions a compiled step runs the model's compute in
+                                     (``Lowered.compile``), ``None`` for eager
 :func:`tp_axis`, ...                 the tensor-parallel binding (:mod:`hpfunc.layout.tensor_parallel`)
                                      and its building blocks :func:`scatter_sequence`,
                                      :func:`gather_sequence`, :func:`reduce_partial`
@@ -43,8 +45,8 @@ styles                               :class:`ColwiseParallel`, :class:`RowwisePa
 Who uses it: :func:`hpfunc.value_and_grad` hands the differentiation to the bound layout (gather on
 use, reduced gradients); :func:`hpfunc.optim.global_norm` sums over shards; Muon gathers a sharded
 matrix with :func:`gather_block` and cuts its update back with :func:`local_block`; the MoE
-expert-bias update cuts the global load to this rank's experts; Qwen3's parallel hooks
-(``hpfunc.models.qwen3.parallel_plan``) read the tensor-parallel binding; MoE blocks read the
+expert-bias update cuts the global load to this rank's experts; Qwen3's layers, embedding, head and
+loss (``hpfunc.models.qwen3``) read the tensor-parallel binding; MoE blocks read the
 expert-parallel one and dispatch tokens to the ranks holding their experts; Qwen3's attention reads
 the context-parallel one and takes its tokens of each sequence.
 
@@ -63,7 +65,7 @@ your own does the same (the one-device run is the reference; ``docs/parallel.md`
     (True, None)
 """
 
-from hpfunc.layout.binding import Binding, binding, bound, rebind
+from hpfunc.layout.binding import Binding, binding, bound, rebind, regions
 from hpfunc.layout.step import (Accumulation, LeafLayout, LeafSpec, PlanError, StepLayout, bind, blocks_sq_norm,
                                 blocks_sq_sum,
                                 current, data_axes, data_parallel, donated, gather_block, global_sq_norm, leaf,
@@ -86,5 +88,5 @@ __all__ = [
     "ContextParallel", "context_parallel", "cp_binding",
     "Stages", "PipelineRunner", "pipeline", "runner", "model_paths", "model_parameter_paths",
     "Style", "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "VocabParallel", "Replicate",
-    "Binding", "binding", "bound", "rebind", "run_layer", "layer_transforms", "LayerTransform",
+    "Binding", "binding", "bound", "rebind", "regions", "run_layer", "layer_transforms", "LayerTransform",
 ]

@@ -25,7 +25,7 @@ from typing import Any, Iterator
 
 import attrs
 
-__all__ = ["Binding", "bound", "binding", "rebind"]
+__all__ = ["Binding", "bound", "binding", "rebind", "regions"]
 
 
 @attrs.frozen
@@ -39,7 +39,9 @@ class Binding:
     :class:`~hpfunc.layout.ContextParallel` of a ``cp`` plan layer; ``pipeline``: the
     :class:`~hpfunc.layout.PipelineRunner` of a pipelined differentiation; ``model_paths``: every
     parameter path of the model (a pipeline rank holds only some); ``layer_transform``: what
-    :func:`~hpfunc.layout.run_layer` wraps each layer of a model in (:mod:`hpfunc.layout.layers`).
+    :func:`~hpfunc.layout.run_layer` wraps each layer of a model in (:mod:`hpfunc.layout.layers`);
+    ``regions``: the :class:`hpfunc.regions.Regions` a compiled step runs the model's compute in
+    (:func:`~hpfunc.layout.regions`; ``Lowered.compile``), ``None`` for eager.
     """
 
     step: Any = None
@@ -52,6 +54,7 @@ class Binding:
     pipeline: Any = None
     model_paths: tuple[str, ...] | None = None
     layer_transform: Any = None
+    regions: Any = None
 
 
 _BOUND: contextvars.ContextVar[Binding] = contextvars.ContextVar("hpfunc_layout", default=Binding())
@@ -75,3 +78,14 @@ def binding(value: Binding) -> Iterator[Binding]:
 def rebind(**changes: Any) -> contextlib.AbstractContextManager[Binding]:
     """Bind the current binding with ``changes`` (field names of :class:`Binding`) for the ``with`` block."""
     return binding(attrs.evolve(_BOUND.get(), **changes))
+
+
+def regions() -> Any:
+    """The compiled regions (:class:`hpfunc.regions.Regions`) a compiled step binds for the function it
+    differentiates (``train_step.compile(...)``, ``Lowered.compile``), or ``None``: a model that declares
+    regions runs them eagerly. A model reads this instead of taking a ``regions`` argument from the step.
+
+    >>> regions() is None
+    True
+    """
+    return _BOUND.get().regions

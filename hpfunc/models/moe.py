@@ -224,6 +224,7 @@ def moe_block(
     shared: dict[str, torch.Tensor] | None = None,
     impl: str = "auto",
     dispatcher: Any = None,
+    regions: Any = None,
 ) -> tuple[torch.Tensor, Routing]:
     """Sparse MoE feed-forward ``[..., H] -> [..., H]``; returns the output and the :class:`Routing`.
 
@@ -240,6 +241,10 @@ def moe_block(
     received rows itself (:class:`hpfunc.models.hot_experts.ReplicatedAllToAll`: this rank's experts and
     its copies of hot experts).
 
+    ``regions`` (a :class:`hpfunc.regions.Regions`): the router (``moe.router``) and the shared expert
+    (``moe.shared``) run as compiled regions; the routed experts and their dispatch stay eager (their
+    group sizes are data: a new shape every batch; the dispatch may be a collective).
+
     >>> E, H, I = 4, 8, 4
     >>> y, r = moe_block(torch.randn(2, 3, H), torch.randn(E, H), torch.randn(E, I, H),
     ...                  torch.randn(E, I, H), torch.randn(E, H, I), top_k=2, norm_topk_prob=False)
@@ -248,7 +253,10 @@ def moe_block(
     """
     shape = x.shape
     flat = x.reshape(-1, shape[-1])
-    routing = route_topk(flat, router, top_k=top_k, norm_topk_prob=norm_topk_prob, expert_bias=expert_bias)
+    if regions is None:
+        routing = route_topk(flat, router, top_k=top_k, norm_topk_prob=norm_topk_prob, expert_bias=expert_bias)
+    else:
+        routing = Routing(*regions("moe.router", _route, flat, router, top_k, norm_topk_prob, expert_bias))
     axis = layout.ep_axis()
     if axis is None and dispatcher is None:
         y = grouped_experts(flat, routing.indices, routing.weights, w_gate, w_up, w_down, impl=impl)
@@ -283,9 +291,21 @@ def moe_block(
         if not hasattr(dispatcher, "exchange"):
             routing = routing._replace(dropped=getattr(sent, "dropped", getattr(sent, "overflow", None)))
     if shared is not None:
-        y = y + torch.sigmoid(F.linear(flat, shared["gate"])) * swiglu_mlp(
-            flat, shared["w_gate"], shared["w_up"], shared["w_down"])
+        y = y + (_shared_expert(flat, shared) if regions is None
+                 else regions("moe.shared", _shared_expert, flat, shared))
     return y.view(shape), routing
+
+
+def _route(x: torch.Tensor, router: torch.Tensor, top_k: int, norm_topk_prob: bool,
+           expert_bias: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """:func:`route_topk` as a tuple (a compiled region's output)."""
+    return tuple(route_topk(x, router, top_k=top_k, norm_topk_prob=norm_topk_prob, expert_bias=expert_bias)[:4])
+
+
+def _shared_expert(x: torch.Tensor, shared: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The always-on SwiGLU expert scaled by the sigmoid of its gate."""
+    return torch.sigmoid(F.linear(x, shared["gate"])) * swiglu_mlp(x, shared["w_gate"], shared["w_up"],
+                                                                    shared["w_down"])
 
 
 def load_balancing_loss(routings: Sequence[Routing], num_experts: int) -> torch.Tensor:

@@ -79,7 +79,7 @@ class ModelSpec:
       loss: ``(params, batch, cfg) -> (loss, aux)`` on one device; ``aux`` may hold ``ce_loss``,
         ``aux_loss``, ``expert_load`` (``[moe_layers, E]``) and ``dropped_pairs``.
       apply: ``(params, tokens, cfg) -> logits`` (sampling).
-      parallel_loss: the loss with the model's parallel hooks (read from :mod:`hpfunc.layout`);
+      parallel_loss: the loss a parallelized step runs (the model reads its layout from :mod:`hpfunc.layout`);
         ``None``: ``loss`` is already parallel-aware (or the model has no tensor parallelism).
       tp_styles: ``(cfg, *, vocab_parallel, sequence_parallel) -> {pattern: Style}`` or ``None``.
       tp_divides: ``(cfg, *, vocab_parallel) -> [(field, what)]``: the config fields a tensor-parallel
@@ -147,14 +147,22 @@ class ModelSpec:
         ...
         ValueError: train.compile: the model 'm' declares no compiled regions (its ModelSpec.compile_loss is None); set train.compile: false
         """
-        if compile is False:
+        if not self.check_compile(compile):
             return loss
+        from hpfunc.regions import Regions, backend_of
+
+        return self.compile_loss(loss, Regions(backend_of(compile, "train.compile")))
+
+    def check_compile(self, compile: bool | str) -> bool:
+        """Whether ``train.compile`` asks for compiled regions; a ``ValueError`` when it does and the model
+        declares none (its ``compile_loss`` is ``None``): a parallelized step compiled with
+        ``hpfunc.parallelize(..., compile=...)`` would otherwise run such a model eagerly, silently."""
+        if compile is False:
+            return False
         if self.compile_loss is None:
             raise ValueError(f"train.compile: the model {self.name!r} declares no compiled regions (its "
                              f"ModelSpec.compile_loss is None); set train.compile: false")
-        from hpfunc.regions import Regions
-
-        return self.compile_loss(loss, Regions("inductor" if compile is True else compile))
+        return True
 
     def count_params(self, cfg: Any) -> int:
         return self.count_params_fn(cfg) if self.count_params_fn else _shape_count(self.param_shapes(cfg))

@@ -490,7 +490,9 @@ def build_parallel_step(cfg: Config, model_cfg: Any, optimizer: Any, lr: Callabl
     step = make_train_step(model_cfg, optimizer, expert_bias_rate=cfg.train.expert_bias_rate, lr_schedule=lr,
                            loss_fn=train_loss(cfg, spec, on_mesh=True), num_microbatches=cfg.train.microbatches,
                            monitor=monitor)
-    train_step = parallelize(step, mesh, plan, params="params")
+    # train.compile: the step's lowered programs compiled (the model's regions, bound through hpfunc.layout)
+    train_step = parallelize(step, mesh, plan, params="params",
+                             compile=cfg.train.compile if spec.check_compile(cfg.train.compile) else False)
     if cfg.model.pretrained is not None:
         params = _pretrained_params(cfg.model.pretrained, model_cfg, mesh, train_step, dtype, spec)
     else:

@@ -116,10 +116,13 @@ def _cast_params(loss_fn: Callable, dtype: torch.dtype) -> Callable:
 
 def train_loss(cfg: Config, spec: Any, *, on_mesh: bool) -> Callable:
     """The loss the train step differentiates: the model's (``spec.step_loss()`` on a mesh, ``spec.loss``
-    on one device, its compiled regions under ``train.compile``) with the ``activations:`` policies bound for its layers and, on one device, the
-    ``precision.compute_dtype`` cast (on a mesh the plan casts: :func:`with_precision`)."""
+    on one device with its compiled regions under ``train.compile``; on a mesh the step is compiled,
+    ``hpfunc.parallelize(..., compile=...)``, and binds the regions) with the ``activations:`` policies
+    bound for its layers and, on one device, the ``precision.compute_dtype`` cast (on a mesh the plan
+    casts: :func:`with_precision`)."""
     loss_fn = spec.step_loss() if on_mesh else spec.loss
-    loss_fn = spec.compiled_loss(loss_fn, cfg.train.compile)  # train.compile: the model's regions compiled
+    if not on_mesh:
+        loss_fn = spec.compiled_loss(loss_fn, cfg.train.compile)  # train.compile: the model's regions compiled
     transform = layer_transform(cfg.activations)
     if transform is not None:
         loss_fn = _with_layers(loss_fn, transform, spec.name)

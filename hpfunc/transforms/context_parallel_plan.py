@@ -12,7 +12,7 @@ interface every plan layer is to have (DESIGN.md, "plan layers, one class per pa
   load) are pooled; the batch's dimension 0 is *not* split over them, and the loss is the same on every
   rank of the cp axes (the global token mean), so the gradient seed counts them as replicas;
 * the binding it gives the step: a :class:`hpfunc.layout.ContextParallel`, read by the model's hooks
-  (for Qwen3 :func:`hpfunc.models.qwen3.hooks.context_split`), which take this rank's tokens of every
+  (for Qwen3 :func:`hpfunc.models.qwen3.layout_ops.context_split`), which take this rank's tokens of every
   sequence (balanced chunks, padded), their positions and labels, and call
   :func:`hpfunc.models.context_attention.context_attention` in each attention layer.
 

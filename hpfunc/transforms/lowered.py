@@ -7,7 +7,10 @@ group it is all-gathered with, the bucket its gradient is reduced in, the specs 
 the flat in/out specs ``shard_map`` pairs the leaves with, and the layout every input leaf must have
 to enter without a check. ``print(lowered)`` shows it, one line per parameter; ``lowered(state,
 batch)`` runs it. ``train_step(state, batch)`` finds the :class:`Lowered` of the state's structure
-with one dict lookup and runs it (JAX's ``jax.jit(f).lower(*args)``, without a compile step).
+with one dict lookup and runs it (JAX's ``jax.jit(f).lower(*args)``); :meth:`Lowered.compile` makes the
+compiled program of the same structure (``.compile()``: the model's compute as ``torch.compile``'d
+regions between the collectives, :mod:`hpfunc.regions`), as ``train_step.compile(mode)`` and
+``hpfunc.parallelize(..., compile=mode)`` do for every structure.
 
 What the step builds *inside* (the metrics it returns, the trees its library calls hand the layout
 seam, a pipeline's stage uses) is known only once it ran: the first run of each such structure
@@ -38,6 +41,7 @@ can), and one of other shapes or dtypes is lowered again.
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -49,6 +53,7 @@ from hpfunc import layout
 from hpfunc import tree as _tree
 from hpfunc.layout import LeafLayout, PlanError
 from hpfunc.optim.base import streaming_state
+from hpfunc.regions import Regions, backend_of
 from hpfunc.sharding import P, _contiguous_stride, _DTensorSpec, _TensorMeta, sharding_of, spec_to_placements
 from hpfunc.transforms.engine.differentiate import EngineConfig
 from hpfunc.transforms.engine.gather import group_key
@@ -137,6 +142,10 @@ class Lowered:
             data_axes=self.engine.data_axes, tp_axis=plan.tp_axis, vocab_parallel=bool(plan.tp_vocab_parallel)
             and plan.tp_axis is not None, sequence_parallel=bool(plan.tp_sequence_parallel) and plan.tp_axis is not None,
             ep_axis=plan.ep_axis, context_parallel=plan.cp_binding, model_paths=model_paths)
+        # the compiled regions the model runs its compute in (a compiled step: compile() below), None: eager
+        self.regions: Regions | None = None
+        if owner.regions is not None:
+            self._bind_regions(owner.regions)
         # Found by the first run of each structure the step builds inside, replayed after:
         self.out_specs: dict = {}  # metrics structure and shapes -> FlatSpecs of (state, metrics)
         self.out_checks: dict = {}  # metrics structure -> FlatSpecs of the checks (a pp layer)
@@ -152,6 +161,45 @@ class Lowered:
         # the same for the backward's re-gathers of resharded groups (engine/backward_prefetch.py)
         self.regather_orders: dict[tuple, tuple[int, ...]] = {}
         self.sdc_checks = 0  # gradient reductions checked so far (the "step" an SDC report names)
+
+    # -- compiling ------------------------------------------------------------------------------------
+    def compile(self, mode: bool | str = True, *, regions: Regions | None = None) -> "Lowered":
+        """This program compiled (动转静): the same lowered step, its model's compute run as compiled regions
+        (:mod:`hpfunc.regions`) with the collectives eager between them; ``lowered.compile(mode)(state,
+        batch)`` runs it. ``mode`` as ``train.compile``: ``True`` (``inductor``) or a backend of
+        :data:`hpfunc.regions.BACKENDS` (``aot_eager`` traces forward and backward and runs them eagerly;
+        ``eager`` only captures); ``False`` is this eager program. ``regions``: share the compiled
+        graphs of another compiled step (default a new :class:`~hpfunc.regions.Regions`).
+
+        The regions are bound for the function the step differentiates (:func:`hpfunc.layout.regions`);
+        a model that declares regions reads them there (Qwen3: its embedding, each decoder layer between
+        its tensor-parallel collectives, an MoE block's router and shared expert, and the final norm, head
+        and loss). Why regions and not one graph, with measurements: docs/parallel.md, "Compiling the
+        per-rank program". The compiled program shares everything decided at lowering, and what the
+        runs record, with this one; its graphs compile on its first run and then stay (static shapes:
+        another sequence length recompiles, as ``regions.compilations`` shows). Not under a ``pp`` plan
+        layer yet (a :class:`~hpfunc.layout.PlanError`)."""
+        backend = backend_of(mode, "Lowered.compile")
+        if backend is None:
+            return self
+        if self.plan.pipeline is not None:
+            raise PlanError(f"Lowered.compile: the compiled regions are not passed to the pipeline's stages yet; "
+                            f"under the pp plan layer on {self.plan.pipeline.axis!r} run the step eagerly "
+                            f"(train.compile: false)")
+        if regions is not None and regions.backend != backend:
+            raise ValueError(f"Lowered.compile: mode {mode!r} asks for the {backend!r} backend but the regions given "
+                             f"compile with {regions.backend!r}")
+        out = copy.copy(self)
+        out._bind_regions(Regions(backend) if regions is None else regions)
+        return out
+
+    def _bind_regions(self, regions: Regions) -> None:
+        if self.plan.pipeline is not None:
+            raise PlanError(f"hpfunc.parallelize(compile=...): the compiled regions are not passed to the pipeline's "
+                            f"stages yet; under the pp plan layer on {self.plan.pipeline.axis!r} run the step "
+                            f"eagerly (train.compile: false)")
+        self.regions = regions
+        self.inner_binding = attrs.evolve(self.inner_binding, regions=regions)
 
     # -- what a state fits --------------------------------------------------------------------------
     def fits(self, positions: list) -> int:
@@ -346,6 +394,8 @@ class Lowered:
         if self.rest_paths:
             extras.append(f"{len(self.rest_paths)} state leaves at rest in host memory "
                           f"({', '.join(self.plan.state_offload)})")
+        if self.regions is not None:
+            extras.append(f"compiled regions ({self.regions.backend})")
         if eng.overlap_buckets:
             extras.append(f"{len(eng.overlap_buckets)} all-reduce bucket{'s' if len(eng.overlap_buckets) != 1 else ''} "
                           f"started in the backward")

@@ -56,6 +56,7 @@ from hpfunc import layout, saved_tensors
 from hpfunc import tree as _tree
 from hpfunc.layout import LeafLayout, PlanError
 from hpfunc.mesh import Mesh
+from hpfunc.regions import Regions, backend_of
 from hpfunc.sharding import NamedSharding, shard
 from hpfunc.transforms.engine.state import get_path, holder
 from hpfunc.transforms.lowered import LAID_OUT, RELOWER, Lowered, check_params
@@ -75,8 +76,25 @@ class ParallelizedStep:
     plan: Plan
     params: str = "params"
     donate_state: bool = False
+    # the compiled regions every structure's program runs the model's compute in (compile()); None: eager
+    regions: Regions | None = None
     # the state's structure (None as a leaf) -> the step lowered for it (the last shapes and dtypes seen)
     _lowered: dict = attrs.field(factory=dict, init=False, repr=False)
+
+    def compile(self, mode: bool | str = True) -> "ParallelizedStep":
+        """This step compiled (``train.compile``, 动转静): the same step whose every lowered program is
+        :meth:`Lowered.compile <hpfunc.transforms.lowered.Lowered.compile>`'d, all with one
+        :class:`~hpfunc.regions.Regions` (``regions.compilations`` counts the graphs compiled, per region).
+        ``mode``: ``True`` (``inductor``), a backend of :data:`hpfunc.regions.BACKENDS`, or ``False`` (this
+        step, eager). A step made by ``parallelize(..., compile=mode)`` is this."""
+        backend = backend_of(mode, "ParallelizedStep.compile")
+        if backend is None:
+            return self
+        if self.plan.pipeline is not None:
+            raise PlanError(f"ParallelizedStep.compile: the compiled regions are not passed to the pipeline's stages "
+                            f"yet; under the pp plan layer on {self.plan.pipeline.axis!r} run the step eagerly "
+                            f"(train.compile: false)")
+        return attrs.evolve(self, regions=Regions(backend))
 
     # -- planning (no communication) ------------------------------------------------------------
     def resolve(self, state_or_params: Any, *, is_params: bool = False) -> dict[str, LeafLayout]:
@@ -199,7 +217,7 @@ def _broadcast_stages(local: Any, plan: Plan, mesh: Mesh) -> Any:
 
 
 def parallelize(step: Callable, mesh: Mesh, plan: Plan, *, params: str = "params",
-                donate_state: bool = False) -> ParallelizedStep:
+                donate_state: bool = False, compile: bool | str = False) -> ParallelizedStep:
     """Distribute a pure single-device ``step(state, batch) -> (state, metrics)`` over ``mesh`` by ``plan``.
 
     Args:
@@ -216,6 +234,9 @@ def parallelize(step: Callable, mesh: Mesh, plan: Plan, *, params: str = "params
             step allocates no second copy of them. The old state must not be read after the call (write
             ``state, metrics = train_step(state, batch)``); the values are those of ``donate_state=False``,
             bit for bit.
+        compile: as ``train.compile``: ``False`` (eager), ``True`` (``inductor``) or a backend of
+            :data:`hpfunc.regions.BACKENDS`; the step runs its model's compiled regions
+            (:meth:`ParallelizedStep.compile`, :meth:`Lowered.compile <hpfunc.transforms.lowered.Lowered.compile>`).
 
     Returns:
         A :class:`ParallelizedStep`: ``state, metrics = train_step(state, batch)`` with the global batch
@@ -242,7 +263,7 @@ def parallelize(step: Callable, mesh: Mesh, plan: Plan, *, params: str = "params
     if not isinstance(plan, Plan):
         raise TypeError(f"parallelize: plan must be a hpfunc.transforms.plans.Plan, found {type(plan).__name__}")
     plan.check_mesh(mesh)
-    return ParallelizedStep(step, mesh, plan, params, bool(donate_state))
+    return ParallelizedStep(step, mesh, plan, params, bool(donate_state)).compile(compile)
 
 
 def init_sharded(init_fn: Callable, mesh: Mesh, plan: Plan, key: torch.Tensor, *, shapes: Any) -> Any:
@@ -324,7 +345,8 @@ def _loss_step(loss_fn: Callable, optimizer: Any, has_aux: bool, clip_norm: floa
 
 
 def parallel_train_step(loss_fn: Callable, optimizer: Any, mesh: Mesh, plan: Plan, *, has_aux: bool = False,
-                        clip_norm: float | None = None, return_grads: bool = False) -> ParallelTrainStep:
+                        clip_norm: float | None = None, return_grads: bool = False,
+                        compile: bool | str = False) -> ParallelTrainStep:
     """A training step ``(params, opt_state, batch) -> (params, opt_state, metrics)`` on ``mesh``:
     :func:`parallelize` of ``value_and_grad(loss_fn)`` plus ``optimizer``.
 
@@ -336,9 +358,10 @@ def parallel_train_step(loss_fn: Callable, optimizer: Any, mesh: Mesh, plan: Pla
         clip_norm: clip gradients by their global L2 norm (``torch.nn.utils.clip_grad_norm_``'s formula)
             before the optimizer.
         return_grads: also return the reduced gradients (DTensors with the plan's opt specs).
+        compile: :func:`parallelize`'s (the model's compiled regions).
 
     ``metrics``: ``loss`` (mean over the global batch), ``grad_norm`` (global, before clipping) and,
     with ``has_aux``, the aux tensors (floats averaged, integers summed over data shards).
     """
     step = functools.partial(_loss_step, loss_fn, optimizer, has_aux, clip_norm, return_grads)
-    return ParallelTrainStep(parallelize(step, mesh, plan, params="params"), optimizer, return_grads)
+    return ParallelTrainStep(parallelize(step, mesh, plan, params="params", compile=compile), optimizer, return_grads)

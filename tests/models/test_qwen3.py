@@ -86,40 +86,44 @@ def test_moe_impls_agree(tiny) -> None:
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
-def test_reduce_partial_sees_row_parallel_outputs() -> None:
-    # The hook sees every row-parallel output (attention and MLP/MoE per layer); as the identity it
-    # leaves the model unchanged, with the attention output bias moved after it.
+def test_the_bound_tensor_parallel_axis_reaches_every_seam(monkeypatch) -> None:
+    # The model reads its tensor-parallel layout from hpfunc.layout (no hook parameters): under a bound axis
+    # every row-parallel output (attention and MLP/MoE per layer) goes through layout.reduce_partial and
+    # every block input through layout.gather_sequence; as identities they leave the model unchanged, with
+    # the attention output bias moved after the reduction.
+    from hpfunc import layout
+
     cfg = preset("qwen3-moe-tiny", attention_bias=True, num_hidden_layers=2, decoder_sparse_step=2)
     params = qwen3.init(hpfunc.random.key(3), cfg)
     params = hpfunc.tree.map_with_path(lambda p, t: t + 0.01 if p.endswith(".bo") else t, params)
-    tokens = torch.randint(0, 256, (2, 5))
-    full = qwen3.apply(params, tokens, cfg)
-    seen = []
-    same = qwen3.apply(params, tokens, cfg, reduce_partial=lambda y: seen.append(y.shape) or y)
-    torch.testing.assert_close(same, full, atol=1e-6, rtol=1e-6)
-    assert len(seen) == 2 * cfg.num_hidden_layers
+    batch = {"tokens": torch.randint(0, 256, (2, 5))}
+    full, full_loss = qwen3.apply(params, batch["tokens"], cfg), qwen3.loss(params, batch, cfg)[0]
+    seen = {"reduce": 0, "gather": 0}
 
-
-def test_layout_hooks_see_embedding_block_inputs_and_head() -> None:
-    # The parallel-layout hooks (hpfunc.models.qwen3.parallel_plan supplies them): as the single-device operations
-    # they leave the model unchanged; gather_input sees each attention and MLP/MoE input
-    cfg = preset("qwen3-moe-tiny", num_hidden_layers=2, decoder_sparse_step=2, tie_word_embeddings=False)
-    params = qwen3.init(hpfunc.random.key(4), cfg)
-    batch = {"tokens": torch.randint(0, 256, (2, 6))}
-    seen = {"embed": 0, "gather": 0, "head": 0, "ce": 0}
-
-    def count(name, fn):
-        def hook(*args):
+    def counting(name, fn):
+        def seam(x, **kw):
             seen[name] += 1
-            return fn(*args)
-        return hook
+            return fn(x, **kw)
+        return seam
 
-    import torch.nn.functional as F
+    monkeypatch.setattr(layout, "reduce_partial", counting("reduce", layout.reduce_partial))
+    monkeypatch.setattr(layout, "gather_sequence", counting("gather", layout.gather_sequence))
+    with hpfunc.Mesh({"tp": 1}), layout.tensor_parallel("tp"):
+        same = qwen3.apply(params, batch["tokens"], cfg)
+        same_loss = qwen3.loss(params, batch, cfg)[0]
+    torch.testing.assert_close(same, full, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(same_loss, full_loss, atol=1e-6, rtol=1e-6)
+    assert seen == {"reduce": 2 * 2 * cfg.num_hidden_layers, "gather": 2 * 2 * cfg.num_hidden_layers}
 
-    hooks = dict(embed=count("embed", F.embedding), gather_input=count("gather", lambda x: x),
-                 head=count("head", F.linear))
-    ce = count("ce", lambda logits, labels: F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
-                                                            ignore_index=qwen3.IGNORE_INDEX))
-    value, _ = qwen3.loss(params, batch, cfg, cross_entropy=ce, **hooks)
-    torch.testing.assert_close(value, qwen3.loss(params, batch, cfg)[0], atol=1e-6, rtol=1e-6)
-    assert seen == {"embed": 1, "gather": 2 * cfg.num_hidden_layers, "head": 1, "ce": 1}
+
+def test_removed_hook_parameters_say_how_to_migrate() -> None:
+    cfg = preset("qwen3-dense-tiny")
+    params = qwen3.init(hpfunc.random.key(0), cfg)
+    batch = {"tokens": torch.zeros(1, 3, dtype=torch.long)}
+    with pytest.raises(TypeError, match=r"qwen3.loss: the parallel hook parameter reduce_partial was removed; .*"
+                                        r"hpfunc.layout.tensor_parallel\('tp'\)"):
+        qwen3.loss(params, batch, cfg, reduce_partial=lambda y: y)
+    with pytest.raises(TypeError, match="qwen3.apply: the parallel hook parameters embed, head were removed"):
+        qwen3.apply(params, batch["tokens"], cfg, head=None, embed=None)
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'regoins'"):
+        qwen3.loss(params, batch, cfg, regoins=None)

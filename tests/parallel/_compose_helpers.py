@@ -3,7 +3,7 @@
 measured on storages (weak references), never on hpfunc's own records.
 
 The model is a residual MLP stack (``layers.N.{norm, w_in, w_out}`` and a ``head``) whose layer is written
-once for one device, with the tensor-parallel hooks of :mod:`hpfunc.layout` (identities without an axis).
+once for one device, with the tensor-parallel building blocks of :mod:`hpfunc.layout` (identities without an axis).
 
 Liveness probe: a ``TorchDispatchMode`` notes every storage an op creates during the forward (weakly);
 an identity autograd function on the loss runs first in the backward and counts, at that moment, the

@@ -110,15 +110,24 @@ def test_bad_input_is_a_clear_error_before_any_collective(pools, n, case, needle
     assert msg.endswith("COLLECTIVES 0"), msg
 
 
-def test_model_without_the_hooks_refuses_a_bound_cp_layout():
+def test_the_model_reads_a_bound_cp_layout_itself():
+    """qwen3.loss takes no hook for context parallelism: under a bound cp layout (one rank here, so the
+    ring is the whole sequence) it splits the batch and attends through the layout itself, and equals
+    one device; qwen3.apply gives the logits of this rank's tokens."""
     import torch
 
+    import hpfunc
     from hpfunc import layout, random
     from hpfunc.models import qwen3
 
     cfg = qwen3.preset("qwen3-dense-tiny")
-    with layout.context_parallel(layout.ContextParallel("cp")), pytest.raises(layout.PlanError, match="attention hook"):
-        qwen3.apply(qwen3.init(random.key(0), cfg), torch.zeros(1, 4, dtype=torch.long), cfg)
+    params = qwen3.init(random.key(0), cfg)
+    batch = {"tokens": torch.randint(0, cfg.vocab_size, (2, 5), generator=torch.Generator().manual_seed(0))}
+    with hpfunc.Mesh({"cp": 1}), layout.context_parallel(layout.ContextParallel("cp")):
+        value = qwen3.loss(params, batch, cfg)[0]
+        logits = qwen3.apply(params, batch["tokens"], cfg)
+    torch.testing.assert_close(value, qwen3.loss(params, batch, cfg)[0], rtol=1e-5, atol=1e-6)
+    assert logits.shape == (2, 6, cfg.vocab_size)  # padded to 2 P chunks
 
 
 @pytest.mark.parametrize("n,name,impl,seq", [(2, "cp2", "ring", 13), (4, "cp4", "allgather", 13),

@@ -39,31 +39,42 @@ def _plan(name: str, cfg: Any) -> tuple[Any, Any]:
     raise ValueError(name)
 
 
-def compiled_vs_eager(name: str, steps: int, backend: str = "aot_eager", seq_of_step: Any = None) -> dict:
+def compiled_vs_eager(name: str, steps: int, backend: str = "aot_eager", seq_of_step: Any = None,
+                      via: str = "step") -> dict:
     """``steps`` AdamW steps of the eager and of the compiled step, interleaved, from the same parameters on
     the same global batches; per step: both losses, the bytes each sent (``hpfunc.comm_stats``), the
     regions' compilation counts and dynamo's graph counter. ``seq_of_step(i)``: the sequence length of
-    step ``i`` (default 8 every step)."""
+    step ``i`` (default 8 every step). ``via``: ``"step"`` compiles the front door's step
+    (``parallel_train_step(..., compile=backend)``), ``"lowered"`` runs ``train_step.lower(state).compile(backend)``."""
     import functools
 
     import hpfunc
     from hpfunc import optim
     from hpfunc.models import qwen3
     from hpfunc.models.qwen3 import parallel_plan
-    from hpfunc.regions import Regions
     from hpfunc.testing import to_full
     from hpfunc.transforms.parallelize import init_sharded, parallel_train_step
 
     cfg = qwen3.preset("qwen3-dense-tiny")
     mesh, plan = _plan(name, cfg)
-    regions = Regions(backend)
-    eager = parallel_train_step(lambda p, b: parallel_plan.loss(p, b, cfg)[0], optim.adamw(LR), mesh, plan)
-    compiled = parallel_train_step(lambda p, b: parallel_plan.loss(p, b, cfg, regions=regions)[0], optim.adamw(LR),
-                                   mesh, plan)
+    def loss(p, b):
+        return parallel_plan.loss(p, b, cfg)[0]
+
+    eager = parallel_train_step(loss, optim.adamw(LR), mesh, plan)
+    compiled = parallel_train_step(loss, optim.adamw(LR), mesh, plan, compile=backend if via == "step" else False)
     init = functools.partial(qwen3.init, cfg=cfg)
     pe = init_sharded(init, mesh, plan, hpfunc.random.key(0), shapes=qwen3.param_shapes(cfg))
     pc = init_sharded(init, mesh, plan, hpfunc.random.key(0), shapes=qwen3.param_shapes(cfg))
     oe, oc = eager.init_opt_state(pe), compiled.init_opt_state(pc)
+    if via == "step":
+        regions = compiled.train_step.regions
+    else:  # the program of this state's structure, compiled
+        program = compiled.train_step.lower({"params": pc, "opt": oc}).compile(backend)
+        regions = program.regions
+
+        def compiled(p, o, b):
+            state, metrics = program({"params": p, "opt": o}, b)
+            return state["params"], state["opt"], metrics
     g = torch.Generator().manual_seed(0)
     out: dict[str, list] = {"eager": [], "compiled": [], "bytes_eager": [], "bytes_compiled": [], "regions": [],
                             "graphs": []}

@@ -4,8 +4,9 @@
   here: ``qwen3.init(key, cfg)``);
 * :mod:`~hpfunc.models.qwen3.hf`: ``from_pretrained`` / ``save_pretrained`` (re-exported here);
 * :mod:`~hpfunc.models.qwen3.parallel_plan`: what Qwen3 knows about being distributed: its
-  tensor-parallel styles (attention split by whole heads), the forward and loss with the parallel
-  hooks, and the optimizer routing of its parameters.
+  tensor-parallel styles (attention split by whole heads), its pipeline stages and the optimizer
+  routing of its parameters (the model itself reads the layout a step binds through
+  :mod:`hpfunc.layout`: :mod:`~hpfunc.models.qwen3.layout_ops`).
 
 >>> from hpfunc import random
 >>> from hpfunc.models import qwen3

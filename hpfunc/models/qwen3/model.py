@@ -31,7 +31,6 @@ import math
 from typing import Any, Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from hpfunc import layout
 from hpfunc import random as _random
@@ -42,11 +41,11 @@ from hpfunc.models.dispatch import AllToAll, PaddedAllToAll
 from hpfunc.models.config import ConfigError, Qwen3Config, RopeScaling, preset  # noqa: F401  (re-exported)
 from hpfunc.models.layers import rms_norm, swiglu_mlp
 from hpfunc.models.moe import expert_counts, is_expert_bias, load_balancing_loss, moe_block, update_expert_bias
+from hpfunc.models.qwen3.layout_ops import check_batch, context_split, embed_tokens, head, head_loss, reject_hooks
+from hpfunc.models.qwen3.tokens import IGNORE_INDEX, check_doc_ids, check_tokens, shift_labels  # noqa: F401
 from hpfunc.models.rope import rope_inv_freq, rope_tables
 from hpfunc.regions import Regions, plain
 from hpfunc.sharding import NamedSharding, full
-
-IGNORE_INDEX = -100
 
 # Leaf kinds for init: "normal" (std = initializer_range), "ones" (norm weights), "zeros".
 _ONES = ("attn_norm", "mlp_norm", "final_norm", "q_norm", "k_norm")
@@ -193,36 +192,6 @@ def moe_dispatcher(cfg: Qwen3Config) -> AllToAll | PaddedAllToAll | None:
     return None
 
 
-def _is_fake(t: torch.Tensor) -> bool:
-    # FakeTensor / meta dry runs have no values to check.
-    from torch._subclasses.fake_tensor import is_fake
-
-    return is_fake(t)
-
-
-def check_tokens(tokens: torch.Tensor, vocab_size: int) -> None:
-    """Raise ``ValueError`` naming the offending id when ``tokens`` fall outside ``[0, vocab_size)``."""
-    if tokens.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
-        raise TypeError(f"apply: tokens must be an integer tensor, found dtype {tokens.dtype}")
-    if tokens.dim() != 2:
-        raise ValueError(f"apply: tokens must be [batch, seq], found shape {tuple(tokens.shape)}")
-    if tokens.device.type == "meta" or tokens.numel() == 0 or _is_fake(tokens):
-        return
-    lo, hi = int(tokens.min()), int(tokens.max())
-    if lo < 0 or hi >= vocab_size:
-        bad = hi if hi >= vocab_size else lo
-        raise ValueError(f"apply: token id {bad} is outside the vocabulary [0, {vocab_size}) "
-                         f"(vocab_size={vocab_size}; min id {lo}, max id {hi})")
-
-
-def check_doc_ids(doc_ids: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """``doc_ids`` checked against the tokens' ``[B, S]`` shape (an integer tensor of that shape)."""
-    if doc_ids.dtype.is_floating_point or doc_ids.dtype == torch.bool or tuple(doc_ids.shape) != tuple(shape):
-        raise ValueError(f"document ids (batch['doc_ids']): expected an integer tensor of the tokens' shape "
-                         f"{tuple(shape)}, found {doc_ids.dtype} {tuple(doc_ids.shape)}")
-    return doc_ids
-
-
 def rope_for(h: torch.Tensor, positions: torch.Tensor, cfg: Qwen3Config) -> tuple[torch.Tensor, torch.Tensor]:
     """The rotary tables ``(cos, sin)`` for ``positions`` in the hidden states' dtype."""
     inv_freq, rope_scale = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
@@ -231,29 +200,31 @@ def rope_for(h: torch.Tensor, positions: torch.Tensor, cfg: Qwen3Config) -> tupl
 
 
 def decoder_layer(layer: dict, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: Qwen3Config, *,
-                  moe_impl: str = "auto", gather_input: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                  reduce_partial: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                  dispatcher: Any = None,
-                  attend: Callable[..., torch.Tensor] | None = None,
-                  regions: Regions | None = None) -> tuple[torch.Tensor, Any]:
+                  moe_impl: str = "auto", dispatcher: Any = None, attend: Callable[..., torch.Tensor] | None = None,
+                  regions: Regions | None = None, **removed: Any) -> tuple[torch.Tensor, Any]:
     """One decoder layer (attention then MLP or MoE, pre-norm residuals): ``(h, routing)`` with the MoE
-    routing (``None`` for a dense layer). :func:`apply`'s hooks, as there; ``dispatcher``: the MoE
-    block's token dispatcher (:func:`hpfunc.models.moe.moe_block`; :func:`moe_dispatcher` of the config).
-    ``regions``: run the layer's compute as compiled regions (:func:`compiled_layer`)."""
+    routing (``None`` for a dense layer). ``dispatcher``: the MoE block's token dispatcher
+    (:func:`hpfunc.models.moe.moe_block`; :func:`moe_dispatcher` of the config); ``attend``: as in
+    :func:`apply`. ``regions``: run the layer's compute as compiled regions (:func:`compiled_layer`).
+
+    Under a bound tensor-parallel axis (:func:`hpfunc.layout.tp_axis`) the normalised inputs of attention
+    and MLP / MoE go through :func:`hpfunc.layout.gather_sequence` (an all-gather along the sequence under
+    sequence parallelism) and the row-parallel outputs through :func:`hpfunc.layout.reduce_partial` (the
+    attention's output bias added once, after it)."""
+    reject_hooks("qwen3.decoder_layer", removed)
     if regions is not None:
-        return compiled_layer(layer, h, cos, sin, cfg, regions, moe_impl=moe_impl, gather_input=gather_input,
-                              reduce_partial=reduce_partial, dispatcher=dispatcher, attend=attend)
+        return compiled_layer(layer, h, cos, sin, cfg, regions, moe_impl=moe_impl, dispatcher=dispatcher,
+                              attend=attend)
     eps = cfg.rms_norm_eps
-    gather = (lambda x: x) if gather_input is None else gather_input  # noqa: E731
+    tp = layout.tp_axis() is not None
     a = layer["attn"]
-    out = gqa_attention(gather(rms_norm(h, layer["attn_norm"], eps)), a["wq"], a["wk"], a["wv"], a["wo"],
-                        a["q_norm"], a["k_norm"], cos, sin, eps=eps,
-                        bq=a.get("bq"), bk=a.get("bk"), bv=a.get("bv"),
-                        bo=a.get("bo") if reduce_partial is None else None, attend=attend)
-    h = h + _reduced_attention(out, a, reduce_partial)
-    x = gather(rms_norm(h, layer["mlp_norm"], eps))
+    out = gqa_attention(layout.gather_sequence(rms_norm(h, layer["attn_norm"], eps)), a["wq"], a["wk"], a["wv"],
+                        a["wo"], a["q_norm"], a["k_norm"], cos, sin, eps=eps,
+                        bq=a.get("bq"), bk=a.get("bk"), bv=a.get("bv"), bo=None if tp else a.get("bo"), attend=attend)
+    h = h + _reduced_attention(out, a, tp)
+    x = layout.gather_sequence(rms_norm(h, layer["mlp_norm"], eps))
     y, routing = _feed_forward(layer, x, cfg, moe_impl=moe_impl, dispatcher=dispatcher, mlp=_mlp)
-    return h + (y if reduce_partial is None else reduce_partial(y)), routing
+    return h + layout.reduce_partial(y), routing
 
 
 # ---- Compiled regions (torch.compile of the layer's compute; see hpfunc.regions) -------------------
@@ -296,13 +267,12 @@ def _residual_norm(h: torch.Tensor, out: torch.Tensor, w: torch.Tensor,
     return h, rms_norm(h, w, eps)
 
 
-def _reduced_attention(out: torch.Tensor, a: dict, reduce_partial: Callable[[torch.Tensor], torch.Tensor] | None,
-                       ) -> torch.Tensor:
-    """The attention's output completed by the tensor-parallel ``reduce_partial`` (its bias ``bo``, left out of
-    the partial sums, added once after the reduction); unchanged without one."""
-    if reduce_partial is None:
+def _reduced_attention(out: torch.Tensor, a: dict, tp: bool) -> torch.Tensor:
+    """The attention's output completed under tensor parallelism (``tp``) by :func:`hpfunc.layout.reduce_partial`
+    (its bias ``bo``, left out of the partial sums, added once after the reduction); unchanged without."""
+    if not tp:
         return out
-    out = reduce_partial(out)
+    out = layout.reduce_partial(out)
     return out + a["bo"] if "bo" in a else out
 
 
@@ -311,36 +281,38 @@ def _mlp(m: dict, x: torch.Tensor) -> torch.Tensor:
 
 
 def _feed_forward(layer: dict, x: torch.Tensor, cfg: Qwen3Config, *, moe_impl: str, dispatcher: Any,
-                  mlp: Callable[[dict, torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, Any]:
-    """The layer's MoE block (and its routing) or its dense MLP (run by ``mlp``; no routing)."""
+                  mlp: Callable[[dict, torch.Tensor], torch.Tensor],
+                  regions: Regions | None = None) -> tuple[torch.Tensor, Any]:
+    """The layer's MoE block (and its routing; its router and shared expert as compiled regions with
+    ``regions``) or its dense MLP (run by ``mlp``; no routing)."""
     if "moe" not in layer:
         return mlp(layer["mlp"], x), None
     m = layer["moe"]
     return moe_block(x, m["router"], m["experts"]["w_gate"], m["experts"]["w_up"], m["experts"]["w_down"],
                      top_k=cfg.num_experts_per_tok, norm_topk_prob=cfg.norm_topk_prob,
-                     expert_bias=m.get("expert_bias"), shared=m.get("shared"), impl=moe_impl, dispatcher=dispatcher)
+                     expert_bias=m.get("expert_bias"), shared=m.get("shared"), impl=moe_impl, dispatcher=dispatcher,
+                     regions=regions)
 
 
 def compiled_layer(layer: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: Qwen3Config,
-                   regions: Regions, *, moe_impl: str = "auto",
-                   gather_input: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                   reduce_partial: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                   dispatcher: Any = None,
-                   attend: Callable[..., torch.Tensor] | None = None) -> tuple[torch.Tensor, Any]:
+                   regions: Regions, *, moe_impl: str = "auto", dispatcher: Any = None,
+                   attend: Callable[..., torch.Tensor] | None = None, **removed: Any) -> tuple[torch.Tensor, Any]:
     """:func:`decoder_layer` with its compute in compiled regions (:class:`hpfunc.regions.Regions`), the
     same function.
 
     The layer's parameters are read first (:func:`hpfunc.regions.plain`: in a parallelized step that is
-    the layer's FSDP gather and mixed-precision cast), eagerly. A dense layer with no hook is one
-    region, ``qwen3.layer``. With tensor-parallel hooks the collectives (``gather_input``,
-    ``reduce_partial``) stay eager between four regions: ``qwen3.attention_in`` (the input norm),
-    ``qwen3.attention`` (the projections, RoPE and attention), ``qwen3.residual_norm`` (the residual
-    add and the MLP's input norm) and ``qwen3.mlp``. An ``attend`` hook (context parallelism's ring or
-    all-to-all attention, packed documents) keeps the attention core eager (the same regions less
-    ``qwen3.attention``). An MoE block stays eager: it reads the layout binding (the expert-parallel
-    axis, a ``ContextVar``, which dynamo does not trace), its expert counts are data (a new shape every
-    batch) and under expert parallelism its dispatch is a collective; with no seam the attention half
-    before it is one region, ``qwen3.attention_block``.
+    the layer's FSDP gather and mixed-precision cast), eagerly. A dense layer with no tensor-parallel
+    axis bound is one region, ``qwen3.layer``. Under a bound tensor-parallel axis the collectives
+    (:func:`hpfunc.layout.gather_sequence`, :func:`hpfunc.layout.reduce_partial`) stay eager between four
+    regions: ``qwen3.attention_in`` (the input norm), ``qwen3.attention`` (the projections, RoPE and
+    attention), ``qwen3.residual_norm`` (the residual add and the MLP's input norm) and ``qwen3.mlp``. An
+    ``attend`` function (context parallelism's ring or all-to-all attention, packed documents) keeps the
+    attention core eager (the same regions less ``qwen3.attention``). In an MoE block the router
+    (``moe.router``) and a shared expert (``moe.shared``) are regions; the routed experts' dispatch and
+    compute stay eager: their group sizes are data (a new shape every batch, a recompilation each, or
+    dynamic shapes that the grouped kernels do not take), and under expert parallelism the dispatch is
+    an all-to-all whose split sizes are read on the host. With no seam the attention half before it is
+    one region, ``qwen3.attention_block``.
 
     >>> from hpfunc.models import preset
     >>> from hpfunc.regions import Regions
@@ -355,40 +327,35 @@ def compiled_layer(layer: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Te
     >>> regions.compilations
     {'qwen3.layer': 1}
     """
+    reject_hooks("qwen3.compiled_layer", removed)
     eps = cfg.rms_norm_eps
     layer = plain(layer)  # read here, outside the regions: the gathers and casts of a parallelized step
     a = layer["attn"]
-    seams = gather_input is not None or reduce_partial is not None
-    gather = (lambda x: x) if gather_input is None else gather_input  # noqa: E731
-    reduce = (lambda x: x) if reduce_partial is None else reduce_partial  # noqa: E731
-    if not seams and attend is None:
+    tp = layout.tp_axis() is not None
+    if not tp and attend is None:
         if "mlp" in layer:
             return regions("qwen3.layer", _dense_layer, layer, h, cos, sin, eps), None
         h, x = regions("qwen3.attention_block", _attention_block, layer, h, cos, sin, eps)
     else:
-        x = gather(regions("qwen3.attention_in", _attention_in, h, layer["attn_norm"], eps))
+        x = layout.gather_sequence(regions("qwen3.attention_in", _attention_in, h, layer["attn_norm"], eps))
         if attend is None:
-            out = regions("qwen3.attention", _attention, a, x, cos, sin, eps, reduce_partial is None)
+            out = regions("qwen3.attention", _attention, a, x, cos, sin, eps, not tp)
         else:  # eager: the hook may communicate (context parallelism)
             out = gqa_attention(x, a["wq"], a["wk"], a["wv"], a["wo"], a["q_norm"], a["k_norm"], cos, sin, eps=eps,
-                                bq=a.get("bq"), bk=a.get("bk"), bv=a.get("bv"),
-                                bo=a.get("bo") if reduce_partial is None else None, attend=attend)
-        out = _reduced_attention(out, a, reduce_partial)
+                                bq=a.get("bq"), bk=a.get("bk"), bv=a.get("bv"), bo=None if tp else a.get("bo"),
+                                attend=attend)
+        out = _reduced_attention(out, a, tp)
         h, x = regions("qwen3.residual_norm", _residual_norm, h, out, layer["mlp_norm"], eps)
-        x = gather(x)
+        x = layout.gather_sequence(x)
     y, routing = _feed_forward(layer, x, cfg, moe_impl=moe_impl, dispatcher=dispatcher,
-                               mlp=lambda m, x: regions("qwen3.mlp", _mlp, m, x))
-    return h + reduce(y), routing
+                               mlp=lambda m, x: regions("qwen3.mlp", _mlp, m, x), regions=regions)
+    return h + layout.reduce_partial(y), routing
 
 
 def apply(params: dict, tokens: torch.Tensor, cfg: Qwen3Config, *, positions: torch.Tensor | None = None,
           return_aux: bool = False, moe_impl: str = "auto", moe_dispatchers: Sequence[Any] | None = None,
-          embed: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-          gather_input: Callable[[torch.Tensor], torch.Tensor] | None = None,
-          reduce_partial: Callable[[torch.Tensor], torch.Tensor] | None = None,
-          head: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-          attend: Callable[..., torch.Tensor] | None = None, counted: torch.Tensor | None = None,
-          doc_ids: torch.Tensor | None = None, regions: Regions | None = None) -> Any:
+          attend: Callable[..., torch.Tensor] | None = None, doc_ids: torch.Tensor | None = None,
+          regions: Regions | None = None, **removed: Any) -> Any:
     """Logits ``[B, S, V]`` for ``tokens [B, S]`` (causal; ``positions`` ``[S]`` or ``[B, S]`` default
     ``arange(S)``).
 
@@ -403,50 +370,60 @@ def apply(params: dict, tokens: torch.Tensor, cfg: Qwen3Config, *, positions: to
     :class:`hpfunc.models.hot_experts.ReplicatedAllToAll` per layer, whose placements change during
     training); default each block's own (:func:`hpfunc.models.moe.moe_block`).
 
-    Hooks for parallel layouts (:mod:`hpfunc.models.qwen3.parallel_plan` supplies them; each defaults to the
-    single-device operation, and the model reads the same top to bottom either way):
+    The layout a parallelized step binds is read from :mod:`hpfunc.layout` (no parameter for it: one way
+    to be parallel): under a tensor-parallel axis (:func:`hpfunc.layout.tp_axis`) ``params`` are this
+    rank's Megatron shards (:func:`hpfunc.models.qwen3.parallel_plan.tp_styles`) and the row-parallel
+    outputs are summed over the axis; under sequence parallelism the residual stream is this rank's
+    sequence block; with a vocabulary-parallel embedding and head the logits are this rank's vocabulary
+    columns ``[B, S, V / n]``; under context parallelism (:func:`hpfunc.layout.cp_binding`) the logits
+    are those of this rank's tokens of each sequence (:func:`~hpfunc.models.qwen3.layout_ops.context_split`).
+    With nothing bound this is the single-device model.
 
-    ``embed(tokens, table) -> h``   the token embedding (default ``F.embedding``);
-    ``gather_input(x)``             the normalised input of each attention and MLP / MoE block
-                                    (default identity; sequence parallelism all-gathers the sequence);
-    ``reduce_partial(y)``           each row-parallel output, the attention ``wo`` projection (before
-                                    its bias, then added once) and the MLP / MoE down projection, before
-                                    the residual add: with Megatron shards of the weights,
-                                    ``lambda y: lax.psum(y, "tp")`` gives the full model;
-    ``head(h, weight) -> logits``   the output projection of the final normalised hidden states
-                                    (default ``F.linear``);
-    ``attend(q, k, v) -> out``      the causal attention core of every layer (default
-                                    ``scaled_dot_product_attention``; context parallelism attends
-                                    across the ranks that hold the sequence's other tokens);
-    ``counted``                     ``[B, S]`` bool: the tokens the MoE statistics count (load-balancing
-                                    loss, ``expert_load``); default all (context parallelism's padding
-                                    is not counted).
+    ``attend(q, k, v) -> out``: the causal attention core of every layer (default
+    ``scaled_dot_product_attention``; context parallelism attends across the ranks that hold the
+    sequence's other tokens).
 
     ``doc_ids`` ``[B, S]`` int (packed sequences): a token attends only to earlier tokens of its own
     document (ignored when ``attend`` is given: that hook holds the documents itself).
 
     ``regions``: a :class:`hpfunc.regions.Regions` that compiles each decoder layer's compute
-    (:func:`compiled_layer`); default eager.
+    (:func:`compiled_layer`) and the embedding; default the regions bound by a compiled step
+    (:func:`hpfunc.layout.regions`, ``Lowered.compile``), else eager.
 
     >>> from hpfunc.models import preset
     >>> cfg = preset("qwen3-dense-tiny")
     >>> apply(init(_random.key(0), cfg), torch.zeros(1, 3, dtype=torch.long), cfg).shape
     torch.Size([1, 3, 256])
     """
+    reject_hooks("qwen3.apply", removed)
+    if layout.runner() is not None:
+        raise layout.PlanError("qwen3.apply under a pp plan layer: each pipeline rank holds only its stages' "
+                               "parameters; use hpfunc.models.qwen3.parallel_plan.loss, which runs the stages")
+    regions = layout.regions() if regions is None else regions
+    counted = None
+    if layout.cp_binding() is not None:  # this rank's tokens of every sequence, attending across the cp ranks
+        local, cp = context_split(cfg, {"tokens": tokens})
+        tokens, positions, attend, counted = local["tokens"], cp["positions"], cp["attend"], cp["counted"]
+    else:
+        check_batch({"tokens": tokens})
+    h, aux = _forward(params, tokens, cfg, positions=positions, moe_impl=moe_impl, moe_dispatchers=moe_dispatchers,
+                      attend=attend, counted=counted, doc_ids=doc_ids, regions=regions)
+    w_out = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
+    logits = head(rms_norm(h, params["final_norm"], cfg.rms_norm_eps), w_out, cfg)
+    return (logits, aux) if return_aux else logits
+
+
+def _forward(params: dict, tokens: torch.Tensor, cfg: Qwen3Config, *, positions: torch.Tensor | None,
+             moe_impl: str, moe_dispatchers: Sequence[Any] | None, attend: Callable[..., torch.Tensor] | None,
+             counted: torch.Tensor | None, doc_ids: torch.Tensor | None,
+             regions: Regions | None) -> tuple[torch.Tensor, dict]:
+    """The embedding and the decoder layers: the last layer's output (before the final norm) and the MoE
+    statistics (:func:`apply`'s ``aux``)."""
     check_tokens(tokens, cfg.vocab_size)
-    if reduce_partial is None and layout.tp_axis() is not None:
-        raise layout.PlanError(
-            f"qwen3.apply: a tensor-parallel axis ({layout.tp_axis()!r}) is bound but no parallel hooks were given, "
-            f"so row-parallel outputs would not be summed; use hpfunc.models.qwen3.parallel_plan.loss / .apply")
-    if attend is None and layout.cp_binding() is not None:
-        raise layout.PlanError(
-            f"qwen3.apply: a context-parallel layout ({layout.cp_binding().axes}) is bound but no attention hook was "
-            f"given, so each rank would attend only to its own tokens; use hpfunc.models.qwen3.parallel_plan.loss / "
-            f".apply")
     B, S = tokens.shape
     if attend is None and doc_ids is not None:
         attend = functools.partial(dense_attention, causal=True, doc_ids=check_doc_ids(doc_ids, tokens.shape))
-    h = F.embedding(tokens, params["embed"]) if embed is None else embed(tokens, params["embed"])
+    h = embed_tokens(tokens, params["embed"], cfg, regions)
     if positions is None:
         positions = torch.arange(S, device=tokens.device)
     cos, sin = rope_for(h, positions, cfg)
@@ -458,18 +435,11 @@ def apply(params: dict, tokens: torch.Tensor, cfg: Qwen3Config, *, positions: to
                          f"({moe_layers})")
     for i, layer in enumerate(params["layers"]):
         # through the layout seam: a bound per-layer transform (remat, offload) wraps the layer
-        h, routing = layout.run_layer(i, decoder_layer, layer, h, cos, sin, cfg, moe_impl=moe_impl,
-                                      gather_input=gather_input, reduce_partial=reduce_partial, attend=attend, regions=regions,
-                                      dispatcher=dispatcher if moe_dispatchers is None
+        h, routing = layout.run_layer(i, decoder_layer, layer, h, cos, sin, cfg, moe_impl=moe_impl, attend=attend,
+                                      regions=regions, dispatcher=dispatcher if moe_dispatchers is None
                                       else moe_dispatchers[len(routings)])
         if routing is not None:
             routings.append(routing)
-    eps = cfg.rms_norm_eps
-    h = rms_norm(h, params["final_norm"], eps)
-    w_out = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
-    logits = F.linear(h, w_out) if head is None else head(h, w_out)
-    if not return_aux:
-        return logits
     if routings and counted is not None:  # statistics of the counted tokens only
         keep = counted.reshape(-1)
         routings = [r._replace(probs=r.probs[keep], indices=r.indices[keep]) for r in routings]
@@ -483,27 +453,12 @@ def apply(params: dict, tokens: torch.Tensor, cfg: Qwen3Config, *, positions: to
     aux = {"aux_loss": aux_loss, "expert_load": load, "router_logits": tuple(r.logits for r in routings)}
     if routings and routings[0].dropped is not None:  # pairs the dispatcher did not compute, per MoE layer
         aux["dropped_pairs"] = torch.stack([r.dropped.to(torch.int64) for r in routings])
-    return logits, aux
-
-
-def shift_labels(tokens: torch.Tensor) -> torch.Tensor:
-    """Next-token targets aligned with the logits: ``labels[:, s] = tokens[:, s + 1]``, last = -100.
-
-    >>> shift_labels(torch.tensor([[1, 2, 3]])).tolist()
-    [[2, 3, -100]]
-    """
-    return F.pad(tokens[:, 1:], (0, 1), value=IGNORE_INDEX)
+    return h, aux
 
 
 def loss(params: dict, batch: dict, cfg: Qwen3Config, *, moe_impl: str = "auto",
-         moe_dispatchers: Sequence[Any] | None = None,
-         embed: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-         gather_input: Callable[[torch.Tensor], torch.Tensor] | None = None,
-         reduce_partial: Callable[[torch.Tensor], torch.Tensor] | None = None,
-         head: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-         cross_entropy: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-         positions: torch.Tensor | None = None, attend: Callable[..., torch.Tensor] | None = None,
-         counted: torch.Tensor | None = None, regions: Regions | None = None) -> tuple[torch.Tensor, dict]:
+         moe_dispatchers: Sequence[Any] | None = None, regions: Regions | None = None,
+         **removed: Any) -> tuple[torch.Tensor, dict]:
     """Training loss ``ce + router_aux_loss_coef * aux_loss`` (the aux term only for MoE models).
 
     ``batch["tokens"]`` int64 ``[B, S]``; ``batch["labels"]`` (optional) ``[B, S]`` targets *aligned with
@@ -512,10 +467,11 @@ def loss(params: dict, batch: dict, cfg: Qwen3Config, *, moe_impl: str = "auto",
     mean over non-ignored targets, in float32.
 
     ``batch["doc_ids"]`` (optional) ``[B, S]``: the document of each token of packed sequences (attention
-    stays within a document). ``moe_dispatchers, embed, gather_input, reduce_partial, head, positions,
-    attend, counted, regions`` are :func:`apply`'s; ``cross_entropy(logits,
-    labels)`` (default ``F.cross_entropy`` in float32, mean over non-ignored targets) receives what
-    ``head`` returned, e.g. a vocabulary or sequence block (see :mod:`hpfunc.models.qwen3.parallel_plan`).
+    stays within a document). ``moe_dispatchers``, ``regions`` are :func:`apply`'s (with ``regions`` the
+    final norm, head and cross-entropy are one more region, ``qwen3.head_loss``, where the head needs no
+    collective). The bound layout is :func:`apply`'s too; the value is the same on every rank of a
+    tensor- or context-parallel axis (the mean over the whole sequences' targets). Under a ``pp`` plan
+    layer use :func:`hpfunc.models.qwen3.parallel_plan.loss`, which runs the pipeline's stages.
 
     Returns ``(loss, aux)`` with detached ``aux``: ``ce_loss``, ``aux_loss``, ``expert_load``
     ``[n_moe_layers, E]``, ``tokens`` (number of counted targets) and, with a dispatcher that can drop,
@@ -527,21 +483,26 @@ def loss(params: dict, batch: dict, cfg: Qwen3Config, *, moe_impl: str = "auto",
     >>> sorted(aux), tuple(aux["expert_load"].shape)
     (['aux_loss', 'ce_loss', 'expert_load', 'tokens'], (2, 8))
     """
+    reject_hooks("qwen3.loss", removed)
+    if layout.runner() is not None:
+        raise layout.PlanError("qwen3.loss under a pp plan layer: each pipeline rank holds only its stages' "
+                               "parameters; use hpfunc.models.qwen3.parallel_plan.loss, which runs the stages")
+    regions = layout.regions() if regions is None else regions
+    positions = attend = counted = None
+    if layout.cp_binding() is not None:  # this rank's tokens of every sequence, attending across the cp ranks
+        batch, cp = context_split(cfg, batch)
+        positions, attend, counted = cp["positions"], cp["attend"], cp["counted"]
+    check_batch(batch)
     tokens = batch["tokens"]
     labels = batch.get("labels")
     labels = shift_labels(tokens) if labels is None else labels
     if labels.shape != tokens.shape:
         raise ValueError(f"loss: labels must have the tokens' shape {tuple(tokens.shape)}, "
                          f"found {tuple(labels.shape)}")
-    logits, aux = apply(params, tokens, cfg, return_aux=True, moe_impl=moe_impl, moe_dispatchers=moe_dispatchers,
-                        embed=embed,
-                        gather_input=gather_input, reduce_partial=reduce_partial, head=head, positions=positions,
-                        attend=attend, counted=counted, doc_ids=batch.get("doc_ids"), regions=regions)
-    if cross_entropy is None:
-        ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                             ignore_index=IGNORE_INDEX)
-    else:
-        ce = cross_entropy(logits, labels)
+    h, aux = _forward(params, tokens, cfg, positions=positions, moe_impl=moe_impl, moe_dispatchers=moe_dispatchers,
+                      attend=attend, counted=counted, doc_ids=batch.get("doc_ids"), regions=regions)
+    w_out = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
+    ce = head_loss(h, params["final_norm"], w_out, labels, cfg, regions)
     total = ce + cfg.router_aux_loss_coef * aux["aux_loss"] if cfg.moe_layers else ce
     out = {"ce_loss": ce.detach(), "aux_loss": aux["aux_loss"].detach(),
            "expert_load": aux["expert_load"], "tokens": (labels != IGNORE_INDEX).sum()}

@@ -10,14 +10,14 @@ torchtitan keeps ``parallelize.py`` next to each ``model.py``); generic code nam
   :mod:`hpfunc.models.dispatch`);
 * :func:`pipeline_stages`: the model split into pipeline stages for ``plans.pp(axis, pipeline_stages(cfg, n))``
   (:mod:`hpfunc.models.qwen3.stages`);
-* :func:`apply` / :func:`loss`: :func:`~hpfunc.models.qwen3.model.apply` / ``loss`` with the hooks of
-  the layout that the step binds (:mod:`hpfunc.layout`); with no tensor-parallel axis bound they *are*
-  the single-device functions.
+* :func:`apply` / :func:`loss`: :func:`~hpfunc.models.qwen3.model.apply` / ``loss``, which read the
+  layout the step binds (:mod:`hpfunc.layout`) themselves; ``loss`` also runs a ``pp`` plan layer's
+  pipeline stages. With nothing bound they *are* the single-device functions.
 * the optimizer routing of Qwen3's parameters (which go to Muon, which to AdamW, which decay).
 
-The hooks add the collectives the layout implies:
+The model adds the collectives the bound layout implies (:mod:`hpfunc.models.qwen3.layout_ops`):
 
-* **tensor parallel**: the row-parallel partial outputs are summed with :func:`hpfunc.lax.psum`, two
+* **tensor parallel**: the row-parallel partial outputs are summed (:func:`hpfunc.layout.reduce_partial`), two
   all-reduces of ``b s h`` per layer forward and, by the transpose, two backward;
 * **sequence parallel** (Megatron-SP): the residual stream, the RMSNorms and the residual adds work on
   this rank's block of the sequence; the normalised input of attention and MLP/MoE is all-gathered
@@ -45,7 +45,6 @@ The hooks add the collectives the layout implies:
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
@@ -54,7 +53,6 @@ from hpfunc import layout
 from hpfunc.layout import ColwiseParallel, RowwiseParallel, SequenceParallel, Style, VocabParallel
 from hpfunc.models.config import Qwen3Config
 from hpfunc.models.qwen3 import model as _model
-from hpfunc.models.qwen3.hooks import context_split, cross_entropy, layout_hooks
 from hpfunc.models.qwen3.stages import layers_per_stage, pipeline_stages
 from hpfunc.regions import Regions
 
@@ -116,47 +114,35 @@ def ep_experts(cfg: Qwen3Config) -> tuple[str, ...]:
 
 def apply(params: dict, tokens: torch.Tensor, cfg: Qwen3Config, *, return_aux: bool = False,
           moe_impl: str = "auto", moe_dispatchers: Any = None, regions: Regions | None = None) -> Any:
-    """:func:`qwen3.apply <hpfunc.models.qwen3.model.apply>` in the bound tensor-/sequence-parallel layout.
+    """:func:`qwen3.apply <hpfunc.models.qwen3.model.apply>`, which reads the bound layout itself (kept as
+    the parallel plan's name for it).
 
     The logits are the full ``[B, S, V]`` under tensor parallelism; under context parallelism those of
-    this rank's tokens (:func:`~hpfunc.models.qwen3.hooks.context_split`: ``SequenceSplit.local`` order); this rank's sequence block
+    this rank's tokens (:func:`~hpfunc.models.qwen3.layout_ops.context_split`: ``SequenceSplit.local`` order); this rank's sequence block
     ``[B, S / n, V]`` under sequence parallelism; this rank's vocabulary columns ``[B, S, V / n]`` with a
     vocabulary-parallel head (with or without sequence parallelism). ``aux`` is the same on every rank.
     """
-    cp: dict[str, Any] = {}
-    if layout.cp_binding() is not None:
-        local, cp = context_split(cfg, {"tokens": tokens})
-        tokens = local["tokens"]
-        cp = {k: cp[k] for k in ("positions", "attend", "counted")}
     return _model.apply(params, tokens, cfg, return_aux=return_aux, moe_impl=moe_impl,
-                        moe_dispatchers=moe_dispatchers, regions=regions, **layout_hooks(cfg, {"tokens": tokens}),
-                        **cp)
+                        moe_dispatchers=moe_dispatchers, regions=regions)
 
 
 def loss(params: dict, batch: dict, cfg: Qwen3Config, *, moe_impl: str = "auto",
          moe_dispatchers: Any = None, regions: Regions | None = None) -> tuple[torch.Tensor, dict]:
-    """:func:`qwen3.loss <hpfunc.models.qwen3.model.loss>` in the bound layout (identical without a bound
-    axis); the value is the same on every rank of the axis. Under a ``pp`` plan layer the loss runs
+    """:func:`qwen3.loss <hpfunc.models.qwen3.model.loss>` (which reads the bound tensor-, sequence-,
+    vocabulary-, context- and expert-parallel layout itself), or under a ``pp`` plan layer the loss run
     pipelined through the plan's stages (:func:`pipeline_stages` of this config). ``regions``: compile
-    each layer's compute (:func:`~hpfunc.models.qwen3.model.compiled_layer`; not under ``pp`` yet)."""
+    the model's compute (:func:`~hpfunc.models.qwen3.model.compiled_layer`; not under ``pp`` yet)."""
     pipe = layout.runner()
-    if pipe is not None and regions is not None:
-        raise layout.PlanError("qwen3 parallel_plan.loss: compiled regions (train.compile) are not passed to the "
-                               "pipeline's stages yet; under a pp plan layer run without them (train.compile: false)")
-    if pipe is not None:
-        if moe_dispatchers is not None:
-            raise layout.PlanError("qwen3 parallel_plan.loss: moe_dispatchers are not passed to the pipeline's "
-                                   "stages yet; under a pp plan layer the MoE blocks use their default dispatcher")
-        return pipe.run(params, batch, owner=cfg)
-    cp: dict[str, Any] = {}
-    if layout.cp_binding() is not None:  # this rank's tokens of every sequence, attending across the cp ranks
-        batch, cp = context_split(cfg, batch)
-    hooks = layout_hooks(cfg, batch)
-    if hooks:
-        hooks["cross_entropy"] = functools.partial(cross_entropy, cfg=cfg)
-    hooks.update(cp)
-    return _model.loss(params, batch, cfg, moe_impl=moe_impl, moe_dispatchers=moe_dispatchers, regions=regions,
-                       **hooks)
+    if pipe is None:
+        return _model.loss(params, batch, cfg, moe_impl=moe_impl, moe_dispatchers=moe_dispatchers, regions=regions)
+    if regions is not None or layout.regions() is not None:
+        raise layout.PlanError("qwen3 parallel_plan.loss: compiled regions (train.compile, Lowered.compile) are not "
+                               "passed to the pipeline's stages yet; under a pp plan layer run without them "
+                               "(train.compile: false)")
+    if moe_dispatchers is not None:
+        raise layout.PlanError("qwen3 parallel_plan.loss: moe_dispatchers are not passed to the pipeline's "
+                               "stages yet; under a pp plan layer the MoE blocks use their default dispatcher")
+    return pipe.run(params, batch, owner=cfg)
 
 
 # ---- Optimizer routing ---------------------------------------------------------------------------

@@ -3,7 +3,8 @@
 Stage 0 holds the embedding and its first layers, the last stage its last layers, the final norm and
 the head (a tied embedding is used by both: the plan keeps it on every pipeline rank and sums its
 gradient over them); each stage runs :func:`~hpfunc.models.qwen3.model.decoder_layer` on its layers
-with the hooks of the bound tensor-parallel layout (:mod:`hpfunc.models.qwen3.parallel_plan`).
+in the bound tensor-parallel layout, which it reads from :mod:`hpfunc.layout` as the model does
+(:mod:`hpfunc.models.qwen3.layout_ops`).
 
 What passes from a stage to the next (the *carry*): the hidden states ``h [b, s, H]`` and, for a
 mixture-of-experts model, the routing statistics of the layers so far, pooled as the load-balancing
@@ -30,17 +31,15 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from hpfunc import layout
 from hpfunc import tree as _tree
 from hpfunc.layout import PlanError, Stages
 from hpfunc.models.config import Qwen3Config
-from hpfunc.models.layers import rms_norm
 from hpfunc.models.attention_blocks import dense_attention
 from hpfunc.models.moe import balancing_loss_from_stats, expert_counts, routing_stats
 from hpfunc.models.qwen3 import model as _model
-from hpfunc.models.qwen3.hooks import context_split, cross_entropy, layout_hooks
+from hpfunc.models.qwen3.layout_ops import check_batch, context_split, embed_tokens, head_loss
 
 __all__ = ["pipeline_stages", "layers_per_stage"]
 
@@ -101,23 +100,21 @@ def pipeline_stages(cfg: Qwen3Config, num_stages: int, *, layers: Sequence[int] 
             return (last,)
         raise PlanError(f"qwen3 pipeline: no stage for parameter {path!r}")
 
-    def hooks(mb: dict) -> tuple[dict, dict]:
+    def local_view(mb: dict) -> tuple[dict, dict]:
         """The microbatch as this rank sees it (its tokens of each sequence under context parallelism) and
-        the hooks of the bound layout for it."""
+        the positions, attention and counted tokens of the bound context-parallel layout for it."""
         cp: dict = {}
         if layout.cp_binding() is not None:
             mb, cp = context_split(cfg, mb)
-        hk = layout_hooks(cfg, mb)
-        hk.update(cp)
-        return mb, hk
+        check_batch(mb)
+        return mb, cp
 
     def forward(s: int, params: Any, carry: Any, mb: dict) -> tuple:
-        mb, hk = hooks(mb)
+        mb, hk = local_view(mb)
         tokens = mb["tokens"]
         if s == 0:
             _model.check_tokens(tokens, cfg.vocab_size)
-            embed = hk.get("embed")
-            h = F.embedding(tokens, params["embed"]) if embed is None else embed(tokens, params["embed"])
+            h = embed_tokens(tokens, params["embed"], cfg)
             stats = None
             if cfg.moe_layers:
                 E = cfg.num_experts
@@ -139,9 +136,7 @@ def pipeline_stages(cfg: Qwen3Config, num_stages: int, *, layers: Sequence[int] 
         a, b = bounds[s]
         for i in range(a, b):
             h, routing = layout.run_layer(i, _model.decoder_layer, params["layers"][i], h, cos, sin, cfg,
-                                          moe_impl=moe_impl, gather_input=hk.get("gather_input"),
-                                          reduce_partial=hk.get("reduce_partial"), dispatcher=dispatcher,
-                                          attend=attend)
+                                          moe_impl=moe_impl, dispatcher=dispatcher, attend=attend)
             if routing is not None:
                 if counted is not None:  # context parallelism's padding is not counted
                     keep = counted.reshape(-1)
@@ -158,19 +153,12 @@ def pipeline_stages(cfg: Qwen3Config, num_stages: int, *, layers: Sequence[int] 
         return (h,) if stats is None else (h, *stats)
 
     def loss(params: Any, carry: tuple, mb: dict) -> tuple[torch.Tensor, dict]:
-        mb, hk = hooks(mb)
+        mb, _ = local_view(mb)
         tokens, labels = mb["tokens"], mb.get("labels")
         labels = _model.shift_labels(tokens) if labels is None else labels
-        h = rms_norm(carry[0], params["final_norm"], cfg.rms_norm_eps)
         w_out = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
-        logits = F.linear(h, w_out) if "head" not in hk else hk["head"](h, w_out)
-        if "cross_entropy" in hk:  # context parallelism: the mean over the whole sequences' targets
-            ce = hk["cross_entropy"](logits, labels)
-        elif hk:
-            ce = cross_entropy(logits, labels, cfg)
-        else:
-            ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                                 ignore_index=_model.IGNORE_INDEX)
+        # the mean over the whole sequences' targets (across the cp ranks under context parallelism)
+        ce = head_loss(carry[0], params["final_norm"], w_out, labels, cfg)
         if cfg.moe_layers:
             counts, prob_sum, rows, load = carry[1:5]
             aux_loss = balancing_loss_from_stats(counts, prob_sum, rows, cfg.num_experts)
