@@ -162,6 +162,7 @@ class PeakTracker:
     """
 
     def __init__(self) -> None:
+        import torch
         from torch.utils._python_dispatch import TorchDispatchMode
 
         from hpfunc.memory._storage import StorageLog
@@ -170,6 +171,9 @@ class PeakTracker:
         self.peak = 0
         self.peak_by_op: dict[str, int] = {}
         self._running = 0
+        aten = torch.ops.aten
+        self._resizes = frozenset({aten.resize_.default, aten.set_.source_Storage,
+                                   aten.set_.source_Storage_storage_offset})
         self._mode = _ProducerWithPeak(self)
         assert isinstance(self._mode, TorchDispatchMode)
 
@@ -199,15 +203,24 @@ class PeakTracker:
         if resized or self._running > self.peak:
             self._sweep()
 
+    def observe(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        """Log the storages ``func(*args, **kwargs)`` created (``out``'s that are not among the inputs')."""
+        from hpfunc.memory._storage import _FRESH, storage_key, storage_nbytes, tensors_in
+
+        outs = tensors_in(out)
+        new = 0
+        if outs:
+            inputs = set() if func in _FRESH else {storage_key(t) for t in tensors_in((args, kwargs))}
+            for t in outs:
+                if storage_key(t) not in inputs and self.log.add(t, func):
+                    new += storage_nbytes(t)
+        resized = func in self._resizes
+        if new or resized:
+            self.added(new, resized)
+
 
 def _producer_with_peak_class() -> type:
-    import torch
     from torch.utils._python_dispatch import TorchDispatchMode
-
-    from hpfunc.memory._storage import _FRESH, storage_key, storage_nbytes, tensors_in
-
-    resizes = {torch.ops.aten.resize_.default, torch.ops.aten.set_.source_Storage,
-               torch.ops.aten.set_.source_Storage_storage_offset}
 
     class _Mode(TorchDispatchMode):
         def __init__(self, tracker: PeakTracker) -> None:
@@ -215,16 +228,9 @@ def _producer_with_peak_class() -> type:
             self.tracker = tracker
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            outs = tensors_in(out)
-            new = 0
-            if outs:
-                inputs = set() if func in _FRESH else {storage_key(t) for t in tensors_in((args, kwargs))}
-                for t in outs:
-                    if storage_key(t) not in inputs and self.tracker.log.add(t, func):
-                        new += storage_nbytes(t)
-            if new or func in resizes:
-                self.tracker.added(new, func in resizes)
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            self.tracker.observe(func, args, kwargs, out)
             return out
 
     return _Mode
@@ -232,6 +238,56 @@ def _producer_with_peak_class() -> type:
 
 def _ProducerWithPeak(tracker: PeakTracker) -> Any:  # noqa: N802 -- a class made on first use (torch imported late)
     return _producer_with_peak_class()(tracker)
+
+
+def _step_probe_class() -> type:
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hpfunc.testing.fake_devices import NO_SYNC, device_of
+
+    class _StepProbe(TorchDispatchMode):
+        """One dispatch mode for what a measured fake step records per op (instead of four stacked: each
+        mode costs every op a Python frame): the host syncs answered (a :class:`DeviceRecorder`'s checks,
+        not entered), the storages for the peak (a :class:`PeakTracker`, not entered) and the FLOPs (a
+        ``FlopCounterMode``'s formulas and counts, not entered: ops without a formula are decomposed
+        first, as it does)."""
+
+        def __init__(self, rec: Any, tracker: PeakTracker, flops: Any) -> None:
+            super().__init__()
+            self.rec, self.tracker, self.flops = rec, tracker, flops
+            self.registry = flops.flop_registry
+            self._decomposable: dict[Any, bool] = {}
+            self.prim_device = torch.ops.prim.device.default
+
+        def _decompose(self, func: Any) -> bool:
+            hit = self._decomposable.get(func)
+            if hit is None:
+                hit = self._decomposable[func] = (func._overloadpacket not in self.registry
+                                                  and func is not self.prim_device and func._can_decompose())
+            return hit
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is self.prim_device:  # half the ops the step dispatches (autograd asks every input's device)
+                return device_of(args)
+            kwargs = kwargs or {}
+            if self.rec.may_sync(func):
+                answer = self.rec.host_sync(func, args, kwargs)
+                if answer is not NO_SYNC:
+                    return answer
+            if self._decompose(func):
+                with self:
+                    out = func.decompose(*args, **kwargs)
+                if out is not NotImplemented:
+                    return out
+            out = func(*args, **kwargs)
+            packet = func._overloadpacket
+            if packet in self.registry:
+                self.flops.flop_counts["Global"][packet] += self.registry[packet](*args, **kwargs, out_val=out)
+            self.tracker.observe(func, args, kwargs, out)
+            return out
+
+    return _StepProbe
 
 
 def _flash_attention_mode() -> Any:
@@ -498,12 +554,12 @@ def _measure_fake_step(train_step: Any, state: Any, batch: Any, device_type: str
     from hpfunc.comm import comm_stats
     from hpfunc.testing.fake_devices import DeviceRecorder, answer_host_syncs
 
-    rec = DeviceRecorder(device_type, on_host_sync=answer_host_syncs(1))
+    rec = DeviceRecorder(device_type, on_host_sync=answer_host_syncs(1))  # its checks only (not entered)
     tracker = PeakTracker()
+    flops = FlopCounterMode(display=False, custom_mapping=_flop_mapping())  # its formulas and counts (not entered)
     attention = _flash_attention_mode() if device_type == "cuda" else contextlib.nullcontext()
     t0 = time.perf_counter()
-    with FlopCounterMode(display=False, custom_mapping=_flop_mapping()) as flops, comm_stats() as stats, \
-            rec, tracker, attention:
+    with comm_stats() as stats, _step_probe_class()(rec, tracker, flops), attention:
         new_state, metrics = train_step(state, batch)
         del new_state, metrics
     return {"rec": rec, "tracker": tracker, "flops": flops, "stats": stats, "seconds": time.perf_counter() - t0}
