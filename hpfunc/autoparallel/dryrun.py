@@ -52,11 +52,15 @@ from typing import Any, Iterator, Mapping, Sequence
 from hpfunc.autoparallel.memory_model import UNMODELLED
 
 __all__ = ["DryRunError", "check_request", "dry_run", "dry_runs", "rank_step", "rank_steps", "measure_step", "positions",
-           "moe_cases", "MOE_CHOICES", "DEFAULT_RESERVE",
+           "moe_cases", "MOE_CHOICES", "DEFAULT_MOE", "DEFAULT_RESERVE",
            "PeakTracker", "format_report"]
 
 
 DEFAULT_RESERVE = 4 * 2**30  # added to the measured peak for what neither measures (UNMODELLED)
+MOE_CHOICES = {"both": ("forced_balanced", "capacity_worst_case"), "balanced": ("forced_balanced",),
+               "worst": ("capacity_worst_case",)}
+# one step, the case that decides whether a config fits (the report's main figures); ``both`` runs two
+DEFAULT_MOE = "worst"
 
 
 class DryRunError(ValueError):
@@ -71,7 +75,7 @@ def _mesh_size(mesh: Mapping[str, int]) -> int:
 
 
 def check_request(raw: Mapping[str, Any], *, world: int | None = None, rank: int = 0, device: str = "cuda",
-                  hardware: str = "h100", moe: str = "both") -> tuple[Any, int]:
+                  hardware: str = "h100", moe: str = DEFAULT_MOE) -> tuple[Any, int]:
     """Check a dry-run request before any process or group starts: the config (the trainer's loader
     and plan check), the world the mesh fills, the rank, the device and the hardware name. Returns
     ``(config, world)``; raises :class:`DryRunError` naming the key otherwise."""
@@ -453,7 +457,7 @@ def _sayer(progress: bool | str) -> Any:
 
 
 def rank_step(raw: Mapping[str, Any], device_type: str = "cuda", progress: bool | str = False,
-              moe: str = "both") -> dict:
+              moe: str = DEFAULT_MOE) -> dict:
     """Build the trainer's parallel step for ``raw`` and run one step as this process's rank of the
     fake world (call it through :func:`hpfunc.testing.fake_devices.run_on_fake_devices`); returns the
     measurements (see the module). ``progress``: print each phase to stderr (``True``) or append it to
@@ -519,8 +523,6 @@ def rank_step(raw: Mapping[str, Any], device_type: str = "cuda", progress: bool 
     }
 
 
-MOE_CHOICES = {"both": ("forced_balanced", "capacity_worst_case"), "balanced": ("forced_balanced",),
-               "worst": ("capacity_worst_case",)}
 
 
 def moe_cases(model_cfg: Any, ep: int) -> dict[str, float]:
@@ -655,20 +657,20 @@ def _progress_file(wanted: bool) -> Iterator[str | None]:
 
 def dry_run(raw: Mapping[str, Any], *, world: int | None = None, rank: int = 0, device: str = "cuda",
             hardware: Any = "h100", progress: bool = False, reserve_bytes: int = DEFAULT_RESERVE,
-            moe: str = "both") -> dict:
+            moe: str = DEFAULT_MOE) -> dict:
     """The dry-run report of the raw config mapping ``raw`` for ``rank`` of ``world`` (default: the
     mesh's size): the measurements of :func:`rank_step` and the cost model's figures for the same
     layout (keys: docs/autoparallel.md#hpfunc-dryrun). ``device="cuda"`` runs in a fresh process
     (the fake CUDA runtime is loaded before torch there); ``cpu`` in this one, which must have no
-    default process group. ``moe``: an MoE model's routing assumptions, ``both`` (default: one step
-    each), ``balanced`` or ``worst`` (one step)."""
+    default process group. ``moe``: an MoE model's routing assumptions, one step each: ``worst`` (the
+    default: the capacity worst case), ``balanced`` (forced-balanced) or ``both``."""
     return dry_runs([raw], world=world, rank=rank, device=device, hardware=hardware, progress=progress,
                     reserve_bytes=reserve_bytes, moe=moe)[0]
 
 
 def dry_runs(raws: Sequence[Mapping[str, Any]], *, world: int | None = None, rank: int = 0, device: str = "cuda",
              hardware: Any = "h100", progress: bool = False, reserve_bytes: int = DEFAULT_RESERVE,
-             moe: str = "both") -> list[dict]:
+             moe: str = DEFAULT_MOE) -> list[dict]:
     """:func:`dry_run` of several configs of one world size, one after the other in one (fresh) process."""
     import sys
 
@@ -695,7 +697,7 @@ def dry_runs(raws: Sequence[Mapping[str, Any]], *, world: int | None = None, ran
 
 
 def rank_steps(raws: Sequence[Mapping[str, Any]], device_type: str = "cuda", progress: bool | str = False,
-               moe: str = "both") -> list:
+               moe: str = DEFAULT_MOE) -> list:
     """:func:`rank_step` of each config, in order, in this fake world."""
     return [rank_step(raw, device_type, progress, moe) for raw in raws]
 

@@ -43,8 +43,8 @@ collective and mesh axis, its FLOPs, and the cost model's estimate on the hardwa
   --hardware NAME  preset for the time estimate: h100 (default), h200, a100, cpu, or a profile PATH.json
   --reserve SIZE   memory added to the measured peak for what is not modelled (default 4GiB; also the
                    config's top-level `dryrun: {reserve: ...}`, which this command reads and removes)
-  --moe CASES      an MoE model's routing assumptions, one step each: both (default), balanced (forced-
-                   balanced routing) or worst (the dispatcher's capacity worst case); also `dryrun: {moe: ...}`
+  --moe CASES      an MoE model's routing assumptions, one step each: worst (default: the dispatcher's
+                   capacity worst case), balanced (forced-balanced routing) or both; also `dryrun: {moe: ...}`
   --json PATH      write the report as JSON (keys: docs/autoparallel.md; a list with --all-positions)
   --set key=value  override a config key (repeatable)
   --calibrate PATH measure this machine (matmul FLOP/s by dtype, attention and grouped-GEMM efficiency,
@@ -74,7 +74,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     import yaml
 
-    from hpfunc.autoparallel.dryrun import (DEFAULT_RESERVE, MOE_CHOICES, DryRunError, check_request, dry_run,
+    from hpfunc.autoparallel.dryrun import (DEFAULT_MOE, DEFAULT_RESERVE, MOE_CHOICES, DryRunError, check_request, dry_run,
                                             format_report, positions)
     from hpfunc.autoparallel.hardware import HardwareError, parse_bytes
     from hpfunc.train.config import ConfigError, apply_overrides
@@ -95,7 +95,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         if not isinstance(section, dict) or set(section) - {"reserve", "moe"}:
             raise ValueError(f"dryrun: expected a mapping with the keys 'reserve' and / or 'moe' (e.g. dryrun: "
                              f"{{reserve: 4GiB, moe: worst}}), found {section!r}")
-        moe = str(section.get("moe", "both")) if args.moe is None else args.moe
+        moe = str(section.get("moe", DEFAULT_MOE)) if args.moe is None else args.moe
         if moe not in MOE_CHOICES:
             key = "--moe" if args.moe is not None else "dryrun.moe"
             raise ValueError(f"{key}: expected one of {', '.join(MOE_CHOICES)}, found {moe!r}")

@@ -33,7 +33,7 @@ RAW_EP = {**RAW, "model": {**RAW["model"], "moe_dispatcher": "padded"},
 
 @pytest.fixture(scope="module")
 def reports() -> list:
-    return dry_runs([RAW, RAW_EP], rank=5, device="cuda", hardware="h100")
+    return dry_runs([RAW, RAW_EP], rank=5, device="cuda", hardware="h100", moe="both")
 
 
 @pytest.fixture(scope="module")
