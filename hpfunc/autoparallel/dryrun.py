@@ -29,8 +29,11 @@ list of what neither models (:data:`~hpfunc.autoparallel.memory_model.UNMODELLED
 
 Assumptions: MoE routing is data-dependent; on fake tensors the router's choices have no values, so
 the dispatch runs on the padded dispatcher's buffers, once per routing assumption of
-:func:`moe_cases` (forced-balanced, and the capacity worst case of the config's dispatcher), both
-reported (``moe_cases``). The step counter and learning rate are read as 1. On fake tensors the state's
+:func:`moe_cases` asked for (``moe``: the capacity worst case of the config's dispatcher by default,
+forced-balanced, or both), each reported (``moe_cases``). The step makes no host sync (the learning
+rate and step counter stay on the device); a read a plan makes is answered with a stand-in (1) and
+counted. The step is the trainer's own (``precision:`` and ``activations:`` applied, the state in
+``model.dtype``: :func:`hpfunc.train.distributed.parallel_train_step`). On fake tensors the state's
 blocks are filled, not sampled (:func:`_blocks_like`). :func:`measure_step` runs the same step on real
 tensors and a real process group (the cost model's check against real runs).
 
