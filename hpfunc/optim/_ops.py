@@ -21,8 +21,14 @@ def _plain(cls: type) -> bool:
 
 
 def plain_type(cls: type) -> bool:
-    """``cls`` computes as a plain tensor (``torch.Tensor`` itself, or a subclass that overrides no dispatch)."""
-    return cls is torch.Tensor or _plain(cls)
+    """``cls`` computes as a plain tensor (``torch.Tensor`` itself, or a subclass that overrides no dispatch;
+    or torch's ``FakeTensor``, which stands for one in a dry run: its step then takes the same foreach
+    path, and holds the same temporaries, as the real one)."""
+    if cls is torch.Tensor or _plain(cls):
+        return True
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return issubclass(cls, FakeTensor)
 
 
 def foreachable(*lists: Sequence[torch.Tensor]) -> bool:
