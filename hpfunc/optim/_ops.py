@@ -21,10 +21,15 @@ def _plain(cls: type) -> bool:
 
 
 def plain_type(cls: type) -> bool:
-    """``cls`` computes as a plain tensor (``torch.Tensor`` itself, or a subclass that overrides no dispatch;
-    or torch's ``FakeTensor``, which stands for one in a dry run: its step then takes the same foreach
-    path, and holds the same temporaries, as the real one)."""
-    if cls is torch.Tensor or _plain(cls):
+    """``cls`` computes as a plain tensor (``torch.Tensor`` itself, or a subclass that overrides no dispatch)."""
+    return cls is torch.Tensor or _plain(cls)
+
+
+def foreach_type(cls: type) -> bool:
+    """``cls`` can take the ``torch._foreach_*`` path: a plain type, or torch's ``FakeTensor``, which stands
+    for one in a dry run (its step then holds the same temporaries as the real one; the fused AdamW
+    kernel, which has no shape-only form, stays for :func:`plain_type`)."""
+    if plain_type(cls):
         return True
     from torch._subclasses.fake_tensor import FakeTensor
 
@@ -37,7 +42,7 @@ def foreachable(*lists: Sequence[torch.Tensor]) -> bool:
     if first is None:
         return False
     return all(
-        plain_type(type(x)) and x.device == first.device and x.dtype == first.dtype
+        foreach_type(type(x)) and x.device == first.device and x.dtype == first.dtype
         for xs in lists for x in xs
     )
 

@@ -4,8 +4,10 @@ the step it measures on fake tensors is the trainer's own (``hpfunc.train.distri
 The tiny Qwen3 MoE (fp32 storage, bf16 compute, fsdp 4, 4 x 128 tokens) with no policy, layer 1
 recomputed (``activations: {remat: {1: nothing_saveable}}``) and every layer recomputed: the dry run's
 step peak (fake CPU tensors, one process) equals the peak of the real step on 4 gloo ranks (storage
-liveness, ``measure_step``) for each, byte for byte, so the per-layer policy moves the reported peak
-exactly as it moves the measured one. And ``precision: {compute_dtype: bfloat16}`` over ``model.dtype:
+liveness, ``measure_step``) byte for byte where the peak is the activations' (no policy, layer 1), and
+within 0.2% where it is the optimizer's (every layer recomputed: the real CPU step's fused AdamW kernel
+has no shape-only form, the fake one runs the foreach path), so the per-layer policy moves the reported
+peak as it moves the measured one. And ``precision: {compute_dtype: bfloat16}`` over ``model.dtype:
 float32`` keeps the fp32 state while the FSDP all-gathers move bf16; ``model.dtype: bfloat16`` stores
 the parameters in bf16.
 
@@ -15,7 +17,8 @@ shape-only kernel insisting on bf16, whose casts the real fp32 step does not mak
 Deliberate bug tried: the dry run building its step without the trainer's loss transforms (the old
 ``make_train_step(loss_fn=qwen3.parallel_plan.loss)``): the remat variants report the no-policy peak and
 the equality fails. Also found by this test: the fake step's AdamW took the per-leaf path (a FakeTensor
-was not a "plain" tensor for ``hpfunc.optim``'s foreach check), so its peak was 7-20% above the real one.
+was not a "plain" tensor for ``hpfunc.optim``'s foreach check), so its peak was 7-20% above the real one;
+``hpfunc.optim._ops.foreach_type`` now lets it take the foreach path.
 """
 
 from __future__ import annotations
@@ -49,8 +52,13 @@ def dry() -> dict:
 
 def test_activation_policy_moves_the_reported_peak_as_the_measured_one(dry, pool4):
     for name, raw in POLICIES.items():
-        measured = pool4.run(measure_step, raw, timed_steps=0)
-        assert dry[name]["step_peak_bytes"] == measured[0]["step_peak_bytes"], name  # rank 0, as the dry run
+        measured = pool4.run(measure_step, raw, timed_steps=0)[0]["step_peak_bytes"]  # rank 0, as the dry run
+        if name == "every layer remat":
+            # this peak is the optimizer's: the real CPU step runs torch's fused AdamW kernel, which has no
+            # shape-only form, so the fake one runs the foreach path (1,403 B more of temporaries here)
+            assert measured <= dry[name]["step_peak_bytes"] <= 1.002 * measured, name
+        else:  # the activations' peak: byte for byte
+            assert dry[name]["step_peak_bytes"] == measured, name
     peaks = [dry[name]["step_peak_bytes"] for name in POLICIES]
     assert peaks[0] > peaks[1] > peaks[2]  # each recomputed layer keeps less for the backward
 
