@@ -29,8 +29,11 @@ list of what neither models (:data:`~hpfunc.autoparallel.memory_model.UNMODELLED
 
 Assumptions: MoE routing is data-dependent; on fake tensors the router's choices have no values, so
 the dispatch runs on the padded dispatcher's buffers, once per routing assumption of
-:func:`moe_cases` (forced-balanced, and the capacity worst case of the config's dispatcher), both
-reported (``moe_cases``). The step counter and learning rate are read as 1. On fake tensors the state's
+:func:`moe_cases` asked for (``moe``: the capacity worst case of the config's dispatcher by default,
+forced-balanced, or both), each reported (``moe_cases``). The step makes no host sync (the learning
+rate and step counter stay on the device); a read a plan makes is answered with a stand-in (1) and
+counted. The step is the trainer's own (``precision:`` and ``activations:`` applied, the state in
+``model.dtype``: :func:`hpfunc.train.distributed.parallel_train_step`). On fake tensors the state's
 blocks are filled, not sampled (:func:`_blocks_like`). :func:`measure_step` runs the same step on real
 tensors and a real process group (the cost model's check against real runs).
 
@@ -52,11 +55,15 @@ from typing import Any, Iterator, Mapping, Sequence
 from hpfunc.autoparallel.memory_model import UNMODELLED
 
 __all__ = ["DryRunError", "check_request", "dry_run", "dry_runs", "rank_step", "rank_steps", "measure_step", "positions",
-           "moe_cases", "DEFAULT_RESERVE",
+           "moe_cases", "MOE_CHOICES", "DEFAULT_MOE", "DEFAULT_RESERVE",
            "PeakTracker", "format_report"]
 
 
 DEFAULT_RESERVE = 4 * 2**30  # added to the measured peak for what neither measures (UNMODELLED)
+MOE_CHOICES = {"both": ("forced_balanced", "capacity_worst_case"), "balanced": ("forced_balanced",),
+               "worst": ("capacity_worst_case",)}
+# one step, the case that decides whether a config fits (the report's main figures); ``both`` runs two
+DEFAULT_MOE = "worst"
 
 
 class DryRunError(ValueError):
@@ -71,7 +78,7 @@ def _mesh_size(mesh: Mapping[str, int]) -> int:
 
 
 def check_request(raw: Mapping[str, Any], *, world: int | None = None, rank: int = 0, device: str = "cuda",
-                  hardware: str = "h100") -> tuple[Any, int]:
+                  hardware: str = "h100", moe: str = DEFAULT_MOE) -> tuple[Any, int]:
     """Check a dry-run request before any process or group starts: the config (the trainer's loader
     and plan check), the world the mesh fills, the rank, the device and the hardware name. Returns
     ``(config, world)``; raises :class:`DryRunError` naming the key otherwise."""
@@ -85,6 +92,8 @@ def check_request(raw: Mapping[str, Any], *, world: int | None = None, rank: int
         raise DryRunError(f"--hardware: {err}") from None
     if device not in ("cuda", "cpu"):
         raise DryRunError(f"--device: expected cuda or cpu, found {device!r}")
+    if moe not in MOE_CHOICES:
+        raise DryRunError(f"--moe: expected one of {', '.join(MOE_CHOICES)}, found {moe!r}")
     try:
         cfg = load_config_dict(dict(raw))
     except (ConfigError, ValueError) as err:
@@ -162,6 +171,7 @@ class PeakTracker:
     """
 
     def __init__(self) -> None:
+        import torch
         from torch.utils._python_dispatch import TorchDispatchMode
 
         from hpfunc.memory._storage import StorageLog
@@ -170,6 +180,9 @@ class PeakTracker:
         self.peak = 0
         self.peak_by_op: dict[str, int] = {}
         self._running = 0
+        aten = torch.ops.aten
+        self._resizes = frozenset({aten.resize_.default, aten.set_.source_Storage,
+                                   aten.set_.source_Storage_storage_offset})
         self._mode = _ProducerWithPeak(self)
         assert isinstance(self._mode, TorchDispatchMode)
 
@@ -199,15 +212,24 @@ class PeakTracker:
         if resized or self._running > self.peak:
             self._sweep()
 
+    def observe(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        """Log the storages ``func(*args, **kwargs)`` created (``out``'s that are not among the inputs')."""
+        from hpfunc.memory._storage import _FRESH, storage_key, storage_nbytes, tensors_in
+
+        outs = tensors_in(out)
+        new = 0
+        if outs:
+            inputs = set() if func in _FRESH else {storage_key(t) for t in tensors_in((args, kwargs))}
+            for t in outs:
+                if storage_key(t) not in inputs and self.log.add(t, func):
+                    new += storage_nbytes(t)
+        resized = func in self._resizes
+        if new or resized:
+            self.added(new, resized)
+
 
 def _producer_with_peak_class() -> type:
-    import torch
     from torch.utils._python_dispatch import TorchDispatchMode
-
-    from hpfunc.memory._storage import _FRESH, storage_key, storage_nbytes, tensors_in
-
-    resizes = {torch.ops.aten.resize_.default, torch.ops.aten.set_.source_Storage,
-               torch.ops.aten.set_.source_Storage_storage_offset}
 
     class _Mode(TorchDispatchMode):
         def __init__(self, tracker: PeakTracker) -> None:
@@ -215,16 +237,9 @@ def _producer_with_peak_class() -> type:
             self.tracker = tracker
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            outs = tensors_in(out)
-            new = 0
-            if outs:
-                inputs = set() if func in _FRESH else {storage_key(t) for t in tensors_in((args, kwargs))}
-                for t in outs:
-                    if storage_key(t) not in inputs and self.tracker.log.add(t, func):
-                        new += storage_nbytes(t)
-            if new or func in resizes:
-                self.tracker.added(new, func in resizes)
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            self.tracker.observe(func, args, kwargs, out)
             return out
 
     return _Mode
@@ -232,6 +247,56 @@ def _producer_with_peak_class() -> type:
 
 def _ProducerWithPeak(tracker: PeakTracker) -> Any:  # noqa: N802 -- a class made on first use (torch imported late)
     return _producer_with_peak_class()(tracker)
+
+
+def _step_probe_class() -> type:
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hpfunc.testing.fake_devices import NO_SYNC, device_of
+
+    class _StepProbe(TorchDispatchMode):
+        """One dispatch mode for what a measured fake step records per op (instead of four stacked: each
+        mode costs every op a Python frame): the host syncs answered (a :class:`DeviceRecorder`'s checks,
+        not entered), the storages for the peak (a :class:`PeakTracker`, not entered) and the FLOPs (a
+        ``FlopCounterMode``'s formulas and counts, not entered: ops without a formula are decomposed
+        first, as it does)."""
+
+        def __init__(self, rec: Any, tracker: PeakTracker, flops: Any) -> None:
+            super().__init__()
+            self.rec, self.tracker, self.flops = rec, tracker, flops
+            self.registry = flops.flop_registry
+            self._decomposable: dict[Any, bool] = {}
+            self.prim_device = torch.ops.prim.device.default
+
+        def _decompose(self, func: Any) -> bool:
+            hit = self._decomposable.get(func)
+            if hit is None:
+                hit = self._decomposable[func] = (func._overloadpacket not in self.registry
+                                                  and func is not self.prim_device and func._can_decompose())
+            return hit
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is self.prim_device:  # half the ops the step dispatches (autograd asks every input's device)
+                return device_of(args)
+            kwargs = kwargs or {}
+            if self.rec.may_sync(func):
+                answer = self.rec.host_sync(func, args, kwargs)
+                if answer is not NO_SYNC:
+                    return answer
+            if self._decompose(func):
+                with self:
+                    out = func.decompose(*args, **kwargs)
+                if out is not NotImplemented:
+                    return out
+            out = func(*args, **kwargs)
+            packet = func._overloadpacket
+            if packet in self.registry:
+                self.flops.flop_counts["Global"][packet] += self.registry[packet](*args, **kwargs, out_val=out)
+            self.tracker.observe(func, args, kwargs, out)
+            return out
+
+    return _StepProbe
 
 
 def _flash_attention_mode() -> Any:
@@ -325,25 +390,26 @@ def _blocks_like(init: Any, key: Any, *, shardings: Any) -> Any:
 
 def _build(raw: Mapping[str, Any], device_type: str, say: Any, *, fake: bool = False) -> dict:
     """What ``hpfunc train`` builds for ``raw`` on this process's (fake or real) world: the mesh, the
-    parallel step, the first sharded state, one batch and the list the optimizer records its gradients'
-    bytes into."""
+    parallel step (:func:`hpfunc.train.distributed.parallel_train_step`, the trainer's own: its plan with
+    ``precision:`` applied, its loss with the ``activations:`` policies), the first sharded state in
+    ``model.dtype``, one batch and the list the optimizer records its gradients' bytes into."""
     import functools
     import itertools
 
-    import torch
     import torch.distributed as dist
     from torch.utils._python_dispatch import _disable_current_modes
 
     from hpfunc import random
     from hpfunc.mesh import Mesh
-    from hpfunc.models import qwen3
-    from hpfunc.train.build import build_model_config, build_optimizer, build_schedule, model_dtype
+    from hpfunc.train.build import build_optimizer, build_schedule, check_buildable, model_dtype
     from hpfunc.train.config import load_config_dict
-    from hpfunc.train.distributed import build_plan
-    from hpfunc.train.step import init_train_state, make_train_step
-    from hpfunc.transforms.parallelize import init_sharded, parallelize
+    from hpfunc.train.distributed import parallel_train_step
+    from hpfunc.train.model_spec import model_spec
+    from hpfunc.train.step import init_train_state
+    from hpfunc.transforms.parallelize import init_sharded
 
     cfg = load_config_dict(dict(raw))
+    spec = model_spec(cfg.model)
     mesh_axes = dict(cfg.parallel.mesh)
     with _disable_current_modes():  # a DeviceMesh is made of real rank tensors, and so are its groups
         mesh = Mesh(mesh_axes, device_type=device_type)
@@ -353,29 +419,26 @@ def _build(raw: Mapping[str, Any], device_type: str, say: Any, *, fake: bool = F
                 mesh.group(axes)
         coordinate = tuple(int(c) for c in mesh.coordinate())
     say(f"mesh {mesh_axes}, rank {dist.get_rank()} at {dict(zip(names, coordinate))}")
-    model_cfg = build_model_config(cfg.model)
-    optimizer, lr = build_optimizer(cfg.optimizer, build_schedule(cfg.schedule, cfg.train.steps))
+    model_cfg = check_buildable(cfg)
+    if cfg.train.aux_loss_coef is not None and spec.with_aux_loss_coef is not None:  # as the trainer's loop
+        model_cfg = spec.with_aux_loss_coef(model_cfg, cfg.train.aux_loss_coef)
+    optimizer, lr = build_optimizer(cfg.optimizer, build_schedule(cfg.schedule, cfg.train.steps), spec)
     grads_seen: list[dict[str, int]] = []
     optimizer = _recording_grads(optimizer, grads_seen)
-    plan = build_plan(cfg.parallel, model_cfg)
-    if cfg.model.dtype == "bfloat16":
-        plan = plan.with_mixed_precision(torch.bfloat16)
-    def step_of(mcfg: Any) -> Any:
-        step = make_train_step(mcfg, optimizer, expert_bias_rate=cfg.train.expert_bias_rate, lr_schedule=lr,
-                               loss_fn=qwen3.parallel_plan.loss, num_microbatches=cfg.train.microbatches)
-        return parallelize(step, mesh, plan, params="params")
 
-    train_step = step_of(model_cfg)
+    def step_of(mcfg: Any) -> Any:
+        return parallel_train_step(cfg, mcfg, optimizer, lr, mesh, compiled=False)[0]
+
+    train_step, plan = parallel_train_step(cfg, model_cfg, optimizer, lr, mesh, compiled=False)
     key = random.key(0, device=device_type)
-    store_dtype = torch.float32 if cfg.model.dtype == "bfloat16" else model_dtype(cfg.model)
-    init = functools.partial(qwen3.init, cfg=model_cfg, dtype=store_dtype)
+    init = functools.partial(spec.init, cfg=model_cfg, dtype=model_dtype(cfg.model))
     if fake:  # a fake tensor has no values: fill the blocks instead of sampling them (see _blocks_like)
         init = functools.partial(_blocks_like, init)
     say("initialising the sharded state")
-    params = init_sharded(init, mesh, plan, key, shapes=qwen3.param_shapes(model_cfg))
+    params = init_sharded(init, mesh, plan, key, shapes=spec.param_shapes(model_cfg))
     state = train_step.init_state(lambda p: init_train_state(p, optimizer), params)
     tokens = random.randint(random.fold_in(key, 100), (cfg.train.batch_size, cfg.train.seq_len + 1), 0,
-                            model_cfg.vocab_size)
+                            spec.vocab_size(model_cfg))
     return {"cfg": cfg, "model_cfg": model_cfg, "coordinate": dict(zip(names, coordinate)), "train_step": train_step,
             "step_of": step_of, "state": state, "batch": {"tokens": tokens}, "grads_seen": grads_seen}
 
@@ -396,18 +459,16 @@ def _sayer(progress: bool | str) -> Any:
     return say
 
 
-def rank_step(raw: Mapping[str, Any], device_type: str = "cuda", progress: bool | str = False) -> dict:
+def rank_step(raw: Mapping[str, Any], device_type: str = "cuda", progress: bool | str = False,
+              moe: str = DEFAULT_MOE) -> dict:
     """Build the trainer's parallel step for ``raw`` and run one step as this process's rank of the
     fake world (call it through :func:`hpfunc.testing.fake_devices.run_on_fake_devices`); returns the
     measurements (see the module). ``progress``: print each phase to stderr (``True``) or append it to
-    the file of that name (an isolated process's output is not shown)."""
-    import torch.distributed as dist
-    from torch.utils.flop_counter import FlopCounterMode
-
-    from hpfunc.comm import comm_stats
-    from hpfunc.testing.fake_devices import DeviceRecorder, answer_host_syncs
-
+    the file of that name (an isolated process's output is not shown). ``moe``: the routing
+    assumptions an MoE model's step is run under (:data:`MOE_CHOICES`, :func:`moe_cases`), one step each."""
     import os
+
+    import torch.distributed as dist
 
     os.environ.pop("HPFUNC_CHECK_REP", None)  # the replication check reads values: fake tensors have none
     say = _sayer(progress)
@@ -424,6 +485,8 @@ def rank_step(raw: Mapping[str, Any], device_type: str = "cuda", progress: bool 
     # without expert parallelism the dropless path's shapes do not depend on the routing (every rank
     # computes its T k rows): the config's own step measures both cases
     own = not cases or (ep == 1 and mc.moe_dispatcher != "padded")
+    if not own:
+        cases = {k: v for k, v in cases.items() if k in MOE_CHOICES[moe]}
     runs: dict[float, dict] = {}
     measured_cases: dict[str, dict] = {}
     for name, factor in cases.items():  # MoE: each routing assumption on the padded dispatcher's shapes
@@ -439,8 +502,8 @@ def rank_step(raw: Mapping[str, Any], device_type: str = "cuda", progress: bool 
         measured_cases[name] = {"moe_buffer_factor": factor, "step_peak_bytes": case["tracker"].peak,
                                 "flops": int(case["flops"].get_total_flops()),
                                 "comm": case["stats"].by_collective(), "step_seconds_on_fake_tensors": case["seconds"]}
-    main = runs[cases["capacity_worst_case"]] if cases else _measure_fake_step(train_step, state, b["batch"],
-                                                                                device_type)
+    main = (runs[cases.get("capacity_worst_case", cases.get("forced_balanced"))] if cases
+            else _measure_fake_step(train_step, state, b["batch"], device_type))
     del grads_seen[:-max(1, len(grads_seen) // max(1, len(runs)))]  # the gradients of one step
     rec, tracker, flops, stats, step_s = main["rec"], main["tracker"], main["flops"], main["stats"], main["seconds"]
     say(f"step done in {step_s:.1f} s")
@@ -461,6 +524,8 @@ def rank_step(raw: Mapping[str, Any], device_type: str = "cuda", progress: bool 
         "attention": ("flash (16-bit cuda inputs without mask run as aten._scaled_dot_product_flash_attention)"
                       if device_type == "cuda" else "as torch chooses on cpu"),
     }
+
+
 
 
 def moe_cases(model_cfg: Any, ep: int) -> dict[str, float]:
@@ -498,12 +563,12 @@ def _measure_fake_step(train_step: Any, state: Any, batch: Any, device_type: str
     from hpfunc.comm import comm_stats
     from hpfunc.testing.fake_devices import DeviceRecorder, answer_host_syncs
 
-    rec = DeviceRecorder(device_type, on_host_sync=answer_host_syncs(1))
+    rec = DeviceRecorder(device_type, on_host_sync=answer_host_syncs(1))  # its checks only (not entered)
     tracker = PeakTracker()
+    flops = FlopCounterMode(display=False, custom_mapping=_flop_mapping())  # its formulas and counts (not entered)
     attention = _flash_attention_mode() if device_type == "cuda" else contextlib.nullcontext()
     t0 = time.perf_counter()
-    with FlopCounterMode(display=False, custom_mapping=_flop_mapping()) as flops, comm_stats() as stats, \
-            rec, tracker, attention:
+    with comm_stats() as stats, _step_probe_class()(rec, tracker, flops), attention:
         new_state, metrics = train_step(state, batch)
         del new_state, metrics
     return {"rec": rec, "tracker": tracker, "flops": flops, "stats": stats, "seconds": time.perf_counter() - t0}
@@ -594,25 +659,28 @@ def _progress_file(wanted: bool) -> Iterator[str | None]:
 
 
 def dry_run(raw: Mapping[str, Any], *, world: int | None = None, rank: int = 0, device: str = "cuda",
-            hardware: Any = "h100", progress: bool = False, reserve_bytes: int = DEFAULT_RESERVE) -> dict:
+            hardware: Any = "h100", progress: bool = False, reserve_bytes: int = DEFAULT_RESERVE,
+            moe: str = DEFAULT_MOE) -> dict:
     """The dry-run report of the raw config mapping ``raw`` for ``rank`` of ``world`` (default: the
     mesh's size): the measurements of :func:`rank_step` and the cost model's figures for the same
     layout (keys: docs/autoparallel.md#hpfunc-dryrun). ``device="cuda"`` runs in a fresh process
     (the fake CUDA runtime is loaded before torch there); ``cpu`` in this one, which must have no
-    default process group."""
+    default process group. ``moe``: an MoE model's routing assumptions, one step each: ``worst`` (the
+    default: the capacity worst case), ``balanced`` (forced-balanced) or ``both``."""
     return dry_runs([raw], world=world, rank=rank, device=device, hardware=hardware, progress=progress,
-                    reserve_bytes=reserve_bytes)[0]
+                    reserve_bytes=reserve_bytes, moe=moe)[0]
 
 
 def dry_runs(raws: Sequence[Mapping[str, Any]], *, world: int | None = None, rank: int = 0, device: str = "cuda",
-             hardware: Any = "h100", progress: bool = False, reserve_bytes: int = DEFAULT_RESERVE) -> list[dict]:
+             hardware: Any = "h100", progress: bool = False, reserve_bytes: int = DEFAULT_RESERVE,
+             moe: str = DEFAULT_MOE) -> list[dict]:
     """:func:`dry_run` of several configs of one world size, one after the other in one (fresh) process."""
     import sys
 
     from hpfunc.testing import fake_cuda
     from hpfunc.testing.fake_devices import run_on_fake_devices
 
-    checked = [check_request(raw, world=world, rank=rank, device=device, hardware=hardware) for raw in raws]
+    checked = [check_request(raw, world=world, rank=rank, device=device, hardware=hardware, moe=moe) for raw in raws]
     worlds = {w for _, w in checked}
     if len(worlds) != 1:
         raise DryRunError(f"parallel.mesh: dry_runs needs configs of one world size, found sizes {sorted(worlds)}")
@@ -623,7 +691,7 @@ def dry_runs(raws: Sequence[Mapping[str, Any]], *, world: int | None = None, ran
         print(f"[dryrun] rank {rank} of {world} on fake {device} devices"
               + (" (in a fresh process: the fake CUDA runtime)" if isolated else ""), file=sys.stderr, flush=True)
     with _progress_file(progress and isolated) as path:
-        run = run_on_fake_devices(rank_steps, [dict(r) for r in raws], device, path or progress, world_size=world,
+        run = run_on_fake_devices(rank_steps, [dict(r) for r in raws], device, path or progress, moe, world_size=world,
                                   rank=rank, device_type=device, isolated=isolated)
     seconds = (time.perf_counter() - t0) / len(raws)
     return [_assemble(cfg, measured, world=world, rank=rank, device=device, hardware=hardware, seconds=seconds,
@@ -631,9 +699,10 @@ def dry_runs(raws: Sequence[Mapping[str, Any]], *, world: int | None = None, ran
             for (cfg, _), measured in zip(checked, run.result)]
 
 
-def rank_steps(raws: Sequence[Mapping[str, Any]], device_type: str = "cuda", progress: bool | str = False) -> list:
+def rank_steps(raws: Sequence[Mapping[str, Any]], device_type: str = "cuda", progress: bool | str = False,
+               moe: str = DEFAULT_MOE) -> list:
     """:func:`rank_step` of each config, in order, in this fake world."""
-    return [rank_step(raw, device_type, progress) for raw in raws]
+    return [rank_step(raw, device_type, progress, moe) for raw in raws]
 
 
 def _assemble(cfg: Any, measured: dict, *, world: int, rank: int, device: str, hardware: Any,

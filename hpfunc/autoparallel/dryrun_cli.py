@@ -1,5 +1,5 @@
 """``hpfunc dryrun CONFIG.yaml [--world N] [--device cuda|cpu] [--rank R | --all-positions] [--hardware h100|PATH.json]
-[--reserve GiB] [--json PATH] [--set k=v]``, and ``hpfunc dryrun --calibrate PATH.json``.
+[--reserve GiB] [--moe both|balanced|worst] [--json PATH] [--set k=v]``, and ``hpfunc dryrun --calibrate PATH.json``.
 
 Runs the trainer's real parallelized step of the config for one rank on fake tensors and the fake
 process group (:mod:`hpfunc.autoparallel.dryrun`), prints what that rank holds, sends and computes
@@ -26,7 +26,8 @@ from hpfunc.autoparallel.plan_cli import _int
 __all__ = ["main", "USAGE"]
 
 USAGE = """usage: hpfunc dryrun CONFIG.yaml [--world N] [--device cuda|cpu] [--rank R | --all-positions]
-                     [--hardware h100|h200|a100|cpu|PATH.json] [--reserve 4GiB] [--json PATH] [--set key.path=value ...]
+                     [--hardware h100|h200|a100|cpu|PATH.json] [--reserve 4GiB] [--moe both|balanced|worst]
+                     [--json PATH] [--set key.path=value ...]
        hpfunc dryrun --calibrate PATH.json
 
 Run one training step of the config's model and parallel plan as rank R of N on fake tensors and the
@@ -42,6 +43,8 @@ collective and mesh axis, its FLOPs, and the cost model's estimate on the hardwa
   --hardware NAME  preset for the time estimate: h100 (default), h200, a100, cpu, or a profile PATH.json
   --reserve SIZE   memory added to the measured peak for what is not modelled (default 4GiB; also the
                    config's top-level `dryrun: {reserve: ...}`, which this command reads and removes)
+  --moe CASES      an MoE model's routing assumptions, one step each: worst (default: the dispatcher's
+                   capacity worst case), balanced (forced-balanced routing) or both; also `dryrun: {moe: ...}`
   --json PATH      write the report as JSON (keys: docs/autoparallel.md; a list with --all-positions)
   --set key=value  override a config key (repeatable)
   --calibrate PATH measure this machine (matmul FLOP/s by dtype, attention and grouped-GEMM efficiency,
@@ -54,6 +57,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("config", nargs="?")
     p.add_argument("--all-positions", dest="all_positions", action="store_true")
     p.add_argument("--reserve")
+    p.add_argument("--moe")
     p.add_argument("--calibrate")
     p.add_argument("--world")
     p.add_argument("--device", default="cuda")
@@ -70,8 +74,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     import yaml
 
-    from hpfunc.autoparallel.dryrun import (DEFAULT_RESERVE, DryRunError, check_request, dry_run, format_report,
-                                            positions)
+    from hpfunc.autoparallel.dryrun import (DEFAULT_MOE, DEFAULT_RESERVE, MOE_CHOICES, DryRunError, check_request, dry_run,
+                                            format_report, positions)
     from hpfunc.autoparallel.hardware import HardwareError, parse_bytes
     from hpfunc.train.config import ConfigError, apply_overrides
 
@@ -88,15 +92,19 @@ def main(argv: Sequence[str] | None = None) -> None:
             raise ValueError(f"CONFIG: no file {args.config!r}")
         raw = apply_overrides(yaml.safe_load(path.read_text()) or {}, args.overrides)
         section = raw.pop("dryrun", None) or {}
-        if not isinstance(section, dict) or set(section) - {"reserve"}:
-            raise ValueError(f"dryrun: expected a mapping with the key 'reserve' (e.g. dryrun: {{reserve: 4GiB}}), "
-                             f"found {section!r}")
+        if not isinstance(section, dict) or set(section) - {"reserve", "moe"}:
+            raise ValueError(f"dryrun: expected a mapping with the keys 'reserve' and / or 'moe' (e.g. dryrun: "
+                             f"{{reserve: 4GiB, moe: worst}}), found {section!r}")
+        moe = str(section.get("moe", DEFAULT_MOE)) if args.moe is None else args.moe
+        if moe not in MOE_CHOICES:
+            key = "--moe" if args.moe is not None else "dryrun.moe"
+            raise ValueError(f"{key}: expected one of {', '.join(MOE_CHOICES)}, found {moe!r}")
         reserve = DEFAULT_RESERVE
         if "reserve" in section:
             reserve = parse_bytes(section["reserve"], key="dryrun.reserve", allow_zero=True)
         if args.reserve is not None:
             reserve = parse_bytes(args.reserve, key="--reserve", allow_zero=True)
-        cfg, world = check_request(raw, world=world, rank=rank, device=args.device, hardware=args.hardware)
+        cfg, world = check_request(raw, world=world, rank=rank, device=args.device, hardware=args.hardware, moe=moe)
         ranks = positions(dict(cfg.parallel.mesh)) if args.all_positions else [rank]
     except (ValueError, ConfigError, DryRunError, HardwareError) as err:
         print(f"hpfunc dryrun: {err}", file=sys.stderr)
@@ -105,7 +113,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     for r in ranks:
         try:
             report = dry_run(raw, world=world, rank=r, device=args.device, hardware=args.hardware, progress=True,
-                             reserve_bytes=reserve)
+                             reserve_bytes=reserve, moe=moe)
             print(format_report(report))
         except RuntimeError as err:  # a position the fake run cannot take (e.g. a later pipeline stage)
             if not args.all_positions:

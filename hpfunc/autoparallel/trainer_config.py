@@ -18,7 +18,7 @@ from typing import Any, Mapping
 from hpfunc.autoparallel.configuration import Layout, Workload
 from hpfunc.models.description import ModelDescription
 
-__all__ = ["workload_of", "layout_of", "with_layout", "describe_model", "check_runnable"]
+__all__ = ["workload_of", "precision_of", "compute_dtype", "layout_of", "with_layout", "describe_model", "check_runnable"]
 
 _REMAT_OF_POLICY = {None: "none", "none": "none", "nothing_saveable": "full",
                     "dots_with_no_batch_dims_saveable": "selective", "everything_saveable": "none"}
@@ -30,14 +30,39 @@ def describe_model(cfg: Any) -> tuple[Any, ModelDescription]:
     from hpfunc.train.build import build_model_config
 
     model_cfg = build_model_config(cfg.model)
-    return model_cfg, describe(model_cfg, act_bytes=4 if cfg.model.dtype in ("float32", "float64") else 2)
+    return model_cfg, describe(model_cfg, act_bytes=4 if compute_dtype(cfg) in ("float32", "float64") else 2)
+
+
+def compute_dtype(cfg: Any) -> str:
+    """The dtype the step computes in, as ``hpfunc train`` runs ``cfg``: ``precision.compute_dtype``, else
+    ``model.dtype`` (the parameters' own)."""
+    return cfg.precision.compute_dtype or cfg.model.dtype
+
+
+def precision_of(cfg: Any) -> str:
+    """The model-state precision of the cost model (:data:`~hpfunc.autoparallel.configuration.STATE_BYTES`)
+    that ``hpfunc train`` runs for ``cfg``: ``mixed`` for 16-bit compute over 32-bit parameters
+    (``model.dtype: float32`` with ``precision.compute_dtype: bfloat16``: fp32 master weights, gradients
+    and moments), ``bf16`` for 16-bit parameters (``model.dtype: bfloat16``: everything in bf16), else
+    ``fp32``.
+
+    >>> from hpfunc.train.config import load_config_dict
+    >>> [precision_of(load_config_dict(d)) for d in ({"model": {"dtype": "bfloat16"}},
+    ...     {"model": {"dtype": "float32"}, "precision": {"compute_dtype": "bfloat16"}}, {})]
+    ['bf16', 'mixed', 'fp32']
+    """
+    store = cfg.model.dtype
+    if store in ("bfloat16", "float16"):
+        return "bf16"
+    return "mixed" if compute_dtype(cfg) in ("bfloat16", "float16") else "fp32"
 
 
 def workload_of(cfg: Any, *, precision: str | None = None, reserve_bytes: int | None = None) -> Workload:
-    """The step of ``cfg``: ``train.batch_size`` sequences of ``train.seq_len`` tokens in ``model.dtype``
-    (model states ``mixed`` for bf16, ``fp32`` for fp32 unless ``precision`` says)."""
-    dtype = cfg.model.dtype
-    prec = precision or ("mixed" if dtype == "bfloat16" else "fp32")
+    """The step of ``cfg``: ``train.batch_size`` sequences of ``train.seq_len`` tokens computed in
+    :func:`compute_dtype`, model states in :func:`precision_of` (as ``hpfunc train`` runs the config's
+    ``model.dtype`` and ``precision:``) unless ``precision`` says."""
+    dtype = compute_dtype(cfg)
+    prec = precision or precision_of(cfg)
     extra: dict[str, Any] = {} if reserve_bytes is None else {"reserve_bytes": int(reserve_bytes)}
     from hpfunc.train.build import build_model_config
 

@@ -25,13 +25,24 @@ def plain_type(cls: type) -> bool:
     return cls is torch.Tensor or _plain(cls)
 
 
+def foreach_type(cls: type) -> bool:
+    """``cls`` can take the ``torch._foreach_*`` path: a plain type, or torch's ``FakeTensor``, which stands
+    for one in a dry run (its step then holds the same temporaries as the real one; the fused AdamW
+    kernel, which has no shape-only form, stays for :func:`plain_type`)."""
+    if plain_type(cls):
+        return True
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return issubclass(cls, FakeTensor)
+
+
 def foreachable(*lists: Sequence[torch.Tensor]) -> bool:
     """True when all leaves are plain tensors of one device and dtype (the fast foreach path)."""
     first = lists[0][0] if lists and lists[0] else None
     if first is None:
         return False
     return all(
-        plain_type(type(x)) and x.device == first.device and x.dtype == first.dtype
+        foreach_type(type(x)) and x.device == first.device and x.dtype == first.dtype
         for xs in lists for x in xs
     )
 

@@ -73,13 +73,16 @@ from typing import Any, Callable, Iterator, Mapping, NamedTuple, Union
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["HostSync", "Created", "HostSyncError", "DeviceRecorder", "FakeRun", "fake_world",
+__all__ = ["NO_SYNC", "device_of", "HostSync", "Created", "HostSyncError", "DeviceRecorder", "FakeRun", "fake_world",
            "run_on_fake_devices", "answer_host_syncs"]
 
 _aten = torch.ops.aten
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _THIS = os.path.abspath(__file__)
 _SKIP = (_TORCH_DIR, _THIS, os.path.dirname(contextlib.__file__))
+
+
+NO_SYNC = object()  # DeviceRecorder.host_sync's answer for an op that is no host sync (or a copy that runs)
 
 
 class HostSync(NamedTuple):
@@ -137,6 +140,21 @@ def _shape_given(func: Any, args: tuple, kwargs: dict) -> bool:
     return False
 
 
+_PRIM_DEVICE = torch.ops.prim.device.default
+
+
+def device_of(args: tuple) -> Any:
+    """The answer to ``prim.device(t)`` (``t.device``), as the fake tensor gives it, without passing it down
+    the modes below: autograd asks the device of every input of every op it records or runs, about half
+    the ops a fake training step dispatches. A tensor that is not fake is asked itself."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    (t,) = args
+    if isinstance(t, FakeTensor):
+        return torch.device("meta") if t.fake_mode.in_kernel_invocation else t.fake_device
+    return _PRIM_DEVICE(t)
+
+
 class DeviceRecorder(TorchDispatchMode):
     """A dispatch mode that records where every tensor is created and every host sync (see the module).
 
@@ -161,6 +179,39 @@ class DeviceRecorder(TorchDispatchMode):
         self.off_device: list[Created] = []
         self.host_syncs: list[HostSync] = []
         self.host_reads: list[HostSync] = []  # values of host tensors read (no device waits; still no value)
+        self._may_sync: dict[Any, bool] = {}  # per op: can it be a host sync at all (most ops cannot)
+
+    def may_sync(self, func: Any) -> bool:
+        """Whether ``func`` can be a host sync for some arguments (a scalar read, a data-dependent shape,
+        a copy): checked once per op, so that the other ops pay one dictionary lookup."""
+        hit = self._may_sync.get(func)
+        if hit is None:
+            hit = self._may_sync[func] = (
+                func is _aten._local_scalar_dense.default or func is _aten._to_copy.default
+                or func is _aten.copy_.default or _has_tag(func, "data_dependent_output")
+                or _has_tag(func, "dynamic_output_shape"))
+        return hit
+
+    def host_sync(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """Record the host sync ``func(*args, **kwargs)`` makes, if any, and answer it: the stand-in of
+        ``on_host_sync`` (raised on with ``"raise"``), or :data:`NO_SYNC` when the op is no sync or a
+        copy to host (which runs as it is)."""
+        kind = self._sync_kind(func, args, kwargs)
+        if kind is None:
+            return NO_SYNC
+        sync = HostSync(kind, str(func.overloadpacket.__name__), _where())
+        (self.host_reads if kind == "host read" else self.host_syncs).append(sync)
+        if self.on_host_sync == "raise":
+            if kind == "host read":
+                raise HostSyncError(
+                    f"a value of a host tensor is read (aten.{sync.op}) at {sync.where}: no device waits for it, "
+                    f"but a fake tensor has no value; answer it with on_host_sync=")
+            raise HostSyncError(
+                f"host sync ({sync.kind}: aten.{sync.op}) at {sync.where}; a step on {self.device_type} must "
+                f"keep values on the device (or document this sync and answer it with on_host_sync=)")
+        if kind == "copy to host":
+            return NO_SYNC
+        return self.on_host_sync(sync, func, args, kwargs)
 
     def _sync_kind(self, func: Any, args: tuple, kwargs: dict) -> str | None:
         # reading a value of a host tensor waits for no device: only device tensors' reads count
@@ -182,21 +233,13 @@ class DeviceRecorder(TorchDispatchMode):
         return None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _PRIM_DEVICE:
+            return device_of(args)
         kwargs = kwargs or {}
-        kind = self._sync_kind(func, args, kwargs)
-        if kind is not None:
-            sync = HostSync(kind, str(func.overloadpacket.__name__), _where())
-            (self.host_reads if kind == "host read" else self.host_syncs).append(sync)
-            if self.on_host_sync == "raise":
-                if kind == "host read":
-                    raise HostSyncError(
-                        f"a value of a host tensor is read (aten.{sync.op}) at {sync.where}: no device waits for it, "
-                        f"but a fake tensor has no value; answer it with on_host_sync=")
-                raise HostSyncError(
-                    f"host sync ({sync.kind}: aten.{sync.op}) at {sync.where}; a step on {self.device_type} must "
-                    f"keep values on the device (or document this sync and answer it with on_host_sync=)")
-            if kind != "copy to host":
-                return self.on_host_sync(sync, func, args, kwargs)
+        if self.may_sync(func):
+            answer = self.host_sync(func, args, kwargs)
+            if answer is not NO_SYNC:
+                return answer
         out = func(*args, **kwargs)
         for t in _tensors(out):
             dev = t.device.type

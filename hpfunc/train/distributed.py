@@ -49,6 +49,7 @@ __all__ = [
     "is_distributed",
     "start_mesh",
     "build_parallel_step",
+    "parallel_train_step",
     "parallel_summary",
 ]
 
@@ -472,16 +473,16 @@ def start_mesh(pc: ParallelConfig) -> Iterator[Any]:
             dist.destroy_process_group()
 
 
-def build_parallel_step(cfg: Config, model_cfg: Any, optimizer: Any, lr: Callable[[int], float],
-                        init_key: Any, mesh: Any, dtype: Any, *, monitor: Any = None) -> tuple[Any, Callable]:
-    """``(state, train_step)`` on ``mesh``: the trainer's single-device step (``make_train_step`` with
-    the model's parallel-aware loss, :meth:`ModelSpec.step_loss <hpfunc.models.spec.ModelSpec.step_loss>`)
-    under ``hpfunc.parallelize``, and its first state, the parameters (of ``dtype``) created sharded
-    with the plan's storage specs. ``monitor``: the precision monitor's probe (``make_train_step``'s)."""
+def parallel_train_step(cfg: Config, model_cfg: Any, optimizer: Any, lr: Callable[[int], float], mesh: Any, *,
+                        monitor: Any = None, compiled: bool = True) -> tuple[Callable, Any]:
+    """``(train_step, plan)``: the trainer's single-device step (``make_train_step`` with the model's
+    parallel-aware loss, the ``activations:`` policies bound for its layers) under ``hpfunc.parallelize``
+    with the run's plan (``parallel:`` with ``precision:`` applied, and the SDC check when asked). What
+    :func:`build_parallel_step` runs, and what ``hpfunc dryrun`` measures."""
     from hpfunc.train.model_spec import model_spec
-    from hpfunc.train.step import init_train_state, make_train_step
+    from hpfunc.train.step import make_train_step
     from hpfunc.train.step_transforms import train_loss
-    from hpfunc.transforms.parallelize import init_sharded, parallelize
+    from hpfunc.transforms.parallelize import parallelize
 
     spec = model_spec(cfg.model)
     plan = run_plan(cfg, model_cfg, spec)
@@ -490,9 +491,24 @@ def build_parallel_step(cfg: Config, model_cfg: Any, optimizer: Any, lr: Callabl
     step = make_train_step(model_cfg, optimizer, expert_bias_rate=cfg.train.expert_bias_rate, lr_schedule=lr,
                            loss_fn=train_loss(cfg, spec, on_mesh=True), num_microbatches=cfg.train.microbatches,
                            monitor=monitor)
-    # train.compile: the step's lowered programs compiled (the model's regions, bound through hpfunc.layout)
-    train_step = parallelize(step, mesh, plan, params="params",
-                             compile=cfg.train.compile if spec.check_compile(cfg.train.compile) else False)
+    # train.compile: the step's lowered programs compiled (the model's regions, bound through hpfunc.layout);
+    # ``compiled=False`` (the dry run): eager whatever the config says (fake tensors measure the eager step)
+    mode = cfg.train.compile if compiled and spec.check_compile(cfg.train.compile) else False
+    return parallelize(step, mesh, plan, params="params", compile=mode), plan
+
+
+def build_parallel_step(cfg: Config, model_cfg: Any, optimizer: Any, lr: Callable[[int], float],
+                        init_key: Any, mesh: Any, dtype: Any, *, monitor: Any = None) -> tuple[Any, Callable]:
+    """``(state, train_step)`` on ``mesh``: the trainer's single-device step (``make_train_step`` with
+    the model's parallel-aware loss, :meth:`ModelSpec.step_loss <hpfunc.models.spec.ModelSpec.step_loss>`)
+    under ``hpfunc.parallelize``, and its first state, the parameters (of ``dtype``) created sharded
+    with the plan's storage specs. ``monitor``: the precision monitor's probe (``make_train_step``'s)."""
+    from hpfunc.train.model_spec import model_spec
+    from hpfunc.train.step import init_train_state
+    from hpfunc.transforms.parallelize import init_sharded
+
+    spec = model_spec(cfg.model)
+    train_step, plan = parallel_train_step(cfg, model_cfg, optimizer, lr, mesh, monitor=monitor)
     if cfg.model.pretrained is not None:
         params = _pretrained_params(cfg.model.pretrained, model_cfg, mesh, train_step, dtype, spec)
     else:

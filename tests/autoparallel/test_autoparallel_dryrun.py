@@ -19,7 +19,8 @@ from hpfunc.models import preset, qwen3
 from hpfunc.models.qwen3.describe import describe
 
 N, B, S = 8, 16, 16
-RAW = {"model": {"preset": "qwen3-moe-tiny", "dtype": "bfloat16"},
+RAW = {"model": {"preset": "qwen3-moe-tiny", "dtype": "float32"},  # fp32 master weights, bf16 compute
+       "precision": {"compute_dtype": "bfloat16", "reduce_dtype": "float32"},
        "optimizer": {"name": "adamw", "lr": 1e-3, "weight_decay": 0.1},
        "train": {"steps": 10, "batch_size": B, "seq_len": S},
        "parallel": {"mesh": {"fsdp": N}, "plan": ["fsdp"], "device": "cpu"}}
@@ -32,7 +33,7 @@ RAW_EP = {**RAW, "model": {**RAW["model"], "moe_dispatcher": "padded"},
 
 @pytest.fixture(scope="module")
 def reports() -> list:
-    return dry_runs([RAW, RAW_EP], rank=5, device="cuda", hardware="h100")
+    return dry_runs([RAW, RAW_EP], rank=5, device="cuda", hardware="h100", moe="both")
 
 
 @pytest.fixture(scope="module")

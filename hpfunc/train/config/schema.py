@@ -252,10 +252,13 @@ class DryrunConfig:
     """``dryrun:``: read by ``hpfunc dryrun`` alone (``hpfunc train`` accepts and ignores it).
 
     ``reserve``: bytes added to the measured peak for what a dry run never models (allocator reserve
-    and fragmentation, NCCL buffers, the CUDA context), e.g. ``4GiB`` or a number of bytes.
+    and fragmentation, NCCL buffers, the CUDA context), e.g. ``4GiB`` or a number of bytes. ``moe``: the
+    routing assumptions an MoE model's dry run steps under (``worst``, ``balanced`` or ``both``; checked by
+    ``hpfunc dryrun``).
     """
 
     reserve: Union[str, int, None] = None
+    moe: Union[str, None] = None
 
 
 @attrs.frozen
