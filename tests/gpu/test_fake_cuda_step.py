@@ -54,7 +54,7 @@ STEP_SYNCS: list = []
 # The only tensors a step makes off the device: host literals lifted to it (torch.tensor(x, device=...):
 # the routing statistics' row count, the lr schedule's table, a norm's zero, the pipeline's shape header),
 # and views of the device mesh's rank table (a host tensor of rank ids) when a process group is looked up.
-LIFTED = {"hpfunc/models/moe.py", "hpfunc/train/step.py", "hpfunc/layout/step.py", "hpfunc/transforms/pipeline/wire.py",
+LIFTED = {"hpfunc/models/moe.py", "hpfunc/train/step.py", "hpfunc/layout/step.py", "hpfunc/host_to_device.py",
           "hpfunc/optim/schedules.py"}
 MESH_TABLE = "hpfunc/mesh.py"
 

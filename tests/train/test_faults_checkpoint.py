@@ -29,9 +29,6 @@ from hpfunc.train.cli import main as train_main
 from hpfunc.train.output import read_metrics
 
 MESH = ["--set", "parallel.mesh={fsdp: 2, tp: 2}", "--set", "parallel.plan=[fsdp, tp]"]
-# the launched runs of the save faults: two ranks are enough for a collective save, one error line for all
-# ranks and a resume on the mesh, at half the start-up of four on 2 cores (three launches in the test)
-MESH_2 = ["--set", "parallel.mesh={fsdp: 2}", "--set", "parallel.plan=[fsdp]"]
 
 
 def _config(tmp_path: pathlib.Path, steps: int, every: int, **sections) -> pathlib.Path:
@@ -178,9 +175,9 @@ def test_failed_checkpoint_saves_on_one_process(tmp_path):
 
 
 @pytest.mark.multirank
-def test_failed_checkpoint_saves_on_a_mesh(tmp_path):
-    """Sync ENOSPC on 2 ranks; async refusal for too little space; resumed bit for bit on the mesh."""
-    _save_faults_then_resume(tmp_path, mesh=MESH_2, steps=6, every=2, second="space", timeout=600)
+def test_failed_checkpoint_saves_on_a_2x2_mesh(tmp_path):
+    """Sync ENOSPC on 4 ranks; async refusal for too little space; resumed bit for bit on the mesh."""
+    _save_faults_then_resume(tmp_path, mesh=MESH, steps=6, every=2, second="space", timeout=600)
 
 
 # ---------------------------------------------------------------------------------------------
