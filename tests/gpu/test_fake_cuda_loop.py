@@ -31,7 +31,6 @@ def _check_steps(steps: list, *, monitored: bool) -> None:
         # nothing made off the device by the step but host literals lifted to it (as in test_fake_cuda_step),
         # and the readout's copy to the host of the values it reads
         assert all(f == READOUT or (op == "lift_fresh" and f in LIFTED) for op, f in s["off_device"]), (n, s["off_device"])
-        assert s["measured"] == (monitored and n % 2 == 0), n  # the monitor's steps: from the loop's count
         if n % 2:
             assert s["syncs"] == [] and s["host_reads"] == [], (n, s["syncs"], s["host_reads"])
             assert s["read"] == [] and s["row"] == ((5,), "cuda")  # held on the device
@@ -40,6 +39,7 @@ def _check_steps(steps: list, *, monitored: bool) -> None:
             assert s["read"] == [n - 1, n]  # the held step and this one, in that one transfer
             assert {f for _, _, f in s["host_reads"]} == {READOUT}  # the values, read on the host
             assert s["extras"] == {"expert_load": ((2, 8), torch.int64, "cpu")}
+        assert s["measured"] == (monitored and n % 2 == 0), n  # the monitor's steps: from the loop's count
 
 
 def test_only_logging_steps_sync_and_each_rank_copies_its_block():
