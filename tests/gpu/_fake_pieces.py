@@ -235,7 +235,9 @@ def fed_and_read_steps(parallel: dict | None, *, steps: int = 4, log_every: int 
     :class:`hpfunc.train.readout.StepReadout`, read at the logging steps (every ``log_every``, as the
     loop does on CUDA). ``monitor_every``: the precision monitor's probe in the step. Per step: the host
     syncs and host reads (kind, op, file), the host-to-device copies, the tensors made off the device
-    after the feed (op, file) and by it (op, shape), the batch's devices and, at a logging step, the steps read; and the state's devices."""
+    after the feed (op, file) and by it (op, shape), the batch's devices and, at a logging step, the steps
+    read; the state's devices; on a mesh, the host-to-device copies of one more step handed the global host
+    batch itself (``direct_copies``: shard_map's input path)."""
     import os
 
     from hpfunc import random
@@ -281,7 +283,12 @@ def fed_and_read_steps(parallel: dict | None, *, steps: int = 4, log_every: int 
                          "row": (tuple(entry.row.shape), entry.row.device.type) if entry.row is not None else None,
                          "extras": {k: (tuple(v.shape), v.dtype, v.device.type) for e in read
                                     for k, v in e.extras.items()}})
-    return {"steps": per_step, "whole": tuple(host[1]["tokens"].shape),
+    direct = None
+    if parallel is not None:  # the global host batch handed to the step itself (as evaluation does)
+        with _CopyRecorder() as copies:
+            train_step(state, host[1])
+        direct = [c for c in copies.copies if c[0] == "cpu"]
+    return {"steps": per_step, "whole": tuple(host[1]["tokens"].shape), "direct_copies": direct,
             "state_devices": sorted({x.device.type for x in _state_leaves(state)})}
 
 

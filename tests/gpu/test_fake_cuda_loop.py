@@ -53,6 +53,10 @@ def test_only_logging_steps_sync_and_each_rank_copies_its_block():
     # device has no memory to pin), measured by the copy's own size: 272 bytes, not the batch's 2176
     assert [s["copies"] for s in steps] == [[("cpu", "cuda", True, 2 * ROW_BYTES)]] * 3
     assert [s["block"] for s in steps] == [[(2, 17)]] * 3
+    # handed the global host batch itself, the step's input path slices it on the host: the block alone travels
+    # (the step's other copies are the small host literals test_fake_cuda_step lists: the lr table's 80 bytes)
+    assert [c for c in out["direct_copies"] if c[3] >= 2 * ROW_BYTES] == [("cpu", "cuda", True, 2 * ROW_BYTES)]
+    assert all(c[3] <= 80 for c in out["direct_copies"] if c[3] != 2 * ROW_BYTES), out["direct_copies"]
     assert [s["fed_off_device"] for s in steps] == [[("slice", (2, 17))]] * 3  # the block: a view of the host batch
     _check_steps(steps, monitored=True)
     # nothing outside the recorded steps synced: one logging step, one copy
