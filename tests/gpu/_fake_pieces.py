@@ -202,6 +202,22 @@ def _fake_single_step(model: dict, preset: str, device_type: str, monitor: Any =
     return step, state, key, cfg, model_cfg
 
 
+def _caller_file() -> str:
+    """The innermost source file on the stack outside torch, the fake-device recorder and this file."""
+    import os
+    import traceback
+
+    from hpfunc.testing import fake_devices
+
+    skip = (os.path.dirname(torch.__file__), os.path.abspath(fake_devices.__file__), os.path.abspath(__file__),
+            os.path.dirname(os.__file__))
+    for fr in reversed(traceback.extract_stack()):
+        f = os.path.abspath(fr.filename)
+        if not f.startswith(skip):
+            return os.path.relpath(f)
+    return "<unknown>"
+
+
 class _CopyRecorder(TorchDispatchMode):
     """The host-to-device copies made inside: ``(source device, target device, non_blocking, bytes)`` (a
     blocking one from pageable memory makes a GPU's host wait; the recorder of fake_devices counts only
@@ -210,6 +226,7 @@ class _CopyRecorder(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.copies = []
+        self.blocking = []  # the source file of each blocking host-to-device copy
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -217,6 +234,8 @@ class _CopyRecorder(TorchDispatchMode):
             src = args[0]
             self.copies.append((src.device.type, torch.device(kwargs["device"]).type,
                                 bool(kwargs.get("non_blocking", False)), src.numel() * src.element_size()))
+            if self.copies[-1][:3] == ("cpu", "cuda", False):
+                self.blocking.append(_caller_file())
         elif func is torch.ops.aten.copy_.default and args[0].device.type != args[1].device.type:
             src = args[1]
             self.copies.append((src.device.type, args[0].device.type,
@@ -235,8 +254,8 @@ def fed_and_read_steps(parallel: dict | None, *, steps: int = 4, log_every: int 
     :class:`hpfunc.train.readout.StepReadout`, read at the logging steps (every ``log_every``, as the
     loop does on CUDA). ``monitor_every``: the precision monitor's probe in the step. Per step: the host
     syncs and host reads (kind, op, file), the host-to-device copies, the tensors made off the device
-    after the feed (op, file) and by it (op, shape), the batch's devices and, at a logging step, the steps
-    read; the state's devices; on a mesh, the host-to-device copies of one more step handed the global host
+    after the feed (op, file) and by it (op, shape), the files of the step's blocking host-to-device copies,
+    the batch's devices and, at a logging step, the steps read; the state's devices; on a mesh, the host-to-device copies of one more step handed the global host
     batch itself (``direct_copies``: shard_map's input path)."""
     import os
 
@@ -263,7 +282,7 @@ def fed_and_read_steps(parallel: dict | None, *, steps: int = 4, log_every: int 
     per_step = []
     for n in range(1, steps + 1):
         rec = DeviceRecorder("cuda", on_host_sync=answer_host_syncs(1))
-        with rec:
+        with _CopyRecorder() as in_step, rec:  # (below the recorder: it sees the ops after it, with their lines)
             with _CopyRecorder() as copies:
                 batch = feed.take(n)
             fed = len(rec.off_device)  # made by the feed: the host block's view
@@ -279,13 +298,14 @@ def fed_and_read_steps(parallel: dict | None, *, steps: int = 4, log_every: int 
                          "off_device": sorted({(c.op, c.where.split(":")[0]) for c in rec.off_device[fed:]}),
                          "fed_off_device": sorted({(c.op, c.shape) for c in rec.off_device[:fed]}),
                          "batch": batch["tokens"].device.type, "copies": copies.copies, "read": [e.step for e in read],
+                         "blocking_in_step": sorted(set(in_step.blocking)),
                          "block": [tuple(x.shape) for x in local], "measured": SQ in metrics,
                          "row": (tuple(entry.row.shape), entry.row.device.type) if entry.row is not None else None,
                          "extras": {k: (tuple(v.shape), v.dtype, v.device.type) for e in read
                                     for k, v in e.extras.items()}})
     direct = None
     if parallel is not None:  # the global host batch handed to the step itself (as evaluation does)
-        with _CopyRecorder() as copies:
+        with steps_done(0), _CopyRecorder() as copies:  # (a step the precision monitor does not measure)
             train_step(state, host[1])
         direct = [c for c in copies.copies if c[0] == "cpu"]
     return {"steps": per_step, "whole": tuple(host[1]["tokens"].shape), "direct_copies": direct,
