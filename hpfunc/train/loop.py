@@ -217,6 +217,10 @@ class TrainingRun:
         self.main = self.mesh is None or torch.distributed.get_rank() == 0  # the rank that prints and writes
         self.rank = torch.distributed.get_rank() if self.mesh is not None else 0
         self.model_cfg = check_buildable(cfg)  # config errors first: nothing is created for a config that cannot run
+        if self.mesh is None:  # one process on parallel.device: cuda where there is none is a config error, here
+            from hpfunc.train.device import resolve_device
+
+            self.device = resolve_device(cfg.parallel)
         self._claim_folder()
         self.quiet = not trainer.options["echo"] or (cfg.output.progress if self.main else "none") == "none"
         self._build()
@@ -274,10 +278,9 @@ class TrainingRun:
 
         probe = probe_of(self.trainer.callbacks)  # the precision monitor's measurements, made inside the step
         if self.mesh is None:  # one process, on parallel.device (hpfunc.train.single_device)
-            from hpfunc.train.device import local_device, resolve_device
+            from hpfunc.train.device import local_device
             from hpfunc.train.single_device import build_single_step
 
-            self.device = resolve_device(cfg.parallel)  # cuda where there is none: a ConfigError naming the key
             self.state, self.train_step = build_single_step(cfg, model_cfg, spec, optimizer, lr, init_key,
                                                             local_device(self.device), monitor=probe)
             self.full_params: Callable[[Any], Any] = lambda p: p  # noqa: E731
