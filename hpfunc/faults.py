@@ -518,6 +518,16 @@ def guard_rank() -> Heartbeat | None:
 NCCL_ASYNC_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 NCCL_ENABLE_MONITORING = "TORCH_NCCL_ENABLE_MONITORING"
 NCCL_HEARTBEAT_TIMEOUT = "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"
+# the flight recorder (a ring buffer of each rank's last collectives, dumped when the watchdog finds one
+# timed out): torch 2.13 reads the buffer size from TORCH_FR_BUFFER_SIZE, else TORCH_NCCL_TRACE_BUFFER_SIZE
+# (c10d/FlightRecorder.hpp; its C++ default 2000, the torchcomms path's "0": distributed_c10d.py), and
+# dumps on a timeout with TORCH_NCCL_DUMP_ON_TIMEOUT (with the monitor on and a buffer > 0:
+# c10d/ProcessGroupNCCL.hpp) to the file prefix TORCH_FR_DUMP_TEMP_FILE (older name
+# TORCH_NCCL_DEBUG_INFO_TEMP_FILE) plus the rank
+NCCL_TRACE_BUFFER_SIZE = "TORCH_NCCL_TRACE_BUFFER_SIZE"
+FR_BUFFER_SIZE = "TORCH_FR_BUFFER_SIZE"
+NCCL_DUMP_ON_TIMEOUT = "TORCH_NCCL_DUMP_ON_TIMEOUT"
+TRACE_BUFFER_ENTRIES = 2000  # torch's own default in FlightRecorder.hpp, given explicitly
 
 
 def nccl_environment(timeout_s: float, environ: dict[str, str] | None = None) -> dict[str, str]:
@@ -531,17 +541,32 @@ def nccl_environment(timeout_s: float, environ: dict[str, str] | None = None) ->
     - ``TORCH_NCCL_ENABLE_MONITORING=1`` and ``TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC``: the monitor of that
       watchdog thread ends the rank when the watchdog itself stops beating for the collective timeout
       plus :func:`watchdog_grace`, the same limit the launcher's :class:`Watchdog` gives hpfunc's own
-      heartbeat (which works on NCCL as on gloo: a file each rank touches from a thread of its own).
+      heartbeat (which works on NCCL as on gloo: a file each rank touches from a thread of its own);
+    - ``TORCH_NCCL_TRACE_BUFFER_SIZE=2000`` and ``TORCH_NCCL_DUMP_ON_TIMEOUT=1``: NCCL's flight recorder
+      keeps each rank's last 2000 collective events (start and end of each: the op, its process group,
+      sequence number, sizes, state, the Python stack that issued it), and the watchdog dumps them when it
+      finds a collective timed out, before the rank is ended: the dumps of all ranks show which rank did
+      not join which collective (``torchfrtrace``, :mod:`torch.distributed.flight_recorder`, reads them).
+      The dump files are torch's ``TORCH_FR_DUMP_TEMP_FILE`` prefix plus the rank (torch's default, or
+      the user's). A buffer size the user gave under either name (``TORCH_FR_BUFFER_SIZE``, which torch
+      reads first) is kept.
 
     >>> env = nccl_environment(300, environ={})
     >>> env["TORCH_NCCL_ASYNC_ERROR_HANDLING"], env["TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"]
     ('1', '302')
+    >>> env["TORCH_NCCL_TRACE_BUFFER_SIZE"], env["TORCH_NCCL_DUMP_ON_TIMEOUT"]
+    ('2000', '1')
     >>> nccl_environment(300, environ={"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}).get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
+    >>> "TORCH_NCCL_TRACE_BUFFER_SIZE" in nccl_environment(300, environ={"TORCH_FR_BUFFER_SIZE": "0"})
+    False
     """
     env = os.environ if environ is None else environ
     timeout_s = check_timeout(timeout_s, "timeout")
     want = {NCCL_ASYNC_ERROR_HANDLING: "1", NCCL_ENABLE_MONITORING: "1",
-            NCCL_HEARTBEAT_TIMEOUT: str(int(math.ceil(timeout_s + watchdog_grace(timeout_s))))}
+            NCCL_HEARTBEAT_TIMEOUT: str(int(math.ceil(timeout_s + watchdog_grace(timeout_s)))),
+            NCCL_DUMP_ON_TIMEOUT: "1"}
+    if FR_BUFFER_SIZE not in env:  # torch reads it before the older name: the user's size either way
+        want[NCCL_TRACE_BUFFER_SIZE] = str(TRACE_BUFFER_ENTRIES)
     return {k: v for k, v in want.items() if k not in env}
 
 

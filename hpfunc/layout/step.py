@@ -19,6 +19,7 @@ from typing import Any, ContextManager, Iterator, Protocol
 import attrs
 import torch
 
+from hpfunc.host_to_device import literal
 from hpfunc.layout.binding import bound, rebind
 from hpfunc.sharding import P, as_spec
 
@@ -374,11 +375,12 @@ def sq_norm_table(trees: Any, *, per_rank: torch.Tensor | None = None,
         if ctx is not None:
             reps = _replicas(ctx, trees[0], where)
             if reps is not None:
-                local = local / torch.tensor(reps * len(trees), dtype=torch.float64, device=device)
+                # host numbers onto the device pinned and non_blocking (a pageable copy would make the host wait)
+                local = local / literal(reps * len(trees), torch.float64, device)
         if len(at) == sq.numel():  # no None leaf: the squares in order
             sq = local
         else:
-            sq[torch.tensor(at, device=device)] = local
+            sq[literal(at, torch.int64, device)] = local
     mine = None if per_rank is None else per_rank.detach().reshape(-1).to(device=device, dtype=torch.float64)
     if ctx is None:
         return sq.view(len(trees), n), (None if mine is None else mine.view(1, -1))

@@ -4,14 +4,18 @@ prefetched on a copy stream.
 The trainer samples each step's batch on the host (a pure function of the seed and the step,
 :func:`hpfunc.train.data.sample_batch`). :class:`BatchFeed` hands it to the step on the run's device:
 
-* on a CPU mesh (and the single-process trainer) the host batch itself: nothing is pinned or copied;
-* on a CUDA mesh the batch is pinned and copied ``non_blocking`` (:func:`hpfunc.host_to_device.put`):
-  the host does not wait for the device. After the loop has queued a step, :meth:`BatchFeed.prefetch`
-  samples the next step's batch and queues its copy on a side stream (``torch.cuda.Stream``), so that
-  it overlaps the step; :meth:`BatchFeed.take` makes the compute stream wait for that copy (an event:
-  the host does not wait) and tells the allocator the blocks are used there (``record_stream``);
-* on fake CUDA devices (the fake-CUDA tests, the dry run) the same ``non_blocking`` copies, unpinned and
-  without a side stream (a fake device has no streams to overlap).
+* on the CPU (one process) the host batch itself: nothing is pinned or copied;
+* on a mesh, each rank's block of it (``place``: :func:`hpfunc.host_to_device.put_blocks` over the step's
+  batch spec), as a DTensor laid out as the step takes it: on a CPU mesh a view of the host batch, on a
+  CUDA mesh only that block pinned and copied ``non_blocking`` (not the whole batch, sliced on the device);
+* on one CUDA device (no mesh) the batch pinned and copied ``non_blocking`` (:func:`hpfunc.host_to_device.put`).
+
+On a CUDA device the host does not wait for the copy: after the loop has queued a step,
+:meth:`BatchFeed.prefetch` samples the next step's batch and queues its copy on a side stream
+(``torch.cuda.Stream``), so that it overlaps the step; :meth:`BatchFeed.take` makes the compute stream
+wait for that copy (an event: the host does not wait) and tells the allocator the blocks are used there
+(``record_stream``). On fake CUDA devices (the fake-CUDA tests, the dry run) the same ``non_blocking``
+copies, unpinned and without a side stream (a fake device has no streams to overlap).
 
     >>> import torch
     >>> feed = BatchFeed(lambda n: {"tokens": torch.full((2, 3), n)}, "cpu")
@@ -21,6 +25,7 @@ The trainer samples each step's batch on the host (a pure function of the seed a
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import torch
@@ -38,11 +43,15 @@ class BatchFeed:
       make: ``n -> batch``, a pytree of host tensors (a pure function of ``n``: a prefetched batch is
         the one :meth:`take` would have made).
       device: the device the step runs on (``mesh.device_type``, or ``"cpu"``).
+      place: ``place(host_batch, stream=None) -> batch on the device`` (a mesh's: this rank's blocks,
+        :func:`hpfunc.host_to_device.put_blocks`); default the whole batch (:func:`hpfunc.host_to_device.put`).
     """
 
-    def __init__(self, make: Callable[[int], Any], device: torch.device | str):
+    def __init__(self, make: Callable[[int], Any], device: torch.device | str,
+                 place: Callable[..., Any] | None = None):
         self.make = make
         self.device = torch.device(device)
+        self.place = functools.partial(put, device=self.device) if place is None else place
         self._stream: Any = None
         self._ahead: tuple[int, Any, Any] | None = None  # (step, device batch, copy event)
 
@@ -59,10 +68,10 @@ class BatchFeed:
             current = torch.cuda.current_stream(self.device)
             current.wait_event(done)  # the device waits for the copy; the host does not
             for x in _tree.leaves(batch):
-                if isinstance(x, torch.Tensor):
-                    x.record_stream(current)  # made on the copy stream, used and freed on the compute one
+                if isinstance(x, torch.Tensor):  # a DTensor's block is its local tensor
+                    getattr(x, "_local_tensor", x).record_stream(current)  # made on the copy stream, used and freed on the compute one
             return batch
-        return put(self.make(n), self.device)
+        return self.place(self.make(n))
 
     def prefetch(self, n: int) -> bool:
         """Sample step ``n``'s batch now and queue its copy on the copy stream (call it after queueing
@@ -71,7 +80,7 @@ class BatchFeed:
             return False
         if self._stream is None:
             self._stream = torch.cuda.Stream(self.device)
-        batch = put(self.make(n), self.device, stream=self._stream)
+        batch = self.place(self.make(n), stream=self._stream)
         done = torch.cuda.Event()
         done.record(self._stream)
         self._ahead = (n, batch, done)

@@ -54,6 +54,7 @@ import yaml
 from hpfunc import random
 from hpfunc.checkpoint import latest
 from hpfunc.faults import is_comm_failure, pop_failure, record_failure
+from hpfunc.host_to_device import put
 from hpfunc.train.batch_feed import BatchFeed
 from hpfunc.train.build import build_optimizer, build_schedule, check_buildable, model_dtype
 from hpfunc.train.checkpointing import (ResumePlan, TrainCheckpoints, checkpoint_root, clear_checkpoints, plan_resume,
@@ -61,12 +62,13 @@ from hpfunc.train.checkpointing import (ResumePlan, TrainCheckpoints, checkpoint
 from hpfunc.train.config import Config, ConfigError, config_to_dict
 from hpfunc.train.data import check_data, data_inputs, eval_batches, load_data, sample_batch
 from hpfunc.train.output import RunFolder
+from hpfunc.train.precision_probe import steps_done
 from hpfunc.train.readout import StepReadout
 from hpfunc.train.distributed import is_distributed
 from hpfunc.train.fault_hooks import FaultHooks
 from hpfunc.train.last_words import LastWords, StopSignals, Stopped, stop_message
 from hpfunc.train.step_transforms import train_loss
-from hpfunc.train.step import TrainState, init_train_state, make_eval_step, make_grad_check_step, make_train_step
+from hpfunc.train.step import TrainState, make_eval_step, make_grad_check_step
 
 __all__ = ["RunResult", "TrainingDiverged", "Stopped", "TrainingRun", "execute", "data_keys", "reads_each_step"]
 
@@ -215,6 +217,10 @@ class TrainingRun:
         self.main = self.mesh is None or torch.distributed.get_rank() == 0  # the rank that prints and writes
         self.rank = torch.distributed.get_rank() if self.mesh is not None else 0
         self.model_cfg = check_buildable(cfg)  # config errors first: nothing is created for a config that cannot run
+        if self.mesh is None:  # one process on parallel.device: cuda where there is none is a config error, here
+            from hpfunc.train.device import resolve_device
+
+            self.device = resolve_device(cfg.parallel)
         self._claim_folder()
         self.quiet = not trainer.options["echo"] or (cfg.output.progress if self.main else "none") == "none"
         self._build()
@@ -271,15 +277,12 @@ class TrainingRun:
         from hpfunc.train.callbacks.precision_monitor import probe_of
 
         probe = probe_of(self.trainer.callbacks)  # the precision monitor's measurements, made inside the step
-        if self.mesh is None:
-            if cfg.model.pretrained is not None:  # the Hugging Face folder's weights, checked against the config
-                params = spec.hf.load_params(cfg.model.pretrained, model_cfg, dtype=model_dtype(cfg.model))
-            else:
-                params = spec.init(init_key, model_cfg, dtype=model_dtype(cfg.model))
-            self.state = init_train_state(params, optimizer)
-            self.train_step = make_train_step(model_cfg, optimizer, expert_bias_rate=tc.expert_bias_rate,
-                                              lr_schedule=lr, num_microbatches=tc.microbatches,
-                                              loss_fn=train_loss(cfg, spec, on_mesh=False), monitor=probe)
+        if self.mesh is None:  # one process, on parallel.device (hpfunc.train.single_device)
+            from hpfunc.train.device import local_device
+            from hpfunc.train.single_device import build_single_step
+
+            self.state, self.train_step = build_single_step(cfg, model_cfg, spec, optimizer, lr, init_key,
+                                                            local_device(self.device), monitor=probe)
             self.full_params: Callable[[Any], Any] = lambda p: p  # noqa: E731
             self.sharded_eval = None
             self.check_step = functools.partial(make_grad_check_step, model_cfg, num_microbatches=tc.microbatches,
@@ -294,19 +297,23 @@ class TrainingRun:
             self.full_params = self.train_step.full_params  # a collective (a pipeline's stages come from their ranks)
             self.check_step = functools.partial(build_grad_check_step, cfg, model_cfg, self.mesh)
             self.sharded_eval = build_eval_step(cfg, model_cfg, self.mesh)
+            self.device = self.mesh.device_type
         self.eval_step = make_eval_step(model_cfg, loss_fn=spec.loss)
         self.val_batches = (
             eval_batches(data.val, val_key, tc.eval_batches, tc.batch_size, tc.seq_len, data.val_docs)
             if data.val.numel() > tc.seq_len and tc.eval_batches
             else []
         )
+        if self.mesh is None:  # on the device once, for every evaluation (a mesh copies each rank's block)
+            self.val_batches = put(self.val_batches, self.device)
         self.ep_size = next((cfg.parallel.mesh[e.axes[0]] for e in cfg.parallel.plan if e.kind == "ep"), 1)
         self.tokens_per_step = tc.batch_size * tc.seq_len
-        self.device = self.mesh.device_type if self.mesh is not None else "cpu"
         # each step's batch on the device (pinned, non_blocking, the next one prefetched on CUDA) and its
         # scalars kept there until a read: every step where reading waits for no device or must decide
         # whether to apply the step (on_nonfinite: skip), else at the logging steps (docs/gpu.md)
-        self.feed = BatchFeed(self._host_batch, self.device)
+        # (on a mesh only this rank's block of it: the step's put_batch)
+        self.feed = BatchFeed(self._host_batch, self.device,
+                              place=None if self.mesh is None else self.train_step.put_batch)
         self.readout = StepReadout()
         self.each_step = reads_each_step(self.device, tc.on_nonfinite)
 
@@ -320,14 +327,18 @@ class TrainingRun:
         """Where the run starts: step 0, or a checkpoint loaded into this run's layout (resharded)."""
         loop: dict[str, Any] = {}
         self.start = 0
+        # the state's optimizer steps (state.step) counted on the host, so that no step reads the counter
+        # (read once from a checkpoint; the steps skipped as not finite are not among them)
+        self.applied = 0
         if self.plan.path is not None:
             from hpfunc import checkpoint
 
             t = time.perf_counter()
             loop = dict(checkpoint.info(self.plan.path)["metadata"]["loop"])
             self.state, self.start = restore_state(self.plan.path, self.state)
+            self.applied = int(self.state.step)
             notes = f"; changed: {', '.join(self.plan.notes)}" if self.plan.notes else ""
-            self.say(f"resume: from {self.plan.path} (step {self.start} of {self.tc.steps}, {int(self.state.step)} "
+            self.say(f"resume: from {self.plan.path} (step {self.start} of {self.tc.steps}, {self.applied} "
                      f"optimizer steps) in {time.perf_counter() - t:.2f} s{notes}")
         elif self.plan.restart:
             self.say(f"resume: no checkpoint yet under {checkpoint_root(self.cfg, self.out)}; attempt "
@@ -443,7 +454,8 @@ class TrainingRun:
         batch = self.feed.take(n)  # on CUDA the copy is queued (prefetched behind the step before): no wait
         t = time.perf_counter()
         try:
-            new_state, metrics = self.train_step(self.state, batch)  # pure: `state` stays the last completed step's
+            with steps_done(self.applied):  # the precision monitor's due() counts on the host, reads no tensor
+                new_state, metrics = self.train_step(self.state, batch)  # pure: `state` stays the last completed step's
             if self.mesh is not None:
                 metrics = _local_metrics(metrics)
             logs = self._logs_at(n)
@@ -477,7 +489,7 @@ class TrainingRun:
         for e in read:
             if not _finite_step(e.loss, e.grad_norm):
                 raise TrainingDiverged(
-                    f"step {e.step}: {_nonfinite_text(e.loss, e.grad_norm, e.lr)}; on a {self.device} mesh the loss "
+                    f"step {e.step}: {_nonfinite_text(e.loss, e.grad_norm, e.lr)}; on {self.device} the loss "
                     f"and gradient norm stay on the device until the logging interval (train.log_every: "
                     f"{self.tc.log_every}) reads them, so this was found at step {at}, and the steps up to it were "
                     f"applied (the state is not finite; no last words are saved); set train.on_nonfinite: skip to "
@@ -521,6 +533,7 @@ class TrainingRun:
         callbacks, and the validation when it is due."""
         tc, trainer = self.tc, self.trainer
         self.state, self.done = state, n
+        self.applied += 1
         record = self._settle(read, at=n)
         self._say_recovery()
         if record is not None:

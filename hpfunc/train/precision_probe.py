@@ -43,7 +43,7 @@ import torch
 
 from hpfunc import tree as _tree
 
-__all__ = ["PrecisionProbe", "record_local_loss", "SQ", "LOCAL_LOSS", "ROWS"]
+__all__ = ["PrecisionProbe", "record_local_loss", "steps_done", "SQ", "LOCAL_LOSS", "ROWS"]
 
 SQ = "precision_sq"  # the metrics key of the [3, leaves] table
 LOCAL_LOSS = "precision_local_loss"  # the metrics key of the [data ranks, calls] local losses
@@ -51,6 +51,29 @@ ROWS = ("grad", "param", "update")  # the rows of the table, in order
 
 # the local losses of the step being measured (None between measured steps): a scope, not global state
 _LOSSES: contextvars.ContextVar[list | None] = contextvars.ContextVar("hpfunc_train_local_losses", default=None)
+# the optimizer steps taken before the step that runs now, as the caller counts them on the host (None:
+# not told, the probe reads the state's step counter)
+_DONE: contextvars.ContextVar[int | None] = contextvars.ContextVar("hpfunc_train_steps_done", default=None)
+
+
+@contextlib.contextmanager
+def steps_done(n: int) -> Iterator[None]:
+    """Within: a train step that runs takes its state's step count (``state.step``) to be ``n``, the
+    caller's own count on the host, so that :meth:`PrecisionProbe.due` reads no tensor (on a GPU reading
+    ``state.step`` makes the host wait for the device). The trainer's loop counts the steps it applied.
+
+    >>> probe = PrecisionProbe(every=2)
+    >>> with steps_done(1):
+    ...     probe.due(torch.tensor(6))  # the caller's count, not the tensor's
+    True
+    >>> probe.due(torch.tensor(6))  # not told: read from the tensor
+    False
+    """
+    token = _DONE.set(int(n))
+    try:
+        yield
+    finally:
+        _DONE.reset(token)
 
 
 def record_local_loss(loss: torch.Tensor) -> None:
@@ -70,9 +93,11 @@ class PrecisionProbe:
         self.every = int(every)
 
     def due(self, step: torch.Tensor) -> bool:
-        """Whether the step after ``step`` optimizer steps (``state.step``) is measured (a host read of
-        the step count, as the learning-rate metric makes)."""
-        return (int(step) + 1) % self.every == 0
+        """Whether the step after ``step`` optimizer steps (``state.step``) is measured: from the caller's
+        count on the host when one is given (:func:`steps_done`: the trainer's loop gives its own), else a
+        read of ``step`` (on a device, a host sync)."""
+        done = _DONE.get()
+        return ((int(step) if done is None else done) + 1) % self.every == 0
 
     @contextlib.contextmanager
     def recording(self) -> Iterator[list]:

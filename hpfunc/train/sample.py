@@ -23,6 +23,7 @@ from typing import Any, Callable
 import torch
 
 from hpfunc import random
+from hpfunc import tree as _tree
 
 __all__ = ["generate", "sample_text"]
 
@@ -42,13 +43,15 @@ def generate(
 
     Token ``i`` is drawn by the Gumbel-max trick with noise from ``fold_in(key, i)``, so the output
     is the same on every machine for the same params. ``temperature=0`` is greedy decoding. ``apply``:
-    the model's ``(params, tokens, cfg) -> logits`` (its spec's ``apply``).
+    the model's ``(params, tokens, cfg) -> logits`` (its spec's ``apply``). The prompt and the key go to
+    the parameters' device (a model trained on a GPU samples there); the ids come back on it.
     """
     if prompt.dim() != 1 or prompt.numel() == 0:
         raise ValueError(
             f"generate: the prompt must be a non-empty 1-D tensor of ids, found shape {tuple(prompt.shape)}"
         )
-    ids = prompt.to(torch.int64)
+    device = next((x.device for x in _tree.leaves(params) if isinstance(x, torch.Tensor)), prompt.device)
+    ids, key = prompt.to(device, torch.int64), key.to(device)
     out = []
     with torch.no_grad():
         for i in range(num_tokens):
@@ -59,7 +62,7 @@ def generate(
             nxt = logits.argmax().reshape(1)
             out.append(nxt)
             ids = torch.cat([ids, nxt])
-    return torch.cat(out) if out else torch.zeros(0, dtype=torch.int64)
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.int64, device=device)
 
 
 def sample_text(params: Any, cfg: Any, prompt: str, num_tokens: int, key: torch.Tensor, **kw: Any) -> str:

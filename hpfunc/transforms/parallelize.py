@@ -107,6 +107,18 @@ class ParallelizedStep:
         spec, everything else replicated."""
         return self.lower(state).specs
 
+    def put_batch(self, batch: Any, *, stream: Any = None) -> Any:
+        """The global host ``batch`` (the same on every rank) as this step takes it: DTensors split by the
+        plan's batch spec, of which only this rank's block is copied to the mesh's device (pinned,
+        ``non_blocking``, on ``stream`` when given: :func:`hpfunc.host_to_device.put_blocks`). Checked
+        against the plan's data axes first. ``train_step(state, train_step.put_batch(batch))`` computes
+        what ``train_step(state, batch)`` does; the latter slices the rank's block out of the host batch
+        in the step's input path (and copies only it too), the former can run ahead on a copy stream."""
+        from hpfunc.host_to_device import put_blocks
+
+        self.plan.check_batch(batch, self.mesh)
+        return put_blocks(batch, self.mesh, self.plan.batch_spec(self.mesh), stream=stream)
+
     def lower(self, state: Any, batch: Any = None) -> Lowered:
         """This step for ``state``'s structure (tree, shapes, dtypes): a :class:`~hpfunc.transforms.lowered.Lowered`
         that ``print`` shows leaf by leaf (storage, compute and optimizer specs, gather group, gradient

@@ -56,6 +56,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate
 
 from hpfunc import lax as _lax
+from hpfunc.host_to_device import put
 from hpfunc import tree as _tree
 from hpfunc.mesh import Mesh, current_mesh
 from hpfunc.sharding import P, SpecError, _copy_spec, _wrap_local, as_spec, spec_to_placements
@@ -328,12 +329,14 @@ def _enter(path: Callable[[], str], x: Any, spec: P, mesh: Mesh, argname: str) -
             # to_local returns, without its autograd function); a fresh alias, as to_local gives
             return x._local_tensor.detach()
         dt = x.redistribute(mesh.device_mesh, list(placements)) if tuple(x.placements) != placements else x
-    elif not x.requires_grad and x.device.type == mesh.device_type:
-        # the same full value on every rank: this rank's block is a slice (no communication)
+    elif not x.requires_grad and (x.device.type == mesh.device_type or x.device.type == "cpu"):
+        # the same full value on every rank: this rank's block is a slice (no communication); of a host
+        # value for a device mesh, sliced on the host and only the block copied (pinned, non_blocking)
         local = x.detach()
         for d, axes, k in splits:
             local = local.narrow(d, mesh.axis_index(axes) * k, k)
-        return local.contiguous() if splits else local
+        local = local.contiguous() if splits else local
+        return local if x.device.type == mesh.device_type else put(local, torch.device(mesh.device_type))
     else:
         dt = DTensor.from_local(x, mesh.device_mesh, [Replicate()] * len(mesh.axis_names), run_check=False)
         dt = dt.redistribute(mesh.device_mesh, list(placements))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -128,7 +130,7 @@ def _state_leaves(state):
     return [x for x in tree.leaves(state) if hasattr(x, "device")]
 
 
-def _fake_trainer_step(parallel: dict, model: dict, preset: str, device_type: str) -> tuple:
+def _fake_trainer_step(parallel: dict, model: dict, preset: str, device_type: str, monitor: Any = None) -> tuple:
     """``(train_step, state, key, cfg, model_cfg)``: the trainer's step under ``hpfunc.parallelize`` (AdamW
     with a global-norm clip, the cosine schedule, bf16 compute over fp32 storage) and its first state, on
     a mesh of fake ``device_type`` devices (the fake process group must be the default one)."""
@@ -169,7 +171,7 @@ def _fake_trainer_step(parallel: dict, model: dict, preset: str, device_type: st
     plan = build_plan(cfg.parallel, model_cfg).with_mixed_precision(torch.bfloat16)
     step = make_train_step(model_cfg, optimizer, expert_bias_rate=cfg.train.expert_bias_rate,
                            lr_schedule=lr, loss_fn=qwen3.parallel_plan.loss,
-                           num_microbatches=cfg.train.microbatches)
+                           num_microbatches=cfg.train.microbatches, monitor=monitor)
     train_step = parallelize(step, mesh, plan, params="params")
     key = random.key(0, device=device_type)
     init = functools.partial(qwen3.init, cfg=model_cfg, dtype=model_dtype(cfg.model))
@@ -178,60 +180,136 @@ def _fake_trainer_step(parallel: dict, model: dict, preset: str, device_type: st
     return train_step, state, key, cfg, model_cfg
 
 
+def _fake_single_step(model: dict, preset: str, device_type: str, monitor: Any = None) -> tuple:
+    """``(train_step, state, key, cfg, model_cfg)``: the single-process trainer's step and first state on
+    one fake ``device_type`` device, built as the loop builds them without a mesh
+    (:func:`hpfunc.train.single_device.build_single_step`)."""
+    from hpfunc import random
+    from hpfunc.train.build import build_model_config, build_optimizer, build_schedule
+    from hpfunc.train.config import load_config_dict
+    from hpfunc.train.model_spec import model_spec
+    from hpfunc.train.single_device import build_single_step
+
+    raw = {"model": {"preset": preset, "dtype": "float32", **model},
+           "optimizer": {"name": "adamw", "lr": 1e-3, "weight_decay": 0.1, "clip_norm": 1.0},
+           "schedule": {"name": "cosine", "warmup_steps": 1},
+           "train": {"steps": 10, "batch_size": 2, "seq_len": 16}}
+    cfg = load_config_dict(raw)
+    spec, model_cfg = model_spec(cfg.model), build_model_config(cfg.model)
+    optimizer, lr = build_optimizer(cfg.optimizer, build_schedule(cfg.schedule, cfg.train.steps), spec)
+    key = random.key(0)  # on the host, as the loop's data_keys: build_single_step places it
+    state, step = build_single_step(cfg, model_cfg, spec, optimizer, lr, key, device_type, monitor=monitor)
+    return step, state, key, cfg, model_cfg
+
+
+def _caller_file() -> str:
+    """The innermost source file on the stack outside torch, the fake-device recorder and this file."""
+    import os
+    import traceback
+
+    from hpfunc.testing import fake_devices
+
+    skip = (os.path.dirname(torch.__file__), os.path.abspath(fake_devices.__file__), os.path.abspath(__file__),
+            os.path.dirname(os.__file__))
+    for fr in reversed(traceback.extract_stack()):
+        f = os.path.abspath(fr.filename)
+        if not f.startswith(skip):
+            return os.path.relpath(f)
+    return "<unknown>"
+
+
 class _CopyRecorder(TorchDispatchMode):
-    """The host-to-device copies made inside: ``(source device, target device, non_blocking)`` (a blocking
-    one from pageable memory makes a GPU's host wait; the recorder of fake_devices counts only copies to
-    the host)."""
+    """The host-to-device copies made inside: ``(source device, target device, non_blocking, bytes)`` (a
+    blocking one from pageable memory makes a GPU's host wait; the recorder of fake_devices counts only
+    copies to the host); the bytes are the source tensor's, as the dispatcher sees it."""
 
     def __init__(self):
         super().__init__()
         self.copies = []
+        self.blocking = []  # the source file of each blocking host-to-device copy
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.ops.aten._to_copy.default and kwargs.get("device") is not None:
-            self.copies.append((args[0].device.type, torch.device(kwargs["device"]).type,
-                                bool(kwargs.get("non_blocking", False))))
+            src = args[0]
+            self.copies.append((src.device.type, torch.device(kwargs["device"]).type,
+                                bool(kwargs.get("non_blocking", False)), src.numel() * src.element_size()))
+            if self.copies[-1][:3] == ("cpu", "cuda", False):
+                self.blocking.append(_caller_file())
+        elif func is torch.ops.aten.copy_.default and args[0].device.type != args[1].device.type:
+            src = args[1]
+            self.copies.append((src.device.type, args[0].device.type,
+                                bool(args[2] if len(args) > 2 else kwargs.get("non_blocking", False)),
+                                src.numel() * src.element_size()))
         return func(*args, **kwargs)
 
 
-def fed_and_read_steps(parallel: dict, *, steps: int = 4, log_every: int = 2, preset: str = "qwen3-moe-tiny") -> dict:
+def fed_and_read_steps(parallel: dict | None, *, steps: int = 4, log_every: int = 2, preset: str = "qwen3-moe-tiny",
+                       monitor_every: int | None = None, blocks: bool = True) -> dict:
     """The trainer loop's device side on fake CUDA: each step's host batch through
-    :class:`hpfunc.train.batch_feed.BatchFeed` (made on the host before the recording), the parallel
-    step, its scalars into :class:`hpfunc.train.readout.StepReadout`, read at the logging steps (every
-    ``log_every``, as the loop does on a CUDA mesh). Per step: the host syncs and host reads (kind, op,
-    file), the batch's devices and, at a logging step, the steps read."""
+    :class:`hpfunc.train.batch_feed.BatchFeed` (made on the host before the recording; on a mesh with
+    the step's ``put_batch``, each rank's block, unless ``blocks=False``: the whole batch, as before it),
+    the step (the parallel one of ``parallel``, or with ``parallel=None`` the single-process trainer's),
+    told the loop's count of applied steps (``steps_done``, as the loop does), its scalars into
+    :class:`hpfunc.train.readout.StepReadout`, read at the logging steps (every ``log_every``, as the
+    loop does on CUDA). ``monitor_every``: the precision monitor's probe in the step. Per step: the host
+    syncs and host reads (kind, op, file), the host-to-device copies, the tensors made off the device
+    after the feed (op, file) and by it (op, shape), the files of the step's blocking host-to-device copies,
+    the batch's devices and, at a logging step, the steps read; the state's devices; on a mesh, the host-to-device copies of one more step handed the global host
+    batch itself (``direct_copies``: shard_map's input path)."""
     import os
 
     from hpfunc import random
+    from hpfunc import tree as _tree
     from hpfunc.testing.fake_devices import DeviceRecorder, answer_host_syncs
     from hpfunc.train.batch_feed import BatchFeed
     from hpfunc.train.loop import _local_metrics
+    from hpfunc.train.precision_probe import SQ, PrecisionProbe, steps_done
     from hpfunc.train.readout import StepReadout
 
     os.environ.pop("HPFUNC_CHECK_REP", None)
-    train_step, state, key, cfg, model_cfg = _fake_trainer_step(parallel, {}, preset, "cuda")
+    monitor = None if monitor_every is None else PrecisionProbe(monitor_every)
+    if parallel is None:
+        train_step, state, key, cfg, model_cfg = _fake_single_step({}, preset, "cuda", monitor)
+        place = None
+    else:
+        train_step, state, key, cfg, model_cfg = _fake_trainer_step(parallel, {}, preset, "cuda", monitor)
+        place = train_step.put_batch if blocks else None
     host = {n: {"tokens": random.randint(random.fold_in(random.key(0), n), (cfg.train.batch_size, cfg.train.seq_len + 1),
                                          0, model_cfg.vocab_size)} for n in range(1, steps + 1)}
     assert {x["tokens"].device.type for x in host.values()} == {"cpu"}
-    feed, readout = BatchFeed(host.__getitem__, "cuda"), StepReadout()
+    feed, readout = BatchFeed(host.__getitem__, "cuda", place=place), StepReadout()
     per_step = []
     for n in range(1, steps + 1):
         rec = DeviceRecorder("cuda", on_host_sync=answer_host_syncs(1))
-        with rec:
+        with _CopyRecorder() as in_step, rec:  # (below the recorder: it sees the ops after it, with their lines)
             with _CopyRecorder() as copies:
                 batch = feed.take(n)
-            state, metrics = train_step(state, batch)
-            entry = readout.add(n, _local_metrics(metrics), keep=("expert_load",) if n % log_every == 0 else ())
+            fed = len(rec.off_device)  # made by the feed: the host block's view
+            with steps_done(n - 1):  # the loop's own count of applied steps
+                state, metrics = train_step(state, batch)
+            metrics = _local_metrics(metrics)
+            entry = readout.add(n, metrics, keep=("expert_load",) if n % log_every == 0 else ())
             feed.prefetch(n + 1)
             read = readout.read() if n % log_every == 0 else []
+        local = [getattr(x, "_local_tensor", x) for x in _tree.leaves(batch)]
         per_step.append({"syncs": [(s.kind, s.op, s.where.split(":")[0]) for s in rec.host_syncs],
                          "host_reads": [(s.kind, s.op, s.where.split(":")[0]) for s in rec.host_reads],
+                         "off_device": sorted({(c.op, c.where.split(":")[0]) for c in rec.off_device[fed:]}),
+                         "fed_off_device": sorted({(c.op, c.shape) for c in rec.off_device[:fed]}),
                          "batch": batch["tokens"].device.type, "copies": copies.copies, "read": [e.step for e in read],
+                         "blocking_in_step": sorted(set(in_step.blocking)),
+                         "block": [tuple(x.shape) for x in local], "measured": SQ in metrics,
                          "row": (tuple(entry.row.shape), entry.row.device.type) if entry.row is not None else None,
                          "extras": {k: (tuple(v.shape), v.dtype, v.device.type) for e in read
                                     for k, v in e.extras.items()}})
-    return per_step
+    direct = None
+    if parallel is not None:  # the global host batch handed to the step itself (as evaluation does)
+        with steps_done(0), _CopyRecorder() as copies:  # (a step the precision monitor does not measure)
+            train_step(state, host[1])
+        direct = [c for c in copies.copies if c[0] == "cpu"]
+    return {"steps": per_step, "whole": tuple(host[1]["tokens"].shape), "direct_copies": direct,
+            "state_devices": sorted({x.device.type for x in _state_leaves(state)})}
 
 
 class _C10dOps(TorchDispatchMode):

@@ -57,9 +57,9 @@ def test_the_launcher_gives_nccl_ranks_nccl_error_handling(tmp_path):
 
     script = tmp_path / "env.py"
     script.write_text("import json, os, sys\n"
-                      "json.dump({k: v for k, v in os.environ.items() if k.startswith('TORCH_NCCL')},"
+                      "json.dump({k: v for k, v in os.environ.items() if k.startswith(('TORCH_NCCL', 'TORCH_FR'))},"
                       " open(sys.argv[1] + os.environ['RANK'], 'w'))\n")
-    before = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("TORCH_NCCL")}
+    before = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith(("TORCH_NCCL", "TORCH_FR"))}
     try:
         for backend in ("nccl", "gloo"):
             assert run_ranks(["--standalone", "--nproc-per-node", "1", str(script), str(tmp_path / backend)],
@@ -68,9 +68,17 @@ def test_the_launcher_gives_nccl_ranks_nccl_error_handling(tmp_path):
         os.environ.update(before)
     nccl = json.loads((tmp_path / "nccl0").read_text())
     assert nccl == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "TORCH_NCCL_ENABLE_MONITORING": "1",
-                    "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "42"}  # the timeout + the launcher's grace
-    # torchrun sets TORCH_NCCL_ASYNC_ERROR_HANDLING for every rank itself; the monitor is hpfunc's, for NCCL only
+                    "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "42",  # the timeout + the launcher's grace
+                    # the flight recorder: the last 2000 collective events, dumped when one times out
+                    "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+    # torchrun sets TORCH_NCCL_ASYNC_ERROR_HANDLING for every rank itself; the rest is hpfunc's, for NCCL only
     assert json.loads((tmp_path / "gloo0").read_text()).keys() <= {"TORCH_NCCL_ASYNC_ERROR_HANDLING"}
     # a value the user set is theirs
     assert nccl_environment(40, {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}).keys() == {
-        "TORCH_NCCL_ENABLE_MONITORING", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"}
+        "TORCH_NCCL_ENABLE_MONITORING", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC", "TORCH_NCCL_TRACE_BUFFER_SIZE",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT"}
+    users = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "50000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}
+    assert nccl_environment(40, users).keys() == {"TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_ENABLE_MONITORING",
+                                                  "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"}
+    # torch 2.13 reads TORCH_FR_BUFFER_SIZE before the older name: a size given so is the user's too
+    assert "TORCH_NCCL_TRACE_BUFFER_SIZE" not in nccl_environment(40, {"TORCH_FR_BUFFER_SIZE": "0"})

@@ -57,3 +57,19 @@ def test_launch_nproc_gpu_without_cuda_is_a_usage_error():
         parse_args(["--nproc", "gpu", "s.py"])
     assert info.value.code == 2
     assert parse_args(["--nproc", "cpu", "s.py"]).torchrun == ["--standalone", "--nproc-per-node", "cpu", "s.py"]
+
+
+def test_one_process_with_cuda_on_this_machine_is_a_config_error_before_any_file(tmp_path, capsys):
+    """No mesh: the single-process trainer runs on parallel.device too, so cuda here is the same error
+    (exit 2), from the CLI and from the Trainer, before the output folder is made."""
+    from hpfunc.train import Trainer
+
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(dict(TINY, output={"dir": str(tmp_path / "out")})))
+    with pytest.raises(SystemExit) as info:
+        train_main([str(path), "--set", "parallel=null", "--set", "parallel.device=cuda"])
+    assert info.value.code == 2
+    assert "config error: parallel.device: cuda was asked for but this machine has no CUDA device" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match=r"^parallel.device: cuda was asked for"):
+        Trainer(dict(TINY, output={"dir": str(tmp_path / "out2")}, parallel={"device": "cuda"}), echo=False).run()
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out2").exists()

@@ -127,6 +127,32 @@ def one_process(tmp_path_factory):
     return monitor_in_rank(raw), tmp / "out" / "tensorboard"
 
 
+def test_the_loop_counts_the_measured_steps_on_the_host_across_a_skip_and_a_resume(tmp_path, monkeypatch):
+    """``every: 2`` with step 2 skipped (not finite, ``on_nonfinite: skip``): the state's optimizer steps
+    are 1, 1, 2, 3, 4 after steps 1-5, so steps 3 and 5 are measured (the step after an odd count), as
+    reading ``state.step`` decided; the loop now counts them on the host (no read of the counter in the
+    step), from a checkpoint's counter after a resume (at step 3: its state has 2 optimizer steps)."""
+    from hpfunc.train import Trainer
+    from hpfunc.train.fault_hooks import ENV
+
+    monkeypatch.setenv(ENV, "nan@2")
+    raw = _raw(tmp_path, None)
+    raw["train"] = {**raw["train"], "steps": 5, "batch_size": 2, "seq_len": 8, "on_nonfinite": "skip", "max_skips": 1}
+    raw["callbacks"] = [{"precision_monitor": {"every": 2}}]
+    whole = Trainer({**raw, "output": {**raw["output"], "dir": str(tmp_path / "whole")}}, echo=False)
+    whole.run()
+    lines = (tmp_path / "whole" / "precision.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [3, 5]
+    part = {**raw, "output": {**raw["output"], "dir": str(tmp_path / "part")}}
+    with Trainer(part, echo=False) as first:
+        first.run(3)
+        first.save()
+    resumed = Trainer(part, echo=False, resume="auto")
+    resumed.run()
+    lines = (tmp_path / "part" / "precision.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [3, 5]
+
+
 def test_tensorboard_holds_the_monitor_values(one_process):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
