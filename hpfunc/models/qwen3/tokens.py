@@ -24,12 +24,31 @@ def _is_fake(t: torch.Tensor) -> bool:
 
 
 def check_tokens(tokens: torch.Tensor, vocab_size: int) -> None:
-    """Raise ``ValueError`` naming the offending id when ``tokens`` fall outside ``[0, vocab_size)``."""
+    """Raise ``ValueError`` naming the offending id when ``tokens`` fall outside ``[0, vocab_size)``.
+
+    On the CPU the ids are read and a bad one is named at once. On an accelerator reading them would be a
+    host sync every forward (two scalar reads), so the check is a device-side assert
+    (``torch._assert_async``): no host read, and a bad id fails the step at the next synchronisation with
+    the range in the message. ``hpfunc train`` checks every id of its corpus on the host before the first
+    step (``hpfunc.train.data.check_data``), so there the assert never fires.
+
+    >>> check_tokens(torch.tensor([[1, 2]]), vocab_size=3)
+    >>> check_tokens(torch.tensor([[1, 7]]), vocab_size=3)
+    Traceback (most recent call last):
+    ...
+    ValueError: apply: token id 7 is outside the vocabulary [0, 3) (vocab_size=3; min id 1, max id 7)
+    """
     if tokens.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
         raise TypeError(f"apply: tokens must be an integer tensor, found dtype {tokens.dtype}")
     if tokens.dim() != 2:
         raise ValueError(f"apply: tokens must be [batch, seq], found shape {tuple(tokens.shape)}")
-    if tokens.device.type == "meta" or tokens.numel() == 0 or _is_fake(tokens):
+    if tokens.device.type == "meta" or tokens.numel() == 0:
+        return
+    if tokens.device.type != "cpu":
+        torch._assert_async(((tokens >= 0) & (tokens < vocab_size)).all(),
+                            f"apply: a token id is outside the vocabulary [0, {vocab_size}) (vocab_size={vocab_size})")
+        return
+    if _is_fake(tokens):
         return
     lo, hi = int(tokens.min()), int(tokens.max())
     if lo < 0 or hi >= vocab_size:
