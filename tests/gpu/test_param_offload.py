@@ -71,3 +71,51 @@ def test_a_device_copy_kept_alive_is_caught():
     out = _fake("keep", ("params",))
     off = out["params"][1]
     assert off["step_peak"] > off["chosen_bytes"] / 2, off
+
+
+def test_the_yaml_form_builds_the_plan_option():
+    from hpfunc.models import qwen3
+    from hpfunc.train.config import ConfigError, load_config_dict
+    from hpfunc.train.distributed import build_plan
+
+    raw = {"mesh": {"fsdp": 2}, "plan": ["fsdp"], "offload_state": ["optimizer", {"params": r"layers\.[01]\."}]}
+    cfg = load_config_dict({"parallel": raw})
+    assert cfg.parallel.offload_state == ("optimizer", "params") and cfg.parallel.offload_layers == r"layers\.[01]\."
+    assert cfg.parallel.to_data()["offload_state"] == raw["offload_state"]
+    plan = build_plan(cfg.parallel, qwen3.preset("qwen3-dense-tiny"))
+    assert plan.state_offload == ("optimizer", "params") and plan.offload_layers == r"layers\.[01]\."
+    every = load_config_dict({"parallel": {**raw, "offload_state": "params"}}).parallel
+    assert every.offload_state == ("params",) and every.offload_layers is None
+    with pytest.raises(ConfigError, match=r"parallel\.offload_state\[1\]\.params: 'layers\[' is not a regular"):
+        load_config_dict({"parallel": {**raw, "offload_state": ["optimizer", {"params": "layers["}]}})
+    with pytest.raises(ConfigError, match=r"parallel\.offload_state\[0\]: expected optimizer or params"):
+        load_config_dict({"parallel": {**raw, "offload_state": [{"param": "layers"}]}})
+
+
+def test_bad_selections_are_named_before_anything_runs():
+    import torch
+
+    import hpfunc
+    from hpfunc.transforms import plans
+
+    with pytest.raises(plans.PlanError, match="add 'params'"):
+        plans.fsdp("fsdp").with_state_offload("optimizer", layers="layers")
+    with pytest.raises(plans.PlanError, match="layers must be a regular expression"):
+        plans.fsdp("fsdp").with_state_offload("params", layers=3)
+    with pytest.raises(plans.PlanError, match="not a regular expression"):
+        plans.fsdp("fsdp").with_state_offload("params", layers="(")
+
+    def step(state, batch):
+        return state, {}
+
+    full = {"embed": torch.ones(4, 2), "layers": [{"w": torch.ones(2, 2)}, {"w": torch.ones(2, 2)}]}
+    mesh = hpfunc.Mesh({"fsdp": 1})
+    bad = hpfunc.parallelize(step, mesh, plans.fsdp("fsdp").with_state_offload("params", layers="blocks"))
+    with pytest.raises(plans.PlanError, match=r"layers='blocks'.*selects none of the 3 parameters"):
+        bad.shard_params(full)
+    params = hpfunc.parallelize(step, mesh, plans.fsdp("fsdp")).shard_params(full)
+    with pytest.raises(plans.PlanError, match=r"layers='blocks'.*selects none of the 3 parameters"):
+        bad.lower({"params": params})
+    chosen = plans.fsdp("fsdp").with_state_offload("params", layers=lambda path: path.startswith("layers.1"))
+    assert "1 state leaves at rest in host memory (params: 1 parameters)" in repr(
+        hpfunc.parallelize(step, mesh, chosen).lower({"params": params}))
