@@ -21,19 +21,41 @@ forward and backward run:
    stream (the allocator keeps each device block until its copy ends) and the device copy goes with the
    step.
 
+``plan.with_state_offload("params", layers=PATTERN)`` keeps the parameters whose dotted path ``PATTERN``
+matches at its start (a regex, or a predicate on the path; ``None``: every parameter; a selection that
+matches none is a :class:`PlanError`) in host memory the same way (:func:`offloaded_params`):
+
+1. at rest they are DTensors of their planned storage layout with host blocks:
+   :func:`hpfunc.transforms.parallelize.init_sharded` and ``shard_params`` hand them out there
+   (:func:`params_to_rest`), and every step leaves the new ones there;
+2. in the step the engine brings each layer's blocks to the device right before its all-gather (or
+   its use, for a parameter that is not gathered) on a copy stream, one group ahead of the gather
+   prefetch in the order the first run recorded, and drops the device copy after the gather; under
+   reshard after forward the backward's re-gather copies it in again (its own prefetch order), so about
+   two layers' blocks are on the device at once (:mod:`hpfunc.transforms.engine.param_offload`);
+3. the gradients come back on the device (the autograd input is a zero-strided device *anchor* of the
+   block's shape, not the host block); the update (:func:`hpfunc.optim.streaming_state` with
+   ``params=True``) streams the parameter blocks through the device with the moments, group by group,
+   and returns the new ones in host memory; an update that cannot stream brings the held parameters in
+   whole (:func:`hpfunc.optim.base.stream_params_in`) and :func:`to_rest` copies the new ones back.
+
+Not under a ``pp`` plan layer or for a parameter whose optimizer block is narrower than its storage
+(ZeRO): a :class:`PlanError` at lowering.
+
 The values are those of the same plan without offload, bit for bit (the same arithmetic on the same
 numbers; only where they rest changes). On the CPU host and device are one memory: the copies are
 real copies into distinct buffers (so a missing copy-back is as wrong there as on a GPU), and the
-memory saved is measured on fake CUDA devices (``tests/gpu/test_state_offload.py``), by storage
-liveness.
+memory saved is measured on fake CUDA devices (``tests/gpu/test_state_offload.py``,
+``tests/gpu/test_param_offload.py``), by storage liveness.
 
 Caveats: a step must update the offloaded state through :func:`hpfunc.optim.update_and_apply` (on a
 CUDA mesh a ``tx.update`` of host moments with device gradients fails on the device mismatch); an
 at-rest leaf read on the host right after a step on CUDA (a checkpoint's staging) must first wait for
 the copy stream (``torch.cuda.synchronize()``; :func:`hpfunc.checkpoint.async_save.stage_async` does);
 ``full_tensor()`` of an at-rest leaf of a CUDA mesh gathers a host block, which NCCL does not take:
-move it to the device first (``x.to("cuda")``). Parameters and fp32 master weights are not offloaded
-(their per-layer stream-in belongs in the engine's gather).
+move it to the device first (``x.to("cuda")``). fp32 master weights under mixed precision are not
+offloaded as their own kind yet (``"params"`` keeps the fp32 storage in host memory and casts each
+layer's copy per use; a bf16 device copy kept between steps is not built: docs/gpu.md).
 """
 
 from __future__ import annotations

@@ -235,8 +235,7 @@ class StatePeak(TorchDispatchMode):
         return out
 
 
-def fake_param_liveness(mesh, steps: int = 2, bug: str | None = None, layers: int = 4,
-                        variants: tuple = ("plain", "params")) -> dict:
+def fake_param_liveness(mesh, steps: int = 2, layers: int = 3, variants: tuple = ("plain", "params", "keep")) -> dict:
     """On fake CUDA devices (rank 5 of a fake world): a tiny dense Qwen3 of ``layers`` layers trained by
     ``parallel_train_step`` (AdamW with a schedule and a clip, bf16 compute over fp32 storage) under ``fsdp``
     with ``with_state_offload("optimizer", group_bytes=0)`` (``plain``: the parameters on the device; the
@@ -247,8 +246,8 @@ def fake_param_liveness(mesh, steps: int = 2, bug: str | None = None, layers: in
     the device are summed: in all, and those of the parameter leaves' blocks. During each step
     :class:`StatePeak` measures the peak bytes of live device storages copied in from the at-rest parameter
     blocks (what is on the device of the offloaded parameters at once). ``orphan_bytes``: the live device
-    storages no leaf of the state or the metrics holds. ``bug="keep"`` keeps every device copy
-    of an offloaded block referenced (a copy in that is never released)."""
+    storages no leaf of the state or the metrics holds. ``keep``: ``params`` with a planted fault that keeps
+    every device copy of an offloaded block referenced (a copy in that is never released)."""
     import functools
     import gc
     import os
@@ -272,19 +271,19 @@ def fake_param_liveness(mesh, steps: int = 2, bug: str | None = None, layers: in
                      optim.adamw(optim.linear_warmup_cosine_decay(0.0, 1e-2, 1, 5), weight_decay=0.1))
     loss = lambda p, b: parallel_plan.loss(p, b, cfg)  # noqa: E731
     kept: list = []
-    if bug == "keep":
-        real_fill = param_offload.HostParams.fill
+    real_fill = param_offload.HostParams.fill
 
-        def keeping(self, members, blocks):
-            out = real_fill(self, members, blocks)
-            kept.extend(out)
-            return out
-        param_offload.HostParams.fill = keeping
+    def keeping(self, members, blocks):
+        out = real_fill(self, members, blocks)
+        kept.extend(out)
+        return out
     out = {}
     for variant in variants:
-        kinds = ("optimizer", "params") if variant == "params" else ("optimizer",)
+        offload = variant != "plain"
+        kinds = ("optimizer", "params") if offload else ("optimizer",)
         plan = plans.fsdp("fsdp").with_mixed_precision().with_state_offload(
-            *kinds, layers=r"layers\." if variant == "params" else None, group_bytes=0)
+            *kinds, layers=r"layers\." if offload else None, group_bytes=0)
+        param_offload.HostParams.fill = keeping if variant == "keep" else real_fill
         step = parallel_train_step(loss, tx, mesh, plan, has_aux=True)
         log = StorageLog()
         with ProducerMode(log):
@@ -328,6 +327,5 @@ def fake_param_liveness(mesh, steps: int = 2, bug: str | None = None, layers: in
             del params, opt, metrics
         out[variant] = per_step
         kept.clear()
-    if bug == "keep":
-        param_offload.HostParams.fill = real_fill
+    param_offload.HostParams.fill = real_fill
     return out
