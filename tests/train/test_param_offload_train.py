@@ -1,6 +1,7 @@
 """``hpfunc train`` with ``parallel.offload_state: [optimizer, {params: PATTERN}]`` (the chosen layers'
 parameters and the optimizer state at rest in host memory between steps), run in the session's rank pool:
-per-step losses and the evaluation equal the same run without offload, exactly."""
+per-step losses and the evaluation equal the same run without offload, exactly; every layer recomputed in
+the backward (``activations.remat``), so that the recompute's gathers bring the offloaded blocks in too."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ def test_offloaded_layers_train_as_without(pools, tmp_path):
                 "train": {**TINY["train"], "steps": 2, "log_every": 1, "eval_every": 2, "eval_batches": 1},
                 "output": {**TINY["output"], "dir": str(tmp_path / out), "progress": "none", "plot": False,
                            "sample_tokens": 0},
-                "parallel": parallel}
+                "activations": {"remat": "nothing_saveable"}, "parallel": parallel}
 
     want = pools(2).run(train_in_rank, raw(None, "plain"))[0]
     got = pools(2).run(train_in_rank, raw(["optimizer", {"params": r"layers\.1\."}], "offload"))[0]
