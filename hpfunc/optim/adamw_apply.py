@@ -34,8 +34,8 @@ from hpfunc.copy_stream import is_shape_only
 from hpfunc.optim import _ops, _tree
 from hpfunc.optim.adam import ScaleByAdamState
 from hpfunc.optim.base import (
-    EmptyState, OptState, Params, UpdateFn, Updates, apply_updates, stream_group_bytes, stream_params_in, stream_state_in,
-    streamed_kinds,
+    EmptyState, OptState, Params, UpdateFn, Updates, apply_updates, stream_group_bytes, stream_params_in,
+    stream_state_in, streamed_kinds,
 )
 from hpfunc.optim.combine import MaskedState, mask_flags
 from hpfunc.optim.scale import ScalarOrSchedule, ScaleByScheduleState

@@ -87,8 +87,8 @@ def check_kinds(what: Iterable[Any], where: str) -> tuple[str, ...]:
     for w in what:
         if w not in KINDS:
             raise PlanError(f"{where}: cannot offload {w!r}; the state that can rest in host memory is "
-                            f"{', '.join(map(repr, KINDS))} (the optimizer-state leaves laid out like the parameters; the "
-                            f"parameters of chosen layers)")
+                            f"{', '.join(map(repr, KINDS))} (the optimizer-state leaves laid out like the "
+                            f"parameters; the parameters of chosen layers)")
         out.append(w)
     if not out:
         raise PlanError(f"{where}: name what to offload, e.g. with_state_offload('optimizer')")

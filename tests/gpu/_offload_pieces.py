@@ -7,13 +7,15 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
-PLANS = {"fsdp": {"fsdp": 2}, "fsdp x tp": {"fsdp": 2, "tp": 2}, "fsdp bf16": {"fsdp": 2}}
+PLANS = {"fsdp": {"fsdp": 2}, "fsdp x tp": {"fsdp": 2, "tp": 2}, "fsdp bf16": {"fsdp": 2}, "ddp": {"dp": 2}}
 
 
 def _plan(name: str, cfg):
     from hpfunc.models.qwen3 import parallel_plan
     from hpfunc.transforms import plans
 
+    if name == "ddp":  # nothing gathered: every parameter used as stored
+        return plans.ddp("dp")
     plan = plans.fsdp("fsdp")
     if "tp" in name:
         plan = plan + plans.tp("tp", parallel_plan.tp_styles(cfg))

@@ -13,10 +13,11 @@ LAYERS = r"layers\.[01]\."  # both layers of the tiny model (and only theirs: th
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("name, world, kinds", [("fsdp", 2, ("params",)), ("fsdp bf16", 2, ("params",)),
-                                               ("fsdp x tp", 4, ("params", "optimizer"))])
+                                               ("ddp", 2, ("params",)), ("fsdp x tp", 4, ("params", "optimizer"))])
 def test_offloaded_parameters_equal_the_plan_without(pools, name, world, kinds):
     """Two steps of ``parallel_train_step`` (AdamW, a clip, a schedule; fp32, and bf16 compute over fp32
-    storage): losses, gradients, updates and the optimizer state bit for bit."""
+    storage; under ddp nothing is gathered: every block is copied in for its use and again for the
+    backward): losses, gradients, updates and the optimizer state bit for bit."""
     outs = pools(world).run(op.run_offload_parity, name, 2, None, 0, kinds, LAYERS)
     for out in outs:
         for i, e in enumerate(out["errors"]):
