@@ -298,13 +298,17 @@ def streamed_kinds() -> tuple[bool, bool]:
 def stream_params_in(params: Params, updates: Updates) -> Params:
     """``params`` with the leaves held in host memory (``with_state_offload("params")``) brought to the
     device of their updates (the gradients), on a copy stream, for an update that cannot stream them by
-    groups; on the CPU nothing moves.
+    groups; on the CPU nothing moves. Outside :func:`streaming_state` with ``params=True`` (no parameter
+    is held in host memory) it returns ``params`` at once.
 
     >>> import torch
     >>> p = {"w": torch.ones(2)}
     >>> stream_params_in(p, {"w": torch.zeros(2)}) is p
     True
     """
+    hit = _STREAM.get()
+    if hit is None or not hit[2]:
+        return params
     p_leaves, spec = _tree.flatten(params)
     u_leaves = _tree.flatten(updates)[0]
     if len(u_leaves) != len(p_leaves):
