@@ -24,7 +24,7 @@ there as on a GPU).
     >>> a = host.anchor(1); a.shape, a.untyped_storage().nbytes()
     (torch.Size([2, 3]), 4)
     >>> w = a.detach().requires_grad_(True)
-    >>> [x] = host.fill([1], [w]); x.sum().backward(); float(x.sum()), w.grad.shape
+    >>> [x] = host.fill([1], [w]); x.sum().backward(); float(x.detach().sum()), w.grad.shape
     (6.0, torch.Size([2, 3]))
 """
 
