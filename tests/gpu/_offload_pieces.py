@@ -331,3 +331,20 @@ def fake_param_liveness(mesh, steps: int = 2, layers: int = 3, variants: tuple =
         kept.clear()
     param_offload.HostParams.fill = real_fill
     return out
+
+
+def zero_offload_error() -> str:
+    """The error of lowering a ZeRO-1 step (``dp: 2``) that offloads every parameter (its message)."""
+    import hpfunc
+    from hpfunc.transforms import plans
+
+    def step(state, batch):
+        return state, {}
+
+    mesh = hpfunc.Mesh({"dp": 2})
+    params = hpfunc.parallelize(step, mesh, plans.zero1("dp")).shard_params({"w": torch.ones(4, 2)})
+    try:
+        hpfunc.parallelize(step, mesh, plans.zero1("dp").with_state_offload("params")).lower({"params": params})
+    except plans.PlanError as e:
+        return str(e)
+    return ""

@@ -121,3 +121,9 @@ def test_bad_selections_are_named_before_anything_runs():
     chosen = plans.fsdp("fsdp").with_state_offload("params", layers=lambda path: path.startswith("layers.1"))
     assert "1 state leaves at rest in host memory (params: 1 parameters)" in repr(
         hpfunc.parallelize(step, mesh, chosen).lower({"params": params}))
+
+
+@pytest.mark.multirank
+def test_a_zero_narrowed_parameter_is_refused(pools):
+    msg = pools(2).run(op.zero_offload_error)[0]
+    assert "parameter 'w' has an optimizer block narrower than its storage" in msg, msg
