@@ -227,7 +227,8 @@ class _Reads:
                 # again for the backward (claimed like a gathered group)
                 out = cast_for_use(host.fill([i], [w])[0], cfg.mixed)
                 mixed, dw = cfg.mixed, w.detach()
-                self.layer.own_gathered([out], next(self.gids), lambda: [cast_for_use(host.fill([i], [dw])[0], mixed)])
+                self.layer.own_gathered([out], next(self.gids),
+                                        lambda: [cast_for_use(host.fill([i], [dw])[0], mixed)])
                 return out
             out = cast_for_use(w, cfg.mixed)
             if out is not w:
