@@ -34,7 +34,8 @@ from hpfunc.copy_stream import is_shape_only
 from hpfunc.optim import _ops, _tree
 from hpfunc.optim.adam import ScaleByAdamState
 from hpfunc.optim.base import (
-    EmptyState, OptState, Params, UpdateFn, Updates, apply_updates, stream_group_bytes, stream_state_in,
+    EmptyState, OptState, Params, UpdateFn, Updates, apply_updates, stream_group_bytes, stream_params_in,
+    stream_state_in, streamed_kinds,
 )
 from hpfunc.optim.combine import MaskedState, mask_flags
 from hpfunc.optim.scale import ScalarOrSchedule, ScaleByScheduleState
@@ -60,23 +61,31 @@ def adamw_apply(chain_update: UpdateFn, *, b1: float, b2: float, eps: float, eps
         return hit
 
     def fallback(grads: Updates, state: OptState, params: Params) -> tuple[Params, OptState]:
+        params = stream_params_in(params, grads)  # parameters held in host memory: to the gradients' device
         updates, new_state = chain_update(grads, state, params)
         return apply_updates(params, updates), new_state
 
     @torch.no_grad()
     def apply(grads: Updates, state: OptState, params: Params, *, donate: bool = False) -> tuple[Params, OptState]:
         if not _fusable_state(state, mask is not None, callable(learning_rate)) or params is None:
-            return fallback(grads, stream_state_in(state, params), params)
+            return fallback(grads, stream_state_in(state, params, grads), params)
         adam, decay_state, rate_state = state
         (g, m, v, p), spec = _tree.flatten_aligned([grads, adam.mu, adam.nu, params],
                                                    ["updates", "state.mu", "state.nu", "params"], "adamw")
         if not g:
-            return fallback(grads, stream_state_in(state, params), params)
-        group_bytes = stream_group_bytes()  # inside streaming_state: the moments held in host memory come by groups
-        streamed = (group_bytes is not None and eps_root == 0.0 and _kernel_leaves(p, g, p, p, shape_only=True)
-                    and _held_like(m, v, p))
+            return fallback(grads, stream_state_in(state, params, grads), params)
+        # inside streaming_state: the moments and / or parameters held in host memory come by groups
+        group_bytes = stream_group_bytes()
+        held_m, held_p = streamed_kinds()
+        held_m = held_m and _held_like(m, v, g)
+        p_held = [held_p and x.device.type == "cpu" for x in p]
+        streamed = (group_bytes is not None and eps_root == 0.0 and (held_m or any(p_held))
+                    and _held_like(p, p, g, p_held)  # what is on the device, as the kernel takes it:
+                    and _kernel_leaves([y if h else x for x, y, h in zip(p, g, p_held)], g,
+                                       g if held_m else m, g if held_m else v, shape_only=True))
         if group_bytes is not None and not streamed:  # the whole state to the device, then as without offload
-            state = stream_state_in(state, params)
+            state = stream_state_in(state, params, grads)
+            params = stream_params_in(params, grads)
             adam = state[0]
             (g, m, v, p), spec = _tree.flatten_aligned([grads, adam.mu, adam.nu, params],
                                                        ["updates", "state.mu", "state.nu", "params"], "adamw")
@@ -113,12 +122,12 @@ def adamw_apply(chain_update: UpdateFn, *, b1: float, b2: float, eps: float, eps
         if kernel:
             # torch's fused step: an fp32 tensor on the parameters' device, counted
             step = (count.to(torch.float32) if on_device
-                    else torch.tensor(float(int(count)), dtype=torch.float32, device=p[0].device))
+                    else torch.tensor(float(int(count)), dtype=torch.float32, device=g[0].device))
             hyper = dict(step=step, lr=lr if lr_tensor is None else lr_tensor, b1=b1, b2=b2, eps=eps,
                          weight_decay=weight_decay)
             if streamed:
                 new_p, new_m, new_v = _streamed_kernel(p, m, v, g, flags, group_bytes=group_bytes, in_place=in_place,
-                                                       **hyper)
+                                                       held_m=held_m, p_held=p_held, **hyper)
             else:
                 new_p, new_m, new_v = _fused_kernel(p, m, v, g, flags, in_place=in_place, **hyper)
             new_adam = ScaleByAdamState(count=count, mu=_tree.unflatten(spec, new_m), nu=_tree.unflatten(spec, new_v))
@@ -224,69 +233,89 @@ def _fused_kernel(p: list[torch.Tensor], m: list[torch.Tensor], v: list[torch.Te
 
 
 def _streamed_kernel(p: list[torch.Tensor], m: list[torch.Tensor], v: list[torch.Tensor], g: list[torch.Tensor],
-                     flags: list[bool], *, group_bytes: int, in_place: bool,
+                     flags: list[bool], *, group_bytes: int, in_place: bool, held_m: bool = True,
+                     p_held: list[bool] | None = None,
                      **hyper: Any) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
-    """:func:`_fused_kernel` over moments ``m``, ``v`` held in host memory, streamed through the parameters'
-    device by groups of leaves of at most ``group_bytes`` bytes of moments (:func:`_byte_groups`): group
-    ``k + 1`` is copied in on a copy stream while group ``k`` is updated in place in its streamed copy, which
-    is then copied back to fresh host buffers on another copy stream and released. About two groups are on
-    the device at once (the copy in flight and the one updated), never the whole state. The values are the
-    unstreamed kernel's bit for bit (it is elementwise per leaf). Returns the new params (on the device) and
-    the new moments (in host memory); the current stream waits for the last copy back (no host wait)."""
+    """:func:`_fused_kernel` over moments ``m``, ``v`` held in host memory (``held_m``) and / or parameters
+    held there (``p_held[k]``), streamed through the gradients' device by groups of leaves of at most
+    ``group_bytes`` bytes of streamed tensors (:func:`_byte_groups`): group ``k + 1`` is copied in on a copy
+    stream while group ``k`` is updated in place in its streamed copy, which is then copied back to fresh
+    host buffers on another copy stream and released. About two groups are on the device at once (the copy
+    in flight and the one updated), never the whole state. The values are the unstreamed kernel's bit for
+    bit (it is elementwise per leaf). Returns the new params and moments: those held in host memory there,
+    the others on the device; the current stream waits for the last copy back (no host wait)."""
     from hpfunc.copy_stream import copy_stream_for, join, start_to_device, to_host
 
-    device = p[0].device
-    groups = _byte_groups(m, v, group_bytes)
+    device = g[0].device
+    p_held = [False] * len(p) if p_held is None else p_held
+
+    def streamed(a: int, b: int) -> list[torch.Tensor]:  # what group [a, b) copies in: its moments, then params
+        return (m[a:b] + v[a:b] if held_m else []) + [p[k] for k in range(a, b) if p_held[k]]
+
+    sizes = [(x.numel() * x.element_size() + y.numel() * y.element_size() if held_m else 0)
+             + (w.numel() * w.element_size() if h else 0) for x, y, w, h in zip(m, v, p, p_held)]
+    groups = _byte_groups(sizes, group_bytes)
     streams = copy_stream_for(device), copy_stream_for(device)  # in, back: each direction on its own
     new_p: list[torch.Tensor] = []
     new_m: list[torch.Tensor] = []
     new_v: list[torch.Tensor] = []
     a, b = groups[0]
-    incoming = start_to_device(m[a:b] + v[a:b], device, stream=streams[0])
+    incoming = start_to_device(streamed(a, b), device, stream=streams[0])
     done = None
     for k, (a, b) in enumerate(groups):
         here = incoming.wait()
         if k + 1 < len(groups):  # the next group comes in while this one is updated
             c, d = groups[k + 1]
-            incoming = start_to_device(m[c:d] + v[c:d], device, stream=streams[0])
+            incoming = start_to_device(streamed(c, d), device, stream=streams[0])
         n = b - a
-        np_, nm, nv = _fused_kernel(p[a:b], here[:n], here[n:], g[a:b], flags[a:b], in_place=in_place,
-                                    state_in_place=True, **hyper)
-        del here
-        hosts, done = to_host(nm + nv, stream=streams[1])
-        del nm, nv  # the device copies go (on CUDA once their copy back ends)
-        new_p += np_
-        new_m += hosts[:n]
-        new_v += hosts[n:]
+        if held_m:  # the streamed copies, updated in place
+            gm, gv, rest = here[:n], here[n:2 * n], iter(here[2 * n:])
+        else:  # on the device: in place only where donated
+            gm, gv, rest = m[a:b], v[a:b], iter(here)
+            if not in_place:
+                gm, gv = [x.clone() for x in gm], [x.clone() for x in gv]
+        gp = [next(rest) if p_held[j] else p[j] if in_place else p[j].clone() for j in range(a, b)]
+        np_, nm, nv = _fused_kernel(gp, gm, gv, g[a:b], flags[a:b], in_place=True, **hyper)
+        del here, gp, gm, gv
+        back = (nm + nv if held_m else []) + [x for j, x in zip(range(a, b), np_) if p_held[j]]
+        hosts, done = to_host(back, stream=streams[1]) if back else ([], done)
+        del back
+        got = iter(hosts[2 * n:] if held_m else hosts)
+        new_p += [next(got) if p_held[j] else x for j, x in zip(range(a, b), np_)]
+        new_m += hosts[:n] if held_m else nm
+        new_v += hosts[n:2 * n] if held_m else nv
+        del np_, nm, nv  # the device copies go (on CUDA once their copy back ends)
     join(done, device)
     return new_p, new_m, new_v
 
 
-def _byte_groups(m: list[torch.Tensor], v: list[torch.Tensor], group_bytes: int) -> list[tuple[int, int]]:
-    """``[(start, stop), ...]``: consecutive leaves whose moments take at most ``group_bytes`` bytes (one
-    leaf at least; ``0``: one leaf per group).
+def _byte_groups(sizes: list[int], group_bytes: int) -> list[tuple[int, int]]:
+    """``[(start, stop), ...]``: consecutive leaves (of ``sizes`` bytes streamed each) taking at most
+    ``group_bytes`` bytes (one leaf at least; ``0``: one leaf per group).
 
-    >>> z = [torch.zeros(4), torch.zeros(4), torch.zeros(16)]  # 32, 32 and 128 bytes of m and v
-    >>> _byte_groups(z, z, 64), _byte_groups(z, z, 0), _byte_groups(z, z, 1 << 20)
+    >>> _byte_groups([32, 32, 128], 64), _byte_groups([32, 32, 128], 0), _byte_groups([32, 32, 128], 1 << 20)
     ([(0, 2), (2, 3)], [(0, 1), (1, 2), (2, 3)], [(0, 3)])
     """
     out, start, size = [], 0, 0
-    for k, (x, y) in enumerate(zip(m, v)):
-        n = x.numel() * x.element_size() + y.numel() * y.element_size()
+    for k, n in enumerate(sizes):
         if k > start and size + n > group_bytes:
             out.append((start, k))
             start, size = k, 0
         size += n
-    if m:
-        out.append((start, len(m)))
+    if sizes:
+        out.append((start, len(sizes)))
     return out
 
 
-def _held_like(m: list[torch.Tensor], v: list[torch.Tensor], p: list[torch.Tensor]) -> bool:
-    """The moments are held in host memory, each a plain contiguous tensor of its parameter's shape and
-    dtype (what the streamed kernel takes; fake tensors too: the shape-only run of a streamed update)."""
+def _held_like(m: list[torch.Tensor], v: list[torch.Tensor], p: list[torch.Tensor],
+               which: list[bool] | None = None) -> bool:
+    """The tensors of ``m`` and ``v`` (those ``which`` flags, default all) are held in host memory, each a
+    plain contiguous tensor of the shape and dtype of its leaf in ``p`` (what the streamed kernel takes;
+    fake tensors too: the shape-only run of a streamed update)."""
     plain = _computes_plain
-    for x, y, w in zip(m, v, p):
+    for k, (x, y, w) in enumerate(zip(m, v, p)):
+        if which is not None and not which[k]:
+            continue
         for t in (x, y):
             if (not plain(type(t)) or t.device.type != "cpu" or t.dtype is not w.dtype or t.shape != w.shape
                     or not t.is_contiguous()):

@@ -205,14 +205,15 @@ def update_and_apply(tx: GradientTransformation, updates: Updates, state: OptSta
     apply = getattr(tx.update, "apply", None)
     if apply is not None and getattr(apply, "streams_state", False) and _STREAM.get() is not None:
         return apply(updates, state, params, donate=donate)  # it streams the host-held state itself, by groups
-    state = stream_state_in(state, params)
+    state = stream_state_in(state, params, updates)
+    params = stream_params_in(params, updates)
     if apply is not None:
         return apply(updates, state, params, donate=donate)
     new_updates, new_state = tx.update(updates, state, params)
     return apply_updates(params, new_updates), new_state
 
 
-def stream_state_in(state: OptState, params: Params) -> OptState:
+def stream_state_in(state: OptState, params: Params, updates: Updates = None) -> OptState:
     """``state`` with the leaves held in host memory brought to the parameters' device for an update.
 
     A plan with state offload (:meth:`hpfunc.transforms.plans.Plan.with_state_offload`) keeps the
@@ -229,9 +230,10 @@ def stream_state_in(state: OptState, params: Params) -> OptState:
     >>> stream_state_in(state, {"w": torch.ones(2)}) is state
     True
     """
-    p_leaves, _ = _tree.flatten(params)
-    device = next((x.device for x in p_leaves if isinstance(x, torch.Tensor)), None)
-    if device is None or device.type == "cpu":
+    # the device: the parameters' (those not held in host memory themselves), else the updates'
+    p_leaves = _tree.flatten(params)[0] + ([] if updates is None else _tree.flatten(updates)[0])
+    device = next((x.device for x in p_leaves if isinstance(x, torch.Tensor) and x.device.type != "cpu"), None)
+    if device is None:
         return state
     leaves, spec = _tree.flatten(state)
     held = [k for k, x in enumerate(leaves)
@@ -248,18 +250,23 @@ def stream_state_in(state: OptState, params: Params) -> OptState:
 
 # the bytes of optimizer state (per group of leaves) that an update streams through the device at once,
 # set by a step whose plan keeps the optimizer state in host memory; None: no streaming (the whole state)
-_STREAM: contextvars.ContextVar[int | None] = contextvars.ContextVar("hpfunc.optim.stream_group_bytes", default=None)
+# (group bytes, the moments held, the parameters held)
+_STREAM: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("hpfunc.optim.stream_group_bytes", default=None)
 
 
 @contextlib.contextmanager
-def streaming_state(group_bytes: int) -> Iterator[None]:
+def streaming_state(group_bytes: int, *, state: bool = True, params: bool = False) -> Iterator[None]:
     """Inside, :func:`update_and_apply` streams the optimizer state held in host memory through the device
     in groups of leaves of at most ``group_bytes`` bytes (one leaf at least): the next group is copied in on
     a copy stream while this one is updated, then copied back to fresh host buffers and released, so that
     about two groups of the state are on the device at once instead of all of it. Only a transformation
     whose fused apply can stream (``adamw``'s kernel path, a ``chain`` ending in it) does; the others bring
     the whole state in (:func:`stream_state_in`). Inside, the new state of a streamed update is in host
-    memory. A plan with ``with_state_offload("optimizer")`` runs its step inside this.
+    memory. A plan with ``with_state_offload("optimizer")`` runs its step inside this. ``state``: the
+    moments are held in host memory (the default); ``params``: parameters held in host memory stream with
+    them (``with_state_offload("params")``: each group's parameter blocks copied in, updated, copied back,
+    and the new parameters are in host memory too); on the CPU, where every tensor is in host memory,
+    these say what to stream (real copies, as on a device).
 
     >>> with streaming_state(1 << 20):
     ...     stream_group_bytes()
@@ -269,7 +276,7 @@ def streaming_state(group_bytes: int) -> Iterator[None]:
     """
     if isinstance(group_bytes, bool) or not isinstance(group_bytes, int) or group_bytes < 0:
         raise ValueError(f"streaming_state: group_bytes must be an int >= 0 (0: one leaf per group), found {group_bytes!r}")
-    token = _STREAM.set(group_bytes)
+    token = _STREAM.set((group_bytes, bool(state), bool(params)))
     try:
         yield
     finally:
@@ -278,4 +285,41 @@ def streaming_state(group_bytes: int) -> Iterator[None]:
 
 def stream_group_bytes() -> int | None:
     """The group size of :func:`streaming_state` in force (``None`` outside)."""
-    return _STREAM.get()
+    hit = _STREAM.get()
+    return None if hit is None else hit[0]
+
+
+def streamed_kinds() -> tuple[bool, bool]:
+    """``(moments, params)``: what :func:`streaming_state` in force says is held in host memory."""
+    hit = _STREAM.get()
+    return (False, False) if hit is None else (hit[1], hit[2])
+
+
+def stream_params_in(params: Params, updates: Updates) -> Params:
+    """``params`` with the leaves held in host memory (``with_state_offload("params")``) brought to the
+    device of their updates (the gradients), on a copy stream, for an update that cannot stream them by
+    groups; on the CPU nothing moves. Outside :func:`streaming_state` with ``params=True`` (no parameter
+    is held in host memory) it returns ``params`` at once.
+
+    >>> import torch
+    >>> p = {"w": torch.ones(2)}
+    >>> stream_params_in(p, {"w": torch.zeros(2)}) is p
+    True
+    """
+    hit = _STREAM.get()
+    if hit is None or not hit[2]:
+        return params
+    p_leaves, spec = _tree.flatten(params)
+    u_leaves = _tree.flatten(updates)[0]
+    if len(u_leaves) != len(p_leaves):
+        return params
+    held = [k for k, (x, u) in enumerate(zip(p_leaves, u_leaves)) if isinstance(x, torch.Tensor)
+            and isinstance(u, torch.Tensor) and x.device.type == "cpu" and u.device.type != "cpu"]
+    if not held:
+        return params
+    from hpfunc.copy_stream import to_device
+
+    moved = to_device([p_leaves[k] for k in held], u_leaves[held[0]].device)
+    for k, x in zip(held, moved):
+        p_leaves[k] = x
+    return _tree.unflatten(spec, p_leaves)

@@ -60,7 +60,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
         streamed = apply.streams_state and stream_group_bytes() is not None  # type: ignore[attr-defined]
         for t, s in zip(transforms[:-1], state[:-1]):
             # under streaming the last one streams its own state in; the others' state comes in whole
-            updates, s = t.update(updates, stream_state_in(s, params) if streamed else s, params)
+            updates, s = t.update(updates, stream_state_in(s, params, updates) if streamed else s, params)
             new_states.append(s)
         params, s = last(updates, state[-1], params, donate=donate)
         return params, (*new_states, s)

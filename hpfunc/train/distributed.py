@@ -139,7 +139,7 @@ def build_plan(pc: ParallelConfig, model_cfg: Any, spec: Any = None) -> Any:
     order = {a: i for i, a in enumerate(pc.mesh)}
     entries = sorted(pc.plan, key=lambda e: order[e.axes[0]])
     plan = functools.reduce(operator.add, (_entry_plan(e, model_cfg, pc.mesh, spec) for e in entries))
-    return plan.with_state_offload(*pc.offload_state) if pc.offload_state else plan
+    return (plan.with_state_offload(*pc.offload_state, layers=pc.offload_layers) if pc.offload_state else plan)
 
 
 def run_plan(cfg: Config, model_cfg: Any, spec: Any) -> Any:

@@ -61,7 +61,7 @@ from hpfunc.transforms.engine.reduce import reduction_bucket
 from hpfunc.transforms.engine.state import get_path, param_suffix, positions_of, replace_path
 from hpfunc.transforms.engine.step_layout import RankStep
 from hpfunc.transforms.shard_map import Flat, FlatSpecs, flat_checks, flat_specs, shard_map
-from hpfunc.transforms.state_offload import GROUP_BYTES, rest_paths, to_rest
+from hpfunc.transforms.state_offload import GROUP_BYTES, offloaded_params, rest_paths, to_rest
 
 if TYPE_CHECKING:
     from hpfunc.transforms.parallelize import ParallelizedStep
@@ -108,11 +108,23 @@ class Lowered:
             for k, (path, x) in enumerate(state_pairs)])
         self.n_state_leaves = len(state_pairs)
         # the state leaves that rest in host memory between steps (plan.with_state_offload)
-        self.rest_paths = rest_paths(plan.state_offload, state_pairs, is_param, res)
+        # the parameters at rest there too (with_state_offload("params", layers=...)), checked before anything runs
+        self.offloaded = offloaded_params(plan.state_offload, plan.offload_layers, self.paths)
+        if self.offloaded and plan.pipeline is not None:
+            raise PlanError(f"with_state_offload('params'): parameters at rest in host memory are not brought in by "
+                            f"the pipeline's stages yet; drop the pp layer on {plan.pipeline.axis!r} or offload "
+                            f"only 'optimizer'")
+        zero = [p for p in sorted(self.offloaded) if res[p].opt_extra]
+        if zero:
+            raise PlanError(f"with_state_offload('params'): parameter {zero[0]!r} has an optimizer block narrower than "
+                            f"its storage (a ZeRO layer), whose update re-gathers it on the device; offload "
+                            f"parameters under fsdp / ddp / tp layers, or select other layers")
+        self.rest_paths = rest_paths(plan.state_offload, state_pairs, is_param, res, self.offloaded, self.paths)
         self.state_paths: list[str] = []  # every position's path (None leaves too): where a held leaf's layout is
         if self.rest_paths:
             _tree.map_with_path(lambda path, x: self.state_paths.append(path), state, none_is_leaf=True)
-        self.engine = EngineConfig(mesh, plan, [res[p] for p in self.paths], self.dtypes)
+        self.engine = EngineConfig(mesh, plan, [res[p] for p in self.paths], self.dtypes,
+                                   frozenset(i for i, p in enumerate(self.paths) if p in self.offloaded))
         self.placements = [tuple(spec_to_placements(res[p].spec.storage, mesh, len(res[p].shape), where=p))
                            for p in self.paths]
         self.checks: Any = "trusted"  # the replication check of the state's leaves (a tree under a pp layer)
@@ -338,7 +350,8 @@ class Lowered:
             ctx = RankStep(self, storage, donate_state=donate)
             user_state = replace_path(state, pp, _tree.unflatten(treedef, ctx.opt_blocks))
             with layout.binding(attrs.evolve(outer, step=ctx)), \
-                    (streaming_state(group_bytes) if at_rest else contextlib.nullcontext()):
+                    (streaming_state(group_bytes, state="optimizer" in self.plan.state_offload,
+                                     params=bool(self.offloaded)) if at_rest else contextlib.nullcontext()):
                 new_state, *extra = fn(user_state, *rest)
             new_leaves, new_def = _tree.flatten(get_path(new_state, pp))
             if new_def != treedef:
@@ -393,7 +406,8 @@ class Lowered:
             extras.append(f"pipeline on {self.plan.pipeline.axis!r}")
         if self.rest_paths:
             extras.append(f"{len(self.rest_paths)} state leaves at rest in host memory "
-                          f"({', '.join(self.plan.state_offload)})")
+                          f"({', '.join(self.plan.state_offload)}"
+                          f"{f': {len(self.offloaded)} parameters' if self.offloaded else ''})")
         if self.regions is not None:
             extras.append(f"compiled regions ({self.regions.backend})")
         if eng.overlap_buckets:

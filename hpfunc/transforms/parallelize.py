@@ -172,9 +172,11 @@ class ParallelizedStep:
     def shard_params(self, params: Any) -> Any:
         """Full parameters (identical on every rank) -> DTensors with the plan's storage specs (under a
         ``pp`` layer: those of this rank's stages; the others become ``None``)."""
+        from hpfunc.transforms.state_offload import params_to_rest
+
         params = self.plan.local_params(params, self.mesh)
         res = self.plan.resolve(params, self.mesh)
-        return shard(params, self.mesh, lambda p, x: res[p].spec.storage)
+        return params_to_rest(shard(params, self.mesh, lambda p, x: res[p].spec.storage), self.plan)
 
     def full_params(self, params: Any) -> Any:
         """Full tensors of the (sharded) parameters on every rank: a collective, every rank calls it.
@@ -284,12 +286,16 @@ def init_sharded(init_fn: Callable, mesh: Mesh, plan: Plan, key: torch.Tensor, *
     ``shapes``); with counter-based :mod:`hpfunc.random` each rank samples only its block, and the
     values equal the unsharded ``init_fn(key)`` (``functools.partial(qwen3.init, cfg=cfg)`` does this).
     Under a ``pp`` layer the leaves of other pipeline ranks' stages get ``None`` and must come back ``None``.
+    Parameters the plan keeps in host memory (``with_state_offload("params")``) are returned there.
     """
     shapes = plan.local_params(shapes, mesh)  # a pipeline rank creates only its stages' parameters
     res = plan.resolve(shapes, mesh)
     shardings = _tree.map_with_path(lambda p, s: NamedSharding(mesh, res[p].spec.storage), shapes,
                                     is_leaf=lambda x: isinstance(x, torch.Size))
-    return init_fn(key, shardings=shardings)
+    from hpfunc.transforms.state_offload import params_to_rest
+
+    # parameters the plan keeps in host memory (with_state_offload("params")) leave here at rest
+    return params_to_rest(init_fn(key, shardings=shardings), plan)
 
 
 # ---------------------------------------------------------------------------------------------

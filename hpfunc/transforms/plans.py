@@ -204,6 +204,7 @@ class Plan:
     context: Any = None  # a ContextParallelLayer (hpfunc.transforms.context_parallel_plan), from cp(...)
     state_offload: tuple[str, ...] = ()  # what is kept in host memory between steps ("optimizer")
     offload_group_bytes: int | None = None  # the optimizer state an update streams at once (None: the default)
+    offload_layers: Any = None  # with "params": the parameters kept in host memory (a regex or a predicate; None: all)
 
     def __add__(self, other: "Plan") -> "Plan":
         def one(name: str) -> Any:
@@ -223,7 +224,8 @@ class Plan:
                     one("param_dtype"), one("reduce_dtype"), one("gradient_scaling_factor"),
                     self.pipeline if self.pipeline is not None else other.pipeline, one("sdc_check"),
                     self.context if self.context is not None else other.context,
-                    tuple(dict.fromkeys(self.state_offload + other.state_offload)), one("offload_group_bytes"))
+                    tuple(dict.fromkeys(self.state_offload + other.state_offload)), one("offload_group_bytes"),
+                    one("offload_layers"))
 
     def with_mixed_precision(self, param_dtype: torch.dtype | None = torch.bfloat16,
                              reduce_dtype: torch.dtype | None = torch.float32) -> "Plan":
@@ -266,8 +268,8 @@ class Plan:
                             f"found {policy!r}")
         return attrs.evolve(self, sdc_check=policy)
 
-    def with_state_offload(self, *what: str, group_bytes: int | None = None) -> "Plan":
-        """Keep the named state in host memory between steps (selective state offload).
+    def with_state_offload(self, *what: str, group_bytes: int | None = None, layers: Any = None) -> "Plan":
+        r"""Keep the named state in host memory between steps (selective state offload).
 
         ``"optimizer"``: every optimizer-state leaf laid out like a parameter (AdamW's moments, Muon's
         momentum) rests in host memory (pinned where the device is CUDA) between steps and reaches the
@@ -277,16 +279,28 @@ class Plan:
         copied in while one is updated and each copied back as soon as it is, so that about two groups
         are on the device at once (AdamW's kernel path; another update brings the whole state in). The
         values are those of the same plan without offload, bit for bit; the forward and backward run
-        without the optimizer state on the device. Scalar counters stay on the device. See
-        :mod:`hpfunc.transforms.state_offload`.
+        without the optimizer state on the device. Scalar counters stay on the device.
+
+        ``"params"``: the parameters ``layers`` selects (a regular expression matched at the start of the
+        dotted parameter path, ``r"layers\.[0-3]\."``, or a predicate on that path; ``None``: every
+        parameter) rest in host memory between steps, as DTensors of their planned layout with host
+        blocks. The step brings each layer's blocks to the device right before its all-gather (one layer
+        copied ahead, in the order the first run recorded), drops the device copy after the gather, copies
+        it in again for the backward's re-gather, and the update streams them through the device with the
+        moments (the new parameters leave the step in host memory). Not under a ``pp`` or ZeRO layer.
+        See :mod:`hpfunc.transforms.state_offload`.
 
         >>> fsdp("fsdp").with_state_offload("optimizer").state_offload
         ('optimizer',)
+        >>> fsdp("fsdp").with_state_offload("params", layers=r"layers\.0\.").offload_layers
+        'layers\\.0\\.'
         """
-        from hpfunc.transforms.state_offload import check_group_bytes, check_kinds
+        from hpfunc.transforms.state_offload import check_group_bytes, check_kinds, check_layers
 
-        return attrs.evolve(self, state_offload=check_kinds(what, "with_state_offload"),
-                            offload_group_bytes=check_group_bytes(group_bytes, "with_state_offload"))
+        kinds = check_kinds(what, "with_state_offload")
+        return attrs.evolve(self, state_offload=kinds,
+                            offload_group_bytes=check_group_bytes(group_bytes, "with_state_offload"),
+                            offload_layers=check_layers(layers, kinds, "with_state_offload"))
 
     def with_rules(self, rules: Sequence[tuple[str, Any]]) -> "Plan":
         conv = tuple((pat, sp if isinstance(sp, LeafSpec) else LeafSpec.of(sp)) for pat, sp in rules)

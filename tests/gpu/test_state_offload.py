@@ -68,8 +68,8 @@ def test_the_yaml_key_builds_the_plan_option():
     assert cfg.parallel.offload_state == ("optimizer",)
     assert cfg.parallel.to_data()["offload_state"] == ["optimizer"]
     assert build_plan(cfg.parallel, qwen3.preset("qwen3-dense-tiny")).state_offload == ("optimizer",)
-    with pytest.raises(ConfigError, match=r"parallel\.offload_state: expected optimizer"):
-        load_config_dict({"parallel": {"mesh": {"fsdp": 2}, "plan": ["fsdp"], "offload_state": ["params"]}})
+    with pytest.raises(ConfigError, match=r"parallel\.offload_state\[0\]: expected optimizer or params"):
+        load_config_dict({"parallel": {"mesh": {"fsdp": 2}, "plan": ["fsdp"], "offload_state": ["master"]}})
 
 
 def test_what_cannot_be_offloaded_is_named():

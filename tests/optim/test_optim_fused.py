@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import optree
 import pytest
+import math
+
 import torch
 from hypothesis import given, settings, strategies as st
 
@@ -167,13 +169,15 @@ def test_a_rate_the_dtype_cannot_hold_gives_what_the_chain_gives():
 
 @settings(max_examples=15, deadline=None)
 @given(shapes=SHAPES, group_bytes=st.sampled_from([0, 40, 200, 1 << 20]), use_schedule=st.booleans(),
-       masked=st.booleans(), clip=st.booleans(), donate=st.booleans(), seed=st.integers(0, 2**16))
+       masked=st.booleans(), clip=st.booleans(), donate=st.booleans(), seed=st.integers(0, 2**16),
+       held=st.sampled_from(["state", "params", "both"]))
 def test_a_streamed_update_is_the_unstreamed_one_bit_for_bit(shapes, group_bytes, use_schedule, masked, clip, donate,
-                                                            seed):
+                                                            seed, held):
     """Inside ``optim.streaming_state(group_bytes)`` the moments (held in host memory: on the CPU every leaf
     is) go through the "device" by groups of at most ``group_bytes`` bytes (one leaf at least), each group a
     real copy in, updated, copied back to fresh buffers: params and state equal the unstreamed update's bit
-    for bit, each step copies back once per group, and the old moments are left as they were."""
+    for bit, each step copies back once per group, and the old moments are left as they were. ``held``:
+    what is streamed (the moments; the parameters, ``with_state_offload("params")``; both)."""
     from hpfunc import copy_stream
     from hpfunc.optim.adamw_apply import _byte_groups
 
@@ -194,21 +198,22 @@ def test_a_streamed_update_is_the_unstreamed_one_bit_for_bit(shapes, group_bytes
 
     copy_stream.to_host = counting
     try:
-        with optim.streaming_state(group_bytes):
+        with optim.streaming_state(group_bytes, state=held != "params", params=held != "state"):
             params = {k: v.clone() for k, v in params0.items()}
             state = tx.init(params)
             for g in grads:
                 old = [x.clone() for x in optree.tree_leaves(state)]
                 old_refs = optree.tree_leaves(state)
                 params, state = optim.update_and_apply(tx, g, state, params, donate=donate)
-                assert all(torch.equal(a, b) for a, b in zip(old, old_refs))  # the held moments are not written
+                if held != "params" or not donate:  # the held moments are not written (donated ones on the device are)
+                    assert all(torch.equal(a, b) for a, b in zip(old, old_refs))
     finally:
         copy_stream.to_host = real
     adam = state[-1][0] if clip else state[0]
     moments = sorted(shapes)  # the flattening order of a dict: sorted keys
-    zeros = [torch.zeros(shapes[k]) for k in moments]
-    groups = _byte_groups(zeros, zeros, group_bytes)
-    assert calls == [2 * (b - a) for a, b in groups] * len(grads), (calls, groups)
+    per = (2 if held != "params" else 0) + (1 if held != "state" else 0)  # tensors streamed per leaf
+    groups = _byte_groups([4 * per * math.prod(shapes[k]) for k in moments], group_bytes)
+    assert calls == [per * (b - a) for a, b in groups] * len(grads), (calls, groups)
     for k in expected:
         assert torch.equal(params[k], expected[k]), k
     for a, b in zip(optree.tree_leaves(state), optree.tree_leaves(expected_state)):

@@ -20,6 +20,7 @@ in mesh order (``hsdp`` takes two)::
 from __future__ import annotations
 
 import difflib
+import re
 from typing import Any, Mapping
 
 from hpfunc.faults import DEFAULT_TIMEOUT_S
@@ -58,11 +59,7 @@ def parse_parallel(data: Any, path: str) -> ParallelConfig:
         close = difflib.get_close_matches(str(device), DEVICES, n=1)
         raise ConfigError(f"{path}.device: expected one of {', '.join(DEVICES)} (auto: cuda when available), found "
                           f"{found(device)}{f'; did you mean {close[0]!r}?' if close else ''}")
-    offload_state = data.get("offload_state") or ()
-    offload_state = (offload_state,) if isinstance(offload_state, str) else offload_state
-    if not isinstance(offload_state, (list, tuple)) or any(w not in OFFLOAD_STATE for w in offload_state):
-        raise ConfigError(f"{path}.offload_state: expected {' or '.join(OFFLOAD_STATE)} (or a list of them: the state "
-                          f"kept in host memory between steps), found {found(data.get('offload_state'))}")
+    offload_state, offload_layers = _parse_offload_state(data.get("offload_state"), f"{path}.offload_state")
     timeout_s = _parse_timeout(data.get("timeout_s", DEFAULT_TIMEOUT_S), f"{path}.timeout_s")
     sdc_check = data.get("sdc_check", "off")
     if sdc_check is False:  # YAML reads a bare off as false
@@ -93,7 +90,40 @@ def parse_parallel(data: Any, path: str) -> ParallelConfig:
         raise ConfigError(f"{path}.plan: missing; the mesh {flow(mesh)} ({size} processes) needs a plan with one "
                           f"entry per mesh axis, in mesh order, e.g. plan: [{example}]")
     return ParallelConfig(mesh=mesh, plan=_bind_axes(parsed, mesh, path), timeout_s=timeout_s, sdc_check=sdc_check,
-                          max_restarts=max_restarts, device=device, offload_state=tuple(offload_state))
+                          max_restarts=max_restarts, device=device, offload_state=tuple(offload_state),
+                          offload_layers=offload_layers)
+
+
+def _parse_offload_state(value: Any, path: str) -> tuple[tuple[str, ...], str | None]:
+    r"""``parallel.offload_state``: a kind, or a list of kinds, of state kept in host memory between steps;
+    ``params`` alone (every parameter) or as ``{params: PATTERN}`` (the parameters whose dotted path the
+    regular expression matches at its start, e.g. ``{params: 'layers\.[0-3]\.'}``). Returns the kinds and
+    the pattern (``None``: all)."""
+    items = value or ()
+    items = (items,) if isinstance(items, (str, Mapping)) else items
+    expected = (f"expected {' or '.join(OFFLOAD_STATE)} (or a list of them: the state kept in host memory between "
+                f"steps; params of chosen layers as {{params: PATTERN}}, a regular expression matched at the start "
+                f"of the dotted parameter path)")
+    if not isinstance(items, (list, tuple)):
+        raise ConfigError(f"{path}: {expected}, found {found(value)}")
+    kinds: list[str] = []
+    layers = None
+    for k, item in enumerate(items):
+        where = f"{path}[{k}]" if isinstance(value, (list, tuple)) else path
+        if isinstance(item, Mapping):
+            if list(item) != ["params"] or not isinstance(item["params"], str):
+                raise ConfigError(f"{where}: {expected}, found {found(item)}")
+            layers = item["params"]
+            try:
+                re.compile(layers)
+            except re.error as e:
+                raise ConfigError(f"{where}.params: {layers!r} is not a regular expression ({e}); write the start of "
+                                  f"the parameter paths to offload, e.g. 'layers\\.[0-3]\\.'") from None
+            item = "params"
+        if item not in OFFLOAD_STATE:
+            raise ConfigError(f"{where}: {expected}, found {found(item)}")
+        kinds.append(item)
+    return tuple(dict.fromkeys(kinds)), layers
 
 
 def _parse_timeout(value: Any, path: str) -> float:

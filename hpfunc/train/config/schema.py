@@ -184,7 +184,8 @@ class ParallelConfig:
     sdc_check: str = "off"  # off | raise | warn: replicas of each reduced gradient compared every step
     max_restarts: int = 0  # elastic: restart the whole group this many times after a rank fails (resume auto)
     device: str = "auto"  # auto | cpu | cuda: the ranks' device (auto: cuda when available); NCCL on cuda, gloo on cpu
-    offload_state: tuple = ()  # state kept in host memory between steps: (optimizer,) (Plan.with_state_offload)
+    offload_state: tuple = ()  # state kept in host memory between steps: (optimizer, params) (Plan.with_state_offload)
+    offload_layers: str | None = None  # with params: the regex of the parameter paths kept there (None: all)
 
     @property
     def size(self) -> int:
@@ -223,7 +224,8 @@ class ParallelConfig:
         if self.device != "auto":
             timeout["device"] = self.device
         if self.offload_state:
-            timeout["offload_state"] = list(self.offload_state)
+            timeout["offload_state"] = [{"params": self.offload_layers} if k == "params" and self.offload_layers
+                                        is not None else k for k in self.offload_state]
         if not self.mesh and not self.plan:
             return timeout
         return {"mesh": dict(self.mesh), "plan": [e.to_data() for e in self.plan], **timeout}

@@ -50,10 +50,12 @@ class Regathers:
     :class:`~hpfunc.transforms.engine.differentiate.EngineConfig`; ``ws``: the parameter blocks;
     ``order``: the recorded order, or ``None`` (record it if ``record``, else gather synchronously)."""
 
-    __slots__ = ("cfg", "ws", "order", "seen", "pos", "issued", "flights")
+    __slots__ = ("cfg", "ws", "order", "seen", "pos", "issued", "flights", "host")
 
-    def __init__(self, cfg: Any, ws: Any, *, order: tuple[int, ...] | None, record: bool):
+    def __init__(self, cfg: Any, ws: Any, *, order: tuple[int, ...] | None, record: bool, host: Any = None):
         self.cfg, self.ws, self.order = cfg, ws, order
+        # the offloaded parameters (engine/param_offload.py): their blocks copied in before each gather
+        self.host = host
         self.seen: list[int] | None = [] if record and order is None else None
         self.pos = 0  # the position in the order of the next re-gather
         self.issued = 1  # positions below this were issued (position 0 is gathered in its turn)
@@ -69,7 +71,8 @@ class Regathers:
         with outside() as clear:
             flight = self._arrive(first) if clear else None
             if flight is None:
-                fulls = gather_group(blocks, specs, mixed)
+                host = self.host
+                fulls = gather_group(host.fill(members, blocks) if host is not None else blocks, specs, mixed)
                 if clear:
                     self._ahead()
                 return fulls
@@ -101,7 +104,13 @@ class Regathers:
             members = cfg.group_of[order[p]]
             specs = [cfg.leaves[j].gather for j in members]
             if prefetch.eligible(specs):
-                self.flights[p] = prefetch.start(cfg.mesh, [self.ws[j] for j in members], specs[0][0][1], cfg.mixed)
+                blocks = [self.ws[j] for j in members]
+                host = self.host
+                if host is not None:
+                    blocks = host.fill(members, [b.detach() for b in blocks])
+                    if p + 1 < len(order):  # the next one's blocks copied in while this layer's backward runs
+                        host.start(cfg.group_of[order[p + 1]])
+                self.flights[p] = prefetch.start(cfg.mesh, blocks, specs[0][0][1], cfg.mixed)
 
     def finish(self) -> tuple[int, ...]:
         """After the backward: wait for and drop what was prefetched and not used; the order seen."""

@@ -36,6 +36,7 @@ from hpfunc.transforms.engine.overlap import Overlap, buckets_of
 from hpfunc.transforms.engine import prefetch
 from hpfunc.transforms.engine.backward_prefetch import Regathers
 from hpfunc.transforms.engine.outside_checkpoint import outside
+from hpfunc.transforms.engine.param_offload import HostParams
 from hpfunc.transforms.engine.packing import _unpack_gathered
 from hpfunc.transforms.engine.scatter_async import Scatters
 from hpfunc.transforms.engine.pipelined import StagePipeline, known_gradients
@@ -48,8 +49,11 @@ __all__ = ["EngineConfig", "value_and_grad", "reduce_wanted"]
 class EngineConfig:
     """What the plan decides for one step's parameters (no communication; read-only after construction)."""
 
-    def __init__(self, mesh: Any, plan: Any, leaves: list[LeafLayout], dtypes: list[torch.dtype]):
+    def __init__(self, mesh: Any, plan: Any, leaves: list[LeafLayout], dtypes: list[torch.dtype],
+                 offloaded: frozenset[int] = frozenset()):
         self.mesh, self.plan, self.leaves = mesh, plan, leaves
+        # the parameters at rest in host memory (plan.with_state_offload("params")): brought in per group
+        self.offloaded = frozenset(offloaded)
         self.by_path = {lay.path: lay for lay in leaves}
         self.block_shapes = {lay.path: lay.block_shape(mesh) for lay in leaves}
         groups: dict[tuple, list[int]] = {}
@@ -62,7 +66,8 @@ class EngineConfig:
         self.any_gather = any(lay.gather for lay in leaves)
         pd = plan.param_dtype
         self.mixed = None if pd is None else (pd, plan.reduce_dtype or pd)
-        self.needs_view = self.any_gather or self.mixed is not None  # parameters are read through `read`
+        # parameters are read through `read` (gathered, cast, or copied in from host memory)
+        self.needs_view = self.any_gather or self.mixed is not None or bool(self.offloaded)
         # the gradients a pipeline hands out are the step's gradients, laid out as they will be returned:
         # nothing gathered, cast or reduced after it (then it can reduce their norm with its loss)
         self.pipeline_grads_final = (plan.pipeline is not None and not self.needs_view and not any(self.reduced)
@@ -105,8 +110,9 @@ class _Reads:
     (:mod:`~hpfunc.transforms.engine.prefetch`)."""
 
     def __init__(self, cfg: EngineConfig, ws: Blocks, layer: ParamLayer, program: Any = None,
-                 differentiated: set[int] | None = None, order_key: Any = None):
+                 differentiated: set[int] | None = None, order_key: Any = None, host: HostParams | None = None):
         self.cfg, self.ws, self.layer = cfg, ws, layer
+        self.host = host  # the offloaded blocks (ws holds their anchors), or None
         # the leaves whose gradients this differentiation computes: a group of them all gathers from a packed
         # leaf of its own whose reduce-scatter the backward does not wait for (scatter_async.py)
         self.differentiated = differentiated
@@ -129,11 +135,11 @@ class _Reads:
         back = (None if program is None or cfg.plan.pipeline is not None or order_key is None
                 else program.regather_orders.get(order_key))
         self.back = Regathers(cfg, ws, order=back, record=program is not None and order_key is not None
-                              and cfg.plan.pipeline is None)
+                              and cfg.plan.pipeline is None, host=host)
 
     def gather(self, members: list[int]) -> list[torch.Tensor]:
-        cfg = self.cfg
-        blocks = [self.ws[j] for j in members]
+        cfg, host = self.cfg, self.host
+        blocks = [self.ws[j] for j in members]  # an offloaded member's is its anchor: host.fill copies it in
         specs = [cfg.leaves[j].gather for j in members]
         detached = [b.detach() for b in blocks]
         back, mixed = self.back, cfg.mixed
@@ -143,24 +149,30 @@ class _Reads:
             return fulls
         if self.seen is not None and members[0] not in self.seen:
             self.seen.append(members[0])
+        offloaded = host is not None and host.any(members)
         with outside() as clear:  # the same ops in a remat region's forward and its recompute: none
             flight = self.flights.pop(members[0], None)
             if (self.scatters is not None and prefetch.eligible(specs)
                     and all(j in self.differentiated for j in members)):
-                full = self.scatters.gather(cfg.mesh, blocks, members, specs[0][0][1], flight, mixed)
+                # values read only when not prefetched; an offloaded group's packed leaves are carriers
+                values = blocks if flight is not None or not offloaded else host.fill(members, detached)
+                full = self.scatters.gather(cfg.mesh, values, members, specs[0][0][1], flight, mixed,
+                                            carriers=offloaded)
+                del values
                 fulls = _unpack_gathered(full, blocks, [g[0][0] for g in specs], full.shape[0])
             elif flight is not None:  # prefetched: wait for it, unpack as a synchronous packed gather would
                 full = flight.land(blocks)
                 fulls = _unpack_gathered(full, blocks, [g[0][0] for g in specs], full.shape[0])
             else:
-                fulls = gather_group(blocks, specs, mixed)
+                fulls = gather_group(host.fill(members, blocks) if offloaded else blocks, specs, mixed)
             if self.order is not None and clear:
                 self._prefetch_after(members[0])
         self.layer.own_gathered(fulls, next(self.gids), lambda: back.gather(members, detached, specs, mixed))
         return fulls
 
     def _prefetch_after(self, first: int) -> None:
-        """Issue the gather of the group read after ``first`` (one group in flight ahead)."""
+        """Issue the gather of the group read after ``first`` (one group in flight ahead), and start copying in
+        the offloaded blocks of the group after that."""
         k = self.at.get(first)
         if k is None or k + 1 >= len(self.order):
             return
@@ -168,11 +180,16 @@ class _Reads:
         members = self.cfg.group_of[nxt]
         if nxt in self.flights or any(j in self.ready or j in self.kept for j in members):
             return
-        cfg = self.cfg
+        cfg, host = self.cfg, self.host
         specs = [cfg.leaves[j].gather for j in members]
         if not prefetch.eligible(specs):
             return
-        self.flights[nxt] = prefetch.start(cfg.mesh, [self.ws[j] for j in members], specs[0][0][1], cfg.mixed)
+        blocks = [self.ws[j] for j in members]
+        if host is not None:
+            blocks = host.fill(members, [b.detach() for b in blocks])
+            if k + 2 < len(self.order):  # copied in while this layer computes, for the next prefetch
+                host.start(cfg.group_of[self.order[k + 2]])
+        self.flights[nxt] = prefetch.start(cfg.mesh, blocks, specs[0][0][1], cfg.mixed)
 
     def end_forward(self) -> None:
         """After the forward: record the order of first reads (the first differentiation), wait for and drop
@@ -184,6 +201,8 @@ class _Reads:
             flight.wait()
         self.flights.clear()
         self.ready.clear()
+        if self.host is not None:
+            self.host.finish()
 
     def end_backward(self, ran: bool) -> None:
         """After the backward (``ran``: whether one ran): drop what it re-gathered ahead and did not use;
@@ -194,6 +213,8 @@ class _Reads:
             self.program.regather_orders[self.order_key] = seen
         self.ready.clear()  # gathered again by a recompute in the backward and not read
         self.kept.clear()
+        if self.host is not None:
+            self.host.finish()
 
     def __call__(self, w: torch.Tensor) -> torch.Tensor:
         i = self.ws.param_of(w)  # the block, or an exact alias of it (a remat recompute's saved input)
@@ -201,6 +222,14 @@ class _Reads:
             return w
         cfg = self.cfg
         if not cfg.leaves[i].gather:  # used as stored (cast for use under mixed precision)
+            host = self.host
+            if host is not None and i in host.hosts:  # copied in from host memory; under reshard copied in
+                # again for the backward (claimed like a gathered group)
+                out = cast_for_use(host.fill([i], [w])[0], cfg.mixed)
+                mixed, dw = cfg.mixed, w.detach()
+                self.layer.own_gathered([out], next(self.gids),
+                                        lambda: [cast_for_use(host.fill([i], [dw])[0], mixed)])
+                return out
             out = cast_for_use(w, cfg.mixed)
             if out is not w:
                 self.layer.own(out)
@@ -235,11 +264,15 @@ def value_and_grad(program: Any, blocks: list[torch.Tensor], call: Callable[[lis
     recorded for a backward, so each gathered layer is freed once read (:func:`hpfunc.value`)."""
     cfg = program.engine
     plan = cfg.plan
-    layer = ParamLayer(cfg.mesh, reshard=cfg.reshard, any_gather=cfg.any_gather)
+    layer = ParamLayer(cfg.mesh, reshard=cfg.reshard, any_gather=cfg.any_gather or bool(cfg.offloaded))
+    host = None
+    if cfg.offloaded:  # the host blocks stay out of autograd: their device anchors take their place
+        host = HostParams({i: blocks[i] for i in cfg.offloaded}, torch.device(cfg.mesh.device_type))
+        blocks = [host.anchor(i) if i in host.hosts else b for i, b in enumerate(blocks)]
     ws = Blocks(blocks, requires_grad=[x.is_floating_point() for x in blocks])
     wanted = list(range(len(ws))) if wanted is None else wanted
     diff = [i for i in wanted if ws[i].requires_grad]
-    reads = _Reads(cfg, ws, layer, program, set(diff), order_key)
+    reads = _Reads(cfg, ws, layer, program, set(diff), order_key, host)
     reads.keep = record  # a forward only keeps nothing for a backward: each group freed once read
     layer.own_blocks(ws)
     pipe = None if plan.pipeline is None else StagePipeline(program, layer, step if reduce else None)

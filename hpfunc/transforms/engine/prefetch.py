@@ -78,8 +78,9 @@ class Flight:
         return full
 
     def land(self, blocks: list[torch.Tensor]) -> torch.Tensor:
-        flat = torch.cat([b.reshape(-1) for b in blocks])  # the autograd input (its transpose's target)
-        return _Landed.apply(flat, self)
+        # the blocks are the autograd inputs (the transpose's targets): their values are not read (an
+        # offloaded parameter's is its anchor, engine/param_offload.py)
+        return _Landed.apply(self, *blocks)
 
 
 def start(mesh: Any, blocks: list[torch.Tensor], axes: tuple[str, ...], mixed: Any = None) -> Flight:
@@ -114,14 +115,15 @@ class _Landed(torch.autograd.Function):
     in the reduce dtype under mixed precision, returned in the storage dtype)."""
 
     @staticmethod
-    def forward(flat: torch.Tensor, flight: Flight) -> torch.Tensor:
+    def forward(flight: Flight, *blocks: torch.Tensor) -> torch.Tensor:
         return flight.wait()
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-        flat, flight = inputs
+        flight, *blocks = inputs
         ctx.mesh, ctx.axes, ctx.collectors, ctx.mixed = flight.mesh, flight.axes, flight.collectors, flight.mixed
-        ctx.dtype = flat.dtype
+        ctx.dtype = blocks[0].dtype
+        ctx.shapes = [b.shape for b in blocks]
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor):
@@ -129,5 +131,6 @@ class _Landed(torch.autograd.Function):
             g = g.to(ctx.mixed[1])
         with ctx.mesh:
             ax = lax._axes_of(ctx.mesh, ctx.axes if len(ctx.axes) > 1 else ctx.axes[0])
-            out = lax._scatter(g, ax, 0, False, ctx.collectors, "all_gather")
-        return out.to(ctx.dtype), None
+            out = lax._scatter(g, ax, 0, False, ctx.collectors, "all_gather").to(ctx.dtype)
+        parts = out.split([s.numel() for s in ctx.shapes])
+        return (None, *(p.view(s) for p, s in zip(parts, ctx.shapes)))

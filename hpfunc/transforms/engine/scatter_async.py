@@ -57,16 +57,19 @@ class Scatters:
         self.works: list[tuple[Any, torch.Tensor, Any, tuple]] = []
 
     def gather(self, mesh: Any, blocks: list[torch.Tensor], members: list[int], axes: tuple[str, ...],
-               flight: Any = None, mixed: Any = None) -> torch.Tensor:
+               flight: Any = None, mixed: Any = None, carriers: bool = False) -> torch.Tensor:
         """The ``(n, total)`` packed gather of ``blocks`` (waiting for ``flight`` if it was prefetched),
         differentiable with respect to new aliases of the blocks (or carriers, see the module docstring)
-        whose reduce-scatter is not waited for. ``mixed``: ``(param_dtype, reduce_dtype)`` or ``None``."""
+        whose reduce-scatter is not waited for. ``mixed``: ``(param_dtype, reduce_dtype)`` or ``None``.
+        ``carriers``: the packed leaves are carriers whatever the dtypes (the blocks are device copies of
+        offloaded parameters, which an alias would keep alive until the backward ends)."""
         mp = mixed if mixed is not None and blocks[0].is_floating_point() else None
         values = tuple(b.detach() for b in blocks)
-        if mp is None or mp[1] == blocks[0].dtype:
+        if not carriers and (mp is None or mp[1] == blocks[0].dtype):
             leaves = [v.detach().requires_grad_(True) for v in values]
         else:
-            leaves = [blocks[0].new_zeros((), dtype=mp[1]).expand(b.shape).requires_grad_(True) for b in blocks]
+            dtype = blocks[0].dtype if mp is None else mp[1]
+            leaves = [blocks[0].new_zeros((), dtype=dtype).expand(b.shape).requires_grad_(True) for b in blocks]
         self.entries.append((leaves, members, blocks[0].dtype))
         return _GatherScatterAsync.apply(mesh, axes, flight, self.works, mp, values, *leaves)
 
