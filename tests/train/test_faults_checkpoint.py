@@ -203,6 +203,21 @@ def test_a_short_write_on_an_almost_full_disk_is_said_as_enospc(tmp_path, monkey
     assert save_faults.short_write_cause(torch_error, tmp_path) == (
         "RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
 
+    # through a save: DCP's write raises torch's line; the save says ENOSPC and removes the partial folder
+    from hpfunc.checkpoint import dcp_io
+
+    def short(*args, **kwargs):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+
+    monkeypatch.setattr(dcp_io.dcp, "save", short)
+    monkeypatch.setattr(save_faults, "free_bytes", lambda folder: 0)
+    with pytest.raises(checkpoint.CheckpointError) as failed:
+        checkpoint.save(tmp_path / "step_00000001", {"w": torch.zeros(4)}, step=1)
+    assert str(failed.value).startswith(f"cannot save the checkpoint of step 1 to {tmp_path / 'step_00000001'}: No "
+                                        f"space left on device (ENOSPC): the file system is full (0.00 MiB free after"
+                                        f" a write stopped short: RuntimeError: [enforce fail"), str(failed.value)
+    assert list(tmp_path.iterdir()) == []
+
 
 # ---------------------------------------------------------------------------------------------
 # Ranks given different folders or steps: one small collective before anything is written
