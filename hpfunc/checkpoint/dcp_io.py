@@ -50,7 +50,7 @@ from hpfunc.checkpoint import _ranks, marker as _marker
 from hpfunc.checkpoint.abstract import Abstract, abstract, empty, is_abstract_leaf
 from hpfunc.checkpoint.errors import CheckpointError, CheckpointMismatchError, CorruptCheckpointError, listed
 from hpfunc.checkpoint.files import partial_name, publish
-from hpfunc.checkpoint.save_faults import agree, cause, check_step, remove_partial
+from hpfunc.checkpoint.save_faults import agree, cause, check_step, remove_partial, short_write, short_write_cause
 from hpfunc.faults import is_comm_failure
 from hpfunc.checkpoint.keys import key_paths
 
@@ -165,7 +165,10 @@ def _write_phases(final: pathlib.Path, tmp: pathlib.Path, flat: dict[str, Any], 
     except (Exception, CheckpointException) as e:  # DCP gathers every rank's error and raises it on every rank
         if is_comm_failure(e):
             raise
-        raise _SaveFailed(cause(e)) from None
+        why = cause(e)
+        if short_write(e):  # (the same on every rank) rank 0 asks the file system, before the partial folder goes
+            why = _ranks.from_rank0(short_write_cause(e, tmp) if _ranks.rank(group) == 0 else None, group)
+        raise _SaveFailed(why) from None
     # DCP returns once rank 0 wrote .metadata after every rank's files: list, then checksum in parallel
     names, err = _on_rank0(lambda: sorted(p.name for p in tmp.iterdir() if p.is_file()), group)
     if err is not None:

@@ -7,7 +7,9 @@
   :class:`~hpfunc.checkpoint.errors.CheckpointError` raised on every rank before anything is written.
 * :func:`cause`: the root cause of a failed write in one phrase: the ``OSError`` under DCP's
   ``CheckpointException`` (which lists every rank's traceback) or under torch's serializer
-  (``unexpected pos 704 vs 598``), with its errno name and what it means.
+  (``unexpected pos 704 vs 598``), with its errno name and what it means. Where torch's serializer
+  lost the ``OSError`` of a write the file system cut short (:func:`short_write`), the file system is
+  asked (:func:`short_write_cause`): almost no free space left is a full disk (ENOSPC).
 
 >>> check_step(-1, "save")
 Traceback (most recent call last):
@@ -30,7 +32,7 @@ from typing import Any
 from hpfunc.checkpoint import _ranks
 from hpfunc.checkpoint.errors import CheckpointError
 
-__all__ = ["check_step", "agree", "cause", "free_bytes", "remove_partial"]
+__all__ = ["check_step", "agree", "cause", "short_write", "short_write_cause", "free_bytes", "remove_partial"]
 
 _HINTS = {_errno.ENOSPC: "the file system is full", _errno.EDQUOT: "the disk quota is used up",
           _errno.EROFS: "the file system is mounted read-only", _errno.EACCES: "no permission to write there",
@@ -132,6 +134,51 @@ def cause(e: BaseException) -> str:
         text = f"{err.strerror or err} ({name})" if name else f"{err.strerror or err}"
         hint = _HINTS.get(err.errno or 0)
         return text + (f": {hint}" if hint else "") + (f" (on {where})" if where else "")
+    return _first_line(e)
+
+
+_SHORT_WRITE = "unexpected pos"  # torch's zip writer (inline_container.cc) on a write cut short
+FULL_BELOW = 64 * 1024  # a short write with less free space than this on the file system: a full disk
+
+
+def _texts(e: BaseException) -> list[str]:
+    """The messages of ``e``, its cause and context chain, and DCP's per-rank failures."""
+    out, todo, seen = [], [e], set()
+    while todo:
+        x = todo.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        out.append(str(x))
+        failures = getattr(x, "failures", None)
+        if isinstance(failures, dict):
+            todo += [pair[0] if isinstance(pair, tuple) and pair else pair for pair in failures.values()]
+        todo += [x.__cause__, x.__context__]
+    return [t for t in out if t]
+
+
+def short_write(e: BaseException) -> bool:
+    """Whether ``e`` is a write the file system cut short with no ``OSError`` left to say why: torch's zip
+    writer (``torch.save``, which DCP uses for the non-tensor items) then raises ``[enforce fail at
+    inline_container.cc:672] . unexpected pos 704 vs 598`` (seen on a full tmpfs).
+
+    >>> short_write(RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"))
+    True
+    >>> import errno
+    >>> short_write(OSError(errno.ENOSPC, "No space left on device"))  # the OSError says why
+    False
+    """
+    return not _os_errors(e) and any(_SHORT_WRITE in t for t in _texts(e))
+
+
+def short_write_cause(e: BaseException, folder: str | os.PathLike) -> str:
+    """The cause of a short write (:func:`short_write`) into ``folder``, from its file system: less than
+    :data:`FULL_BELOW` bytes free is a full disk, said as :func:`cause` says ENOSPC; otherwise torch's line.
+    Ask before the partial folder is removed (its files hold the space)."""
+    free = free_bytes(folder)
+    if free is not None and free < FULL_BELOW:
+        return (f"{os.strerror(_errno.ENOSPC)} (ENOSPC): {_HINTS[_errno.ENOSPC]} ({free_bytes_text(free)} after a "
+                f"write stopped short: {_first_line(e)})")
     return _first_line(e)
 
 

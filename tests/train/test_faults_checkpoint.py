@@ -29,6 +29,12 @@ from hpfunc.train.cli import main as train_main
 from hpfunc.train.output import read_metrics
 
 MESH = ["--set", "parallel.mesh={fsdp: 2, tp: 2}", "--set", "parallel.plan=[fsdp, tp]"]
+# the launched runs of the save faults: two ranks are enough for a collective save, one error line for all
+# ranks and a resume on the mesh, at half the start-up of four on 2 cores (three launches in the test). On
+# two ranks each rank's file is larger than the 400 KiB disk, and about every other run the write that
+# fills it is torch's serializer's, which loses the OSError ("unexpected pos 704 vs 598"): the save asks
+# the file system then, and must still say ENOSPC (hpfunc.checkpoint.save_faults.short_write_cause).
+MESH_2 = ["--set", "parallel.mesh={fsdp: 2}", "--set", "parallel.plan=[fsdp]"]
 
 
 def _config(tmp_path: pathlib.Path, steps: int, every: int, **sections) -> pathlib.Path:
@@ -175,9 +181,42 @@ def test_failed_checkpoint_saves_on_one_process(tmp_path):
 
 
 @pytest.mark.multirank
-def test_failed_checkpoint_saves_on_a_2x2_mesh(tmp_path):
-    """Sync ENOSPC on 4 ranks; async refusal for too little space; resumed bit for bit on the mesh."""
-    _save_faults_then_resume(tmp_path, mesh=MESH, steps=6, every=2, second="space", timeout=600)
+def test_failed_checkpoint_saves_on_a_mesh(tmp_path):
+    """Sync ENOSPC on 2 ranks; async refusal for too little space; resumed bit for bit on the mesh."""
+    _save_faults_then_resume(tmp_path, mesh=MESH_2, steps=6, every=2, second="space", timeout=600)
+
+
+def test_a_short_write_on_an_almost_full_disk_is_said_as_enospc(tmp_path, monkeypatch):
+    """torch's serializer raises a bare RuntimeError for a write the file system cut short (no OSError):
+    the save asks the file system, and a disk with (almost) no space left is said as ENOSPC."""
+    from hpfunc.checkpoint import save_faults
+
+    torch_error = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    wrapped = RuntimeError("rank 0 failed")
+    wrapped.__cause__ = torch_error
+    assert save_faults.short_write(wrapped) and not save_faults.short_write(RuntimeError("another failure"))
+    monkeypatch.setattr(save_faults, "free_bytes", lambda folder: 4096)
+    said = save_faults.short_write_cause(torch_error, tmp_path)
+    assert said.startswith("No space left on device (ENOSPC): the file system is full (0.00 MiB free after a write "
+                           "stopped short: RuntimeError: [enforce fail at inline_container.cc:672]"), said
+    monkeypatch.setattr(save_faults, "free_bytes", lambda folder: 2**30)  # space left: torch's own line, no guess
+    assert save_faults.short_write_cause(torch_error, tmp_path) == (
+        "RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+
+    # through a save: DCP's write raises torch's line; the save says ENOSPC and removes the partial folder
+    from hpfunc.checkpoint import dcp_io
+
+    def short(*args, **kwargs):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+
+    monkeypatch.setattr(dcp_io.dcp, "save", short)
+    monkeypatch.setattr(save_faults, "free_bytes", lambda folder: 0)
+    with pytest.raises(checkpoint.CheckpointError) as failed:
+        checkpoint.save(tmp_path / "step_00000001", {"w": torch.zeros(4)}, step=1)
+    assert str(failed.value).startswith(f"cannot save the checkpoint of step 1 to {tmp_path / 'step_00000001'}: No "
+                                        f"space left on device (ENOSPC): the file system is full (0.00 MiB free after"
+                                        f" a write stopped short: RuntimeError: [enforce fail"), str(failed.value)
+    assert list(tmp_path.iterdir()) == []
 
 
 # ---------------------------------------------------------------------------------------------
@@ -370,14 +409,19 @@ def test_small_inputs_named_seed_out_sigterm_and_an_empty_file(tmp_path, capsys,
     assert [s for s, *_ in _steps(read_metrics(tmp_path / "out" / "metrics.jsonl"))] == [1, 2]
 
 
-def test_launch_says_when_restarts_are_used_up_and_refuses_a_missing_script(tmp_path):
+def test_launch_says_when_restarts_are_used_up_and_refuses_a_missing_script(tmp_path, capsys):
+    from hpfunc.launch import main as launch_main
+
     script = tmp_path / "fail.py"
     script.write_text("import sys\nsys.exit(3)\n")
     launch = [sys.executable, "-m", "hpfunc.launch", "--nproc", "1"]
-    proc = subprocess.run([*launch, str(tmp_path / "nothere.py")], capture_output=True, text=True, env=_env(),
-                          timeout=120)
-    assert proc.returncode == 2  # before any rank starts
-    assert f"hpfunc launch: the script '{tmp_path / 'nothere.py'}' does not exist" in proc.stderr, proc.stderr
+    # in this process (`hpfunc launch`'s main, as the usage tests call it): refused before torch's launcher
+    # runs, so before any rank could start
+    with pytest.raises(SystemExit) as refused:
+        launch_main(["--nproc", "1", str(tmp_path / "nothere.py")])
+    assert refused.value.code == 2
+    err = capsys.readouterr().err
+    assert f"hpfunc launch: the script '{tmp_path / 'nothere.py'}' does not exist" in err, err
     proc = subprocess.run([*launch, "--max-restarts", "1", str(script)], capture_output=True, text=True, env=_env(),
                           timeout=300)
     assert proc.returncode == 3, proc.stderr
