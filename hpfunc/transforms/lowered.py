@@ -436,10 +436,16 @@ class Lowered:
 
 
 def path_of_bucket(paths: list[str], members: list[int]) -> str:
-    """A bucket's name: the layer its members share (``layers.3``), else ``top``."""
-    first = paths[members[0]].split(".")
-    layer = next((".".join(first[: i + 1]) for i, p in enumerate(first) if p.isdigit()), None)
-    return layer if layer is not None and all(paths[i].startswith(layer + ".") for i in members) else "top"
+    """A bucket's name: the layer its members share (``layers.3``), ``top`` for the top-level
+    parameters, and for a bucket of several layers (under the bucket cap) its first and last
+    (``layers.1..top``)."""
+    names = list(dict.fromkeys(_layer_name(paths[i]) for i in members))
+    return names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"
+
+
+def _layer_name(path: str) -> str:
+    parts = path.split(".")
+    return next((".".join(parts[: i + 1]) for i, p in enumerate(parts) if p.isdigit()), "top")
 
 
 def _bucket_str(bucket: tuple) -> str:

@@ -205,6 +205,7 @@ class Plan:
     state_offload: tuple[str, ...] = ()  # what is kept in host memory between steps ("optimizer")
     offload_group_bytes: int | None = None  # the optimizer state an update streams at once (None: the default)
     offload_layers: Any = None  # with "params": the parameters kept in host memory (a regex or a predicate; None: all)
+    bucket_cap_bytes: int | None = None  # the gradient all-reduce buckets' cap (None: overlap.BUCKET_CAP_BYTES)
 
     def __add__(self, other: "Plan") -> "Plan":
         def one(name: str) -> Any:
@@ -225,7 +226,7 @@ class Plan:
                     self.pipeline if self.pipeline is not None else other.pipeline, one("sdc_check"),
                     self.context if self.context is not None else other.context,
                     tuple(dict.fromkeys(self.state_offload + other.state_offload)), one("offload_group_bytes"),
-                    one("offload_layers"))
+                    one("offload_layers"), one("bucket_cap_bytes"))
 
     def with_mixed_precision(self, param_dtype: torch.dtype | None = torch.bfloat16,
                              reduce_dtype: torch.dtype | None = torch.float32) -> "Plan":
@@ -301,6 +302,25 @@ class Plan:
         return attrs.evolve(self, state_offload=kinds,
                             offload_group_bytes=check_group_bytes(group_bytes, "with_state_offload"),
                             offload_layers=check_layers(layers, kinds, "with_state_offload"))
+
+    def with_bucket_cap(self, cap_bytes: int | None) -> "Plan":
+        """Pack the gradient all-reduces started during the backward (DDP, HSDP's replicate axis, parameters
+        replicated over TP) into buckets of whole layers of up to ``cap_bytes`` bytes each (DDP's
+        ``bucket_cap_mb``): consecutive layers, in the order the backward finishes them, share one bucket
+        while their gradients fit; a layer larger than the cap is a bucket of its own (a layer is never
+        split). ``None``: :data:`hpfunc.transforms.engine.overlap.BUCKET_CAP_BYTES` (25 MiB, DDP's
+        default); ``0``: one bucket per layer. Fewer buckets are fewer collectives (each a round trip,
+        host time on gloo); smaller ones start earlier in the backward. The bytes sent and the values are
+        the same for every cap. See :mod:`hpfunc.transforms.engine.overlap`.
+
+        >>> ddp("dp").with_bucket_cap(0).bucket_cap_bytes
+        0
+        """
+        if cap_bytes is not None and not (isinstance(cap_bytes, int) and not isinstance(cap_bytes, bool)
+                                          and cap_bytes >= 0):
+            raise PlanError(f"with_bucket_cap: cap_bytes must be an int >= 0 (bytes; 0: one bucket per layer) or "
+                            f"None (the default, 25 MiB), found {cap_bytes!r}")
+        return attrs.evolve(self, bucket_cap_bytes=cap_bytes)
 
     def with_rules(self, rules: Sequence[tuple[str, Any]]) -> "Plan":
         conv = tuple((pat, sp if isinstance(sp, LeafSpec) else LeafSpec.of(sp)) for pat, sp in rules)

@@ -61,14 +61,17 @@ def run_printed(plan_name: str) -> dict:
 
     axis = {"fsdp": "fsdp", "ddp": "dp", "zero2": "dp"}[plan_name]
     plan = getattr(plans, plan_name)(axis)
-    ts = hpfunc.parallelize(_step, hpfunc.Mesh({axis: 2}), plan)
+    # one all-reduce bucket per layer (the bucket cap 0), to show their order; under the default cap the
+    # small model's gradients share one bucket (default_text)
+    ts = hpfunc.parallelize(_step, hpfunc.Mesh({axis: 2}), plan.with_bucket_cap(0))
     state = {"params": ts.shard_params(_params())}
     batch = torch.arange(8).reshape(4, 2) % 8
+    default_text = str(hpfunc.parallelize(_step, hpfunc.Mesh({axis: 2}), plan).lower(state, batch))
     lowered = ts.lower(state, batch)
     text = str(lowered)
     state, m1 = lowered(state, batch)
     state, m2 = ts(state, batch)
-    return {"text": text, "same": ts.lower(state) is lowered,
+    return {"text": text, "default_text": default_text, "same": ts.lower(state) is lowered,
             "losses": [float(m1["loss"].full_tensor()), float(m2["loss"].full_tensor())]}
 
 
@@ -101,7 +104,8 @@ def run_reductions_during_backward(plan_name: str) -> dict:
         value, g = hpfunc.value_and_grad(loss)(state["params"])
         return {"params": hpfunc.tree.tree_map(lambda w, d: w - 0.01 * d, state["params"], g)}, {"loss": value}
 
-    ts = hpfunc.parallelize(step, hpfunc.Mesh({axis: 2}), getattr(plans, plan_name)(axis))
+    # one bucket per layer (cap 0): the default cap would put the small model's gradients in one
+    ts = hpfunc.parallelize(step, hpfunc.Mesh({axis: 2}), getattr(plans, plan_name)(axis).with_bucket_cap(0))
     state = {"params": ts.shard_params(_params())}
     batch = torch.arange(8).reshape(4, 2) % 8
     with hpfunc.comm_stats() as stats:

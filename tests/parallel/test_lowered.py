@@ -38,6 +38,10 @@ def test_print_shows_every_parameter_with_its_gather_group_and_reduction(pools):
     # the last layer's gradients are final first: its bucket is issued first, the top-level ones last
     assert [ddp_rows[p][-1] for p in ("layers.1.wq", "layers.0.wo", "embed", "bias")] == \
         ["0: layers.1", "1: layers.0", "2: top", "2: top"], ddp[0]["text"]
+    # under the default bucket cap (25 MiB) the whole model's gradients are one bucket
+    _, default_rows = _table(ddp[0]["default_text"])
+    assert {r[-1] for r in default_rows.values()} == {"0: layers.1..top"}, ddp[0]["default_text"]
+    assert "1 all-reduce bucket started in the backward" in ddp[0]["default_text"], ddp[0]["default_text"]
     _, zero_rows = _table(zero2[0]["text"])
     assert zero_rows["layers.1.wo"][-2:] == ["psum_scatter dp [float32]", "-"], zero2[0]["text"]
 

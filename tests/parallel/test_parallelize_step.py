@@ -92,5 +92,7 @@ def test_aux_statistics_reduced_in_one_collective_per_dtype(pools):
         assert out["s"].item() == y.sum().item() / 2 and out["d"].item() == batch.sum().item() / 2, out
         torch.testing.assert_close(out["v"], batch.mean(0), rtol=0, atol=0)
         assert out["n"].item() == 4 and out["m"].tolist() == [4, 2], out
-        # the loss's pmean; float32 s and v in one pmean (1 + 3 elements), float64 d, int64 n, int32 m
-        assert out["records"] == sorted([("pmean", 4), ("pmean", 16), ("pmean", 8), ("psum", 8), ("psum", 8)]), out
+        # the loss (the mean of the shards' losses) rides with its dtype's statistics: float32 loss, s and v in
+        # one pmean (1 + 1 + 3 elements), float64 d, int64 n, int32 m
+        assert out["loss"].item() == y.pow(2).mean().item(), out
+        assert out["records"] == sorted([("pmean", 20), ("pmean", 8), ("psum", 8), ("psum", 8)]), out

@@ -23,3 +23,30 @@ def test_zero_before_fsdp_resolves():
     # storage-first order keeps its layout
     got = _specs(plans.fsdp("fsdp") + plans.zero2("dp"), {"w": (8, 4)}, mesh)
     assert got["w"] == (plans.P("fsdp"), plans.P(), plans.P("fsdp", "dp"))
+
+
+def test_bucket_cap_is_checked_and_combines_once():
+    """``Plan.with_bucket_cap``: bytes >= 0 or None; plans combined with + agree on it; the buckets it
+    packs are whole layers, merged in the backward's order while they fit (engine/overlap.py)."""
+    import pytest
+
+    from hpfunc.layout import LeafLayout, LeafSpec, PlanError
+    from hpfunc.mesh import Mesh
+    from hpfunc.transforms.engine.overlap import buckets_of
+
+    for bad in (-1, 1.5, True, "25MB"):
+        with pytest.raises(PlanError, match="with_bucket_cap: cap_bytes must be an int >= 0"):
+            plans.ddp("dp").with_bucket_cap(bad)
+    with pytest.raises(PlanError, match="bucket_cap_bytes 0 on the left, 8 on the right"):
+        plans.ddp("dp").with_bucket_cap(0) + plans.fsdp("fsdp").with_bucket_cap(8)
+    assert (plans.ddp("dp").with_bucket_cap(8) + plans.fsdp("fsdp")).bucket_cap_bytes == 8
+    lays = [LeafLayout(p, s, LeafSpec.of(()), replicated=("dp",))
+            for p, s in (("embed", (4,)), ("layers.0.w", (2, 2)), ("layers.0.b", (4,)), ("layers.1.w", (8,)))]
+    dts = [torch.float32] * 4
+    mesh = Mesh({"dp": 1})
+    assert buckets_of(lays, dts) == [(("dp",), [3]), (("dp",), [1, 2]), (("dp",), [0])]
+    # layers.1 (32 B) + layers.0 (32 B) fit 64 B; the top (16 B) starts a new bucket
+    assert buckets_of(lays, dts, cap_bytes=64, mesh=mesh) == [(("dp",), [3, 1, 2]), (("dp",), [0])]
+    # a layer over the cap stays whole, alone
+    assert buckets_of(lays, dts, cap_bytes=16, mesh=mesh) == [(("dp",), [3]), (("dp",), [1, 2]), (("dp",), [0])]
+    assert buckets_of(lays, dts, cap_bytes=1 << 20, mesh=mesh) == [(("dp",), [3, 1, 2, 0])]

@@ -32,7 +32,7 @@ from hpfunc.layout import LeafLayout, PlanError
 from hpfunc.transforms.engine import sdc
 from hpfunc.transforms.engine.gather import ParamLayer, gather_group, group_key
 from hpfunc.transforms.engine.mixed import cast_for_use
-from hpfunc.transforms.engine.overlap import Overlap, buckets_of
+from hpfunc.transforms.engine.overlap import BUCKET_CAP_BYTES, Overlap, buckets_of
 from hpfunc.transforms.engine import prefetch
 from hpfunc.transforms.engine.backward_prefetch import Regathers
 from hpfunc.transforms.engine.outside_checkpoint import outside
@@ -81,7 +81,9 @@ class EngineConfig:
         # the all-reduce buckets started during the backward (overlap.py); not under a pipeline (its
         # executor runs its own backward) nor an SDC check (it compares the reduction it runs itself)
         self.overlap_buckets = ([] if plan.pipeline is not None or plan.sdc_check is not None
-                                else buckets_of(leaves, dtypes, plan.reduce_dtype))
+                                else buckets_of(leaves, dtypes, plan.reduce_dtype, mesh=mesh,
+                                                cap_bytes=BUCKET_CAP_BYTES if plan.bucket_cap_bytes is None
+                                                else plan.bucket_cap_bytes))
 
     @staticmethod
     def seed(mesh_size: int, data_ranks: int, factor: float | None) -> float:

@@ -12,6 +12,11 @@ those of the one packed ``psum`` (each gradient is sent once); what changes is w
 of calls (one per bucket). The comm counter records each call with the phase it was issued in
 (``backward``).
 
+Buckets hold whole layers up to a cap (:data:`BUCKET_CAP_BYTES`, 25 MiB, DDP's ``bucket_cap_mb``;
+``Plan.with_bucket_cap``): consecutive layers in the backward's order share one bucket while their
+gradients fit, so that a model of small layers pays a few collectives, not one per layer (on gloo
+each is a round trip costing host time on every rank); ``0``: one bucket per layer.
+
 Buckets start in their order only (a bucket finished early waits for the ones before it), and one
 whose member received no gradient (a parameter the loss does not use) is completed with zeros after
 the backward and reduced then, with every bucket after it: every rank issues the same collectives in
@@ -21,10 +26,14 @@ the same order.
     >>> lays = [LeafLayout(p, (4,), LeafSpec.of(()), replicated=("dp",)) for p in ("embed", "layers.0.w", "layers.1.w")]
     >>> buckets_of(lays, [torch.float32] * 3)
     [(('dp',), [2]), (('dp',), [1]), (('dp',), [0])]
+    >>> import hpfunc
+    >>> buckets_of(lays, [torch.float32] * 3, cap_bytes=32, mesh=hpfunc.Mesh({"dp": 1}))  # 16 B each: 2 fit
+    [(('dp',), [2, 1]), (('dp',), [0])]
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -35,7 +44,9 @@ from hpfunc import lax
 from hpfunc.layout import LeafLayout
 from hpfunc.transforms.engine.reduce import reduction_bucket
 
-__all__ = ["buckets_of", "Overlap"]
+__all__ = ["BUCKET_CAP_BYTES", "buckets_of", "Overlap"]
+
+BUCKET_CAP_BYTES = 25 * 2**20  # the default cap of one all-reduce bucket (DDP's bucket_cap_mb=25)
 
 
 def _layer_of(path: str) -> str:
@@ -43,13 +54,15 @@ def _layer_of(path: str) -> str:
     return next((".".join(parts[: i + 1]) for i, p in enumerate(parts) if p.isdigit()), "")
 
 
-def buckets_of(leaves: list[LeafLayout], dtypes: list[torch.dtype],
-               reduce_dtype: torch.dtype | None = None) -> list[tuple[tuple[str, ...], list[int]]]:
+def buckets_of(leaves: list[LeafLayout], dtypes: list[torch.dtype], reduce_dtype: torch.dtype | None = None, *,
+               cap_bytes: int = 0, mesh: Any = None) -> list[tuple[tuple[str, ...], list[int]]]:
     """The overlapped all-reduce buckets of a step's parameters: ``(axes, leaf indices)``, one per layer
     (the list element a path runs through, ``layers.3``) and one for the top-level parameters, per
     replicated axes and dtype; leaves whose gradient takes no all-reduce alone (ZeRO's reduce-scatter,
     FSDP) are in none. Listed in the order a backward finishes them: the last layer first, the
-    top-level parameters (the embedding is used first) last."""
+    top-level parameters (the embedding is used first) last. ``cap_bytes > 0`` (with the ``mesh``, which
+    sizes each gradient block): consecutive buckets of the same axes and dtype are merged while the
+    merged gradients' bytes stay within it (a layer over the cap stays a bucket of its own)."""
     found: dict[tuple, list[int]] = {}
     for i, (lay, dt) in enumerate(zip(leaves, dtypes)):
         b = reduction_bucket(lay, reduce_dtype or dt)
@@ -64,7 +77,25 @@ def buckets_of(leaves: list[LeafLayout], dtypes: list[torch.dtype],
         parts = layer.split(".")
         return (0, -int(parts[-1]), ".".join(parts[:-1]))
 
-    return [(key[1], found[key]) for key in sorted(found, key=order)]
+    keys = sorted(found, key=order)
+    if cap_bytes <= 0:
+        return [(key[1], found[key]) for key in keys]
+
+    def nbytes(key: tuple) -> int:
+        size = torch.empty((), dtype=key[2]).element_size()
+        return sum(math.prod(leaves[i].shape) // mesh.axis_size(leaves[i].spec.storage.axes) * size
+                   for i in found[key])
+
+    merged: list[list] = []  # [axes, dtype, members, bytes]
+    for key in keys:
+        b = nbytes(key)
+        last = merged[-1] if merged else None
+        if last is not None and last[0] == key[1] and last[1] == key[2] and last[3] + b <= cap_bytes:
+            last[2] = last[2] + found[key]
+            last[3] += b
+        else:
+            merged.append([key[1], key[2], list(found[key]), b])
+    return [(axes, members) for axes, _, members, _ in merged]
 
 
 class Overlap:

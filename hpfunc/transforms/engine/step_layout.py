@@ -207,9 +207,10 @@ class RankStep:
         """The per-rank loss as the mean over the data shards, and ``aux``'s batch statistics reduced."""
         axes = self.cfg.data_axes
         with torch.no_grad():
-            value = lax.pmean(loss.detach(), axes) if axes else loss.detach()
-            if has_aux:  # aux's statistics in one collective per dtype
-                aux = reduce_batch_stats(aux, axes)
+            if has_aux:  # the loss with aux's statistics: one collective per dtype (the loss rides in its dtype's)
+                value, aux = reduce_batch_stats((loss, aux), axes)
+            else:
+                value = lax.pmean(loss.detach(), axes) if axes else loss.detach()
         return value, aux
 
     def _call_on_params(self, fn: Callable, args: tuple, kwargs: dict, flat: list, index: list,
