@@ -79,6 +79,7 @@ def test_a_skipped_step_leaves_the_state_bit_identical_on_one_process(tmp_path):
 
 @pytest.mark.multirank
 def test_a_skipped_step_leaves_the_state_bit_identical_on_a_mesh(tmp_path, pool2):
+    write_corpus(tmp_path / "corpus")  # here, not by both ranks at once (they raced: one's mkdir failed)
     _check(*pool2.run(_skip_vs_fewer_steps, tmp_path, {"mesh": {"fsdp": 2}, "plan": ["fsdp"]})[0])
 
 

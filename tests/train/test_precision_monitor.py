@@ -22,7 +22,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from _train_helpers import TINY, write_corpus
 
@@ -313,9 +313,13 @@ def table_in_rank(name: str, seed: int) -> dict:
 @pytest.mark.multirank
 @settings(max_examples=4, deadline=None)
 @given(name=st.sampled_from(sorted(_PLANS)), seed=st.integers(0, 2 ** 16))
+@example(name="fsdp_tp", seed=156)  # a square 1.85e-5 off, its norm 0.92e-5
 def test_the_table_and_local_losses_equal_one_device_on_random_plans(pools, name, seed):
     out = pools(math.prod(_PLANS[name][0].values())).run(table_in_rank, name, seed)
     for r in out:
         torch.testing.assert_close(r["table"], out[0]["table"], rtol=0, atol=0)  # the same on every rank
-        torch.testing.assert_close(r["table"], r["ref"], rtol=1e-5, atol=1e-12)
+        # the table holds squared norms, whose relative error is twice their gradients' (fp32, a reduction
+        # order that differs from one device's): the norms themselves are held to fp32's 1e-5 (squares at
+        # 1e-5 failed once, fsdp_tp seed 156: 1.85e-5 on a square, 0.92e-5 on its norm)
+        torch.testing.assert_close(r["table"].sqrt(), r["ref"].sqrt(), rtol=1e-5, atol=1e-12)
         torch.testing.assert_close(r["local"], r["shards"], rtol=1e-5, atol=0)
