@@ -67,3 +67,16 @@ def pool4(pools):
 @pytest.fixture(scope="session")
 def pool8(pools):
     return pools(8)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_default_process_group_left_behind():
+    """A default process group that a module's tests made in this process (a one-rank ``hpfunc.Mesh``
+    initialises one) is destroyed when the module ends: left behind, it made the modules that need a
+    world of their own (torch's own pipeline schedules on the fake process group) skip silently."""
+    import torch.distributed as dist
+
+    before = dist.is_initialized()
+    yield
+    if not before and dist.is_initialized():
+        dist.destroy_process_group()
