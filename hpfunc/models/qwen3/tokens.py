@@ -45,7 +45,10 @@ def check_tokens(tokens: torch.Tensor, vocab_size: int) -> None:
     if tokens.device.type == "meta" or tokens.numel() == 0:
         return
     if tokens.device.type != "cpu":
-        torch._assert_async(((tokens >= 0) & (tokens < vocab_size)).all(),
+        from torch.distributed.tensor import DTensor
+
+        local = tokens.to_local() if isinstance(tokens, DTensor) else tokens  # each rank asserts on its block
+        torch._assert_async(((local >= 0) & (local < vocab_size)).all(),
                             f"apply: a token id is outside the vocabulary [0, {vocab_size}) (vocab_size={vocab_size})")
         return
     if _is_fake(tokens):
