@@ -68,8 +68,8 @@ class BatchFeed:
             current = torch.cuda.current_stream(self.device)
             current.wait_event(done)  # the device waits for the copy; the host does not
             for x in _tree.leaves(batch):
-                if isinstance(x, torch.Tensor):  # a DTensor's block is its local tensor
-                    getattr(x, "_local_tensor", x).record_stream(current)  # made on the copy stream, used and freed on the compute one
+                if isinstance(x, torch.Tensor):  # made on the copy stream, used and freed on the compute one
+                    getattr(x, "_local_tensor", x).record_stream(current)  # (a DTensor's block: its local tensor)
             return batch
         return self.place(self.make(n))
 
