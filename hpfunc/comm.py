@@ -66,6 +66,9 @@ class CommRecord:
     source: str
     tag: str = ""
     issued_at: float = attrs.field(default=0.0, eq=False)  # time.perf_counter() when issued
+    # of payload_bytes, those of the step's scalars (loss, batch statistics) riding this collective
+    # (transforms/engine/riders.py): a DDP step's last gradient bucket carries them
+    rider_bytes: int = 0
 
 
 @attrs.frozen
@@ -169,14 +172,15 @@ def _source() -> str:
 
 
 def record(collectors: tuple[CommStats, ...], *, op: str, name: str, axes: tuple[str, ...], n: int,
-           payload_bytes: int, phase: str, tag: str = "", sent_bytes: Fraction | None = None) -> CommRecord | None:
+           payload_bytes: int, phase: str, tag: str = "", sent_bytes: Fraction | None = None,
+           rider_bytes: int = 0) -> CommRecord | None:
     """Append one record to every active collector and return it (``None`` when none is active)."""
     if not collectors:
         return None
     rec = CommRecord(
         op=op, name=name, axes=tuple(axes), n=n, payload_bytes=int(payload_bytes),
         sent_bytes=ring_sent_bytes(op, payload_bytes, n) if sent_bytes is None else sent_bytes,
-        phase=phase, source=_source(), tag=tag, issued_at=time.perf_counter(),
+        phase=phase, source=_source(), tag=tag, issued_at=time.perf_counter(), rider_bytes=int(rider_bytes),
     )
     for c in collectors:
         c.records.append(rec)

@@ -67,7 +67,7 @@ your own does the same (the one-device run is the reference; ``docs/parallel.md`
 
 from hpfunc.layout.binding import Binding, binding, bound, rebind, regions
 from hpfunc.layout.step import (Accumulation, LeafLayout, LeafSpec, PlanError, StepLayout, bind, blocks_sq_norm,
-                                blocks_sq_sum,
+                                blocks_sq_sum, sq_norm_part,
                                 current, data_axes, data_parallel, donated, gather_block, global_sq_norm, leaf,
                                 local_block, sq_norm_table, varying_axes)
 from hpfunc.layout.expert_parallel import ep_axis, expert_parallel
@@ -81,7 +81,7 @@ from hpfunc.layout.tensor_parallel import (check_sequence, gather_sequence, redu
 __all__ = [
     "StepLayout", "LeafLayout", "LeafSpec", "Accumulation", "PlanError", "current", "bind", "leaf", "data_axes",
     "data_parallel", "donated",
-    "varying_axes", "local_block", "gather_block", "global_sq_norm", "blocks_sq_norm", "blocks_sq_sum",
+    "varying_axes", "local_block", "gather_block", "global_sq_norm", "blocks_sq_norm", "blocks_sq_sum", "sq_norm_part",
     "sq_norm_table",
     "tensor_parallel", "tp_axis", "sequence_parallel", "vocab_parallel", "scatter_sequence", "gather_sequence",
     "reduce_partial", "check_sequence", "expert_parallel", "ep_axis",

@@ -301,12 +301,24 @@ def blocks_sq_sum(blocks: list[torch.Tensor]) -> torch.Tensor:
 def blocks_sq_norm(mesh: Any, opt_specs: list[P], blocks: list[torch.Tensor], *, stage_axis: str | None = None,
                    stage_local: list[bool] | None = None) -> torch.Tensor:
     """Sum of squares (fp64) of global tensors given as this rank's blocks laid out by ``opt_specs``
-    (inside ``shard_map`` on ``mesh``): one scalar ``psum``. Each block counts once: a block replicated
-    on ``k`` ranks adds ``1/k`` of its square on each. Under a pipeline (``stage_axis``) the sum runs
-    over the pipeline ranks too: ``stage_local[k]`` leaves are held by one stage (they add whole), the
-    others by every pipeline rank (they add ``1/p`` each)."""
+    (inside ``shard_map`` on ``mesh``): one scalar ``psum`` of :func:`sq_norm_part`."""
     from hpfunc import lax
 
+    total, split = sq_norm_part(mesh, opt_specs, blocks, stage_axis=stage_axis, stage_local=stage_local)
+    return lax.psum(total, split) if split else total
+
+
+def sq_norm_part(mesh: Any, opt_specs: list[P], blocks: list[torch.Tensor], *, stage_axis: str | None = None,
+                 stage_local: list[bool] | None = None) -> tuple[torch.Tensor, tuple[str, ...]]:
+    """This rank's part of :func:`blocks_sq_norm` and the axes to sum it over (fp64, no collective).
+    Each block counts once: a block replicated on ``k`` ranks adds ``1/k`` of its square on each. Under
+    a pipeline (``stage_axis``) the sum runs over the pipeline ranks too: ``stage_local[k]`` leaves are
+    held by one stage (they add whole), the others by every pipeline rank (they add ``1/p`` each).
+
+    >>> import hpfunc
+    >>> sq_norm_part(hpfunc.Mesh({"fsdp": 1}), [hpfunc.P("fsdp")], [torch.ones(3)])
+    (tensor(3., dtype=torch.float64), ())
+    """
     local = tuple(stage_local) if stage_local else (False,) * len(opt_specs)
 
     def weights() -> tuple:
@@ -326,7 +338,7 @@ def blocks_sq_norm(mesh: Any, opt_specs: list[P], blocks: list[torch.Tensor], *,
         if reps is not None:
             sq = sq / torch.tensor(reps, dtype=torch.float64, device=sq.device)
         total = sq.sum()
-    return lax.psum(total, split) if split else total
+    return total, split
 
 
 def sq_norm_table(trees: Any, *, per_rank: torch.Tensor | None = None,

@@ -172,6 +172,9 @@ class Lowered:
         self.gather_orders: dict[tuple, tuple[int, ...]] = {}
         # the same for the backward's re-gathers of resharded groups (engine/backward_prefetch.py)
         self.regather_orders: dict[tuple, tuple[int, ...]] = {}
+        # the differentiations (keyed as the gather orders) whose gradients the step asked the global norm of:
+        # later runs reduce that norm with the loss and statistics, in one collective (engine/step_scalars.py)
+        self.sq_norm_wanted: set[tuple] = set()
         self.sdc_checks = 0  # gradient reductions checked so far (the "step" an SDC report names)
 
     # -- compiling ------------------------------------------------------------------------------------
@@ -270,7 +273,8 @@ class Lowered:
         """How many structures built inside the step the runs so far have recorded, by kind."""
         return {"metrics": len(self.out_specs), "param trees": len(self.layouts_of),
                 "value_and_grad args": len(self.alike_args), "stage uses": len(self.stage_uses),
-                "gather orders": len(self.gather_orders), "regather orders": len(self.regather_orders)}
+                "gather orders": len(self.gather_orders), "regather orders": len(self.regather_orders),
+                "gradient norms": len(self.sq_norm_wanted)}
 
     # -- running ------------------------------------------------------------------------------------
     def __call__(self, state: Any, batch: Any) -> tuple[Any, Any]:

@@ -113,7 +113,8 @@ def run_reductions_during_backward(plan_name: str) -> dict:
         ts(state, batch)
     grads = [r for r in stats.records if r.op == "all_reduce" and r.payload_bytes > 8]
     return {"before_first_layer_backward": seen[0], "all_reduces": len(grads),
-            "phases": sorted({r.phase for r in grads}), "bytes": sum(r.payload_bytes for r in grads),
+            "phases": sorted({r.phase for r in grads}), "bytes": sum(r.payload_bytes - r.rider_bytes for r in grads),
+            "rider_bytes": sum(r.rider_bytes for r in grads),
             "overlapped": overlapping(stats, grads, times[0])}
 
 

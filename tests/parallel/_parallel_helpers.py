@@ -198,8 +198,11 @@ def _setup(name: str, model: str = "qwen3-dense-tiny", **overrides):
 def run_comm(name: str, batch: int = 4, seq: int = 6) -> dict:
     """One step under comm_stats: the bytes each rank sends, split by collective and phase.
 
-    Records of at most 8 bytes (the loss pmean and the grad-norm psum, one scalar each) are left out.
+    Records of at most 8 bytes (the loss pmean and the grad-norm psum, one scalar each) are left out;
+    the step's scalars riding a gradient bucket (``CommRecord.rider_bytes``) are counted apart from its
+    gradient bytes (``"scalars"``: collectives carrying them, ``"rider_bytes"``: their bytes).
     """
+    from hpfunc.comm import ring_sent_bytes
     import math
 
     import hpfunc
@@ -214,14 +217,15 @@ def run_comm(name: str, batch: int = 4, seq: int = 6) -> dict:
     out = {"psi": sum(math.prod(s) for s in shapes.values()), "embed": math.prod(shapes["embed"]),
            "layers": cfg.num_hidden_layers,
            "act_bytes": batch // mesh.axis_size(plan.data_axes) * seq * cfg.hidden_size * 4,
-           "scalars": sum(1 for r in stats.records if r.payload_bytes <= 8)}
+           "scalars": sum(1 for r in stats.records if r.payload_bytes <= 8 or r.rider_bytes),
+           "rider_bytes": sum(r.rider_bytes for r in stats.records)}
     for r in stats.records:
         if r.payload_bytes <= 8:
             continue
         k = (r.op, r.axes, r.phase)
         out.setdefault(k, [0, 0])
         out[k][0] += 1
-        out[k][1] += r.sent_bytes
+        out[k][1] += ring_sent_bytes(r.op, r.payload_bytes - r.rider_bytes, r.n) if r.rider_bytes else r.sent_bytes
     # psums of activations (TP): their own key, by payload size
     out["act_psum"] = {ph: sum(1 for r in stats.records if r.op == "all_reduce" and r.phase == ph
                                and r.payload_bytes == out["act_bytes"]) for ph in ("forward", "backward")}

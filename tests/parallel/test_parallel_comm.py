@@ -32,8 +32,9 @@ def test_ddp_all_reduces_2psi(pools, name):
     assert _sent(out, "all_reduce", ("dp",), "backward") == Fraction(2 * (n - 1), n) * psi_bytes
     assert set(k for k in out if isinstance(k, tuple)) == {("all_reduce", ("dp",), "backward")}
     assert out[("all_reduce", ("dp",), "backward")][0] == 1
-    # the loss pmean; the grad norm needs no psum (every gradient block is whole on every rank)
-    assert out["scalars"] == 1
+    # the loss pmean rides that bucket (4 bytes: one fp32 scalar, engine/riders.py); the grad norm needs no
+    # psum (every gradient block is whole on every rank)
+    assert out["scalars"] == 1 and out["rider_bytes"] == 4
 
 
 @pytest.mark.parametrize("name", ["zero1", "zero2"])

@@ -39,6 +39,7 @@ from hpfunc.transforms.engine.outside_checkpoint import outside
 from hpfunc.transforms.engine.param_offload import HostParams
 from hpfunc.transforms.engine.packing import _unpack_gathered
 from hpfunc.transforms.engine.scatter_async import Scatters
+from hpfunc.transforms.engine.step_scalars import StepScalars
 from hpfunc.transforms.engine.pipelined import StagePipeline, known_gradients
 from hpfunc.transforms.engine.reduce import needs_reduction, reduce_gradients
 from hpfunc.transforms.engine.view import Blocks
@@ -254,7 +255,7 @@ class _Reads:
 
 def value_and_grad(program: Any, blocks: list[torch.Tensor], call: Callable[[list[torch.Tensor], Callable], Any],
                    has_aux: bool, wanted: list[int] | None = None, *, where: str, reduce: bool = True,
-                   step: Any = None, order_key: Any = None, record: bool = True):
+                   step: Any = None, order_key: Any = None, record: bool = True, stats: bool = False):
     """``(loss, aux, grads)``: the per-rank loss of ``call(ws, read)`` and the gradients of the leaves
     ``wanted`` (all by default): reduced and laid out like the optimizer blocks, or with
     ``reduce=False`` per rank (the caller reduces an accumulated sum once, :func:`reduce_wanted`).
@@ -263,7 +264,10 @@ def value_and_grad(program: Any, blocks: list[torch.Tensor], call: Callable[[lis
     gradients it hands out. ``order_key``: which differentiation of the step this is (its position and
     the leaves it wants): the key of the order of gathers its first run recorded, which later runs
     prefetch by (``None``: no prefetch). ``record=False``: the forward only (``wanted`` empty), nothing
-    recorded for a backward, so each gathered layer is freed once read (:func:`hpfunc.value`)."""
+    recorded for a backward, so each gathered layer is freed once read (:func:`hpfunc.value`).
+    ``stats``: also return the loss and ``aux`` as :class:`~hpfunc.transforms.engine.step_scalars.StepScalars`
+    over the data axes, riding the last overlapped gradient bucket when they can (else reduced by
+    the caller, :meth:`StepScalars.reduce`); the fourth element of the result, ``None`` without."""
     cfg = program.engine
     plan = cfg.plan
     layer = ParamLayer(cfg.mesh, reshard=cfg.reshard, any_gather=cfg.any_gather or bool(cfg.offloaded))
@@ -307,6 +311,7 @@ def value_and_grad(program: Any, blocks: list[torch.Tensor], call: Callable[[lis
     if not (isinstance(loss, torch.Tensor) and loss.ndim == 0 and loss.is_floating_point()):
         raise TypeError(f"{where}: the loss must be a floating 0-d tensor"
                         f"{' (as the first element, has_aux=True)' if has_aux else ''}; found {loss!r}")
+    scalars = StepScalars(cfg.mesh, cfg.data_axes, loss, aux, has_aux) if stats else None
     targets = [ws[i] for i in diff]
     # the pipelined loss itself (not a function of it) comes with its gradients already computed
     gs = None if pipe is None or not diff else known_gradients(loss, targets, cfg.seed_scale)
@@ -314,7 +319,7 @@ def value_and_grad(program: Any, blocks: list[torch.Tensor], call: Callable[[lis
     if gs is None:
         if reduce and cfg.overlap_buckets and diff and loss.requires_grad:
             # each bucket's all-reduce starts from a gradient hook once its last member is final
-            overlap = Overlap(cfg.mesh, ws, wanted, cfg.overlap_buckets, plan.reduce_dtype)
+            overlap = Overlap(cfg.mesh, ws, wanted, cfg.overlap_buckets, plan.reduce_dtype, scalars)
         packed = reads.scatters.leaves if reads.scatters is not None else []
         gs = (torch.autograd.grad(loss, targets + packed, grad_outputs=torch.full_like(loss, cfg.seed_scale),
                                   allow_unused=True) if diff and loss.requires_grad else [None] * (len(diff) + len(packed)))
@@ -330,10 +335,10 @@ def value_and_grad(program: Any, blocks: list[torch.Tensor], call: Callable[[lis
         rest = [i for i in wanted if i not in done]
         grads = [by_leaf.get(i) if by_leaf.get(i) is not None else torch.zeros_like(blocks[i]) for i in rest]
         red = dict(zip(rest, reduce_wanted(program, grads, rest))) if rest else {}
-        return loss, aux, [done[i] if i in done else red[i] for i in wanted]
+        return loss, aux, [done[i] if i in done else red[i] for i in wanted], scalars
     if overlap is not None:
         overlap.finish(by_leaf, blocks)  # (no bucket applied: removes its hooks)
     grads = [by_leaf.get(i) if by_leaf.get(i) is not None else torch.zeros_like(blocks[i]) for i in wanted]
     if not reduce:
-        return loss, aux, grads
-    return loss, aux, reduce_wanted(program, grads, wanted)
+        return loss, aux, grads, scalars
+    return loss, aux, reduce_wanted(program, grads, wanted), scalars

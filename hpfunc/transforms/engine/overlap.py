@@ -105,7 +105,7 @@ class Overlap:
     whose gradients this backward computes; ``buckets``: :func:`buckets_of` of the step."""
 
     def __init__(self, mesh: Any, ws: Any, wanted: list[int], buckets: list[tuple[tuple[str, ...], list[int]]],
-                 reduce_dtype: torch.dtype | None = None):
+                 reduce_dtype: torch.dtype | None = None, scalars: Any = None):
         self.mesh, self.reduce_dtype = mesh, reduce_dtype
         wanted_set = set(wanted)
         # only buckets every member of which this backward differentiates (a subtree's value_and_grad
@@ -118,6 +118,13 @@ class Overlap:
         self.started: list[tuple[int, torch.Tensor, Any, Any] | None] = [None] * len(self.buckets)
         self.next = 0  # the next bucket to start
         self.collectors = _comm.active()
+        # the step's scalars (StepScalars) ride the last bucket's all-reduce when they can (riders.py)
+        self.scalars, self.riders = scalars, None
+        if scalars is not None and self.buckets:
+            axes, members = self.buckets[-1]
+            carrier = reduce_dtype if reduce_dtype is not None and ws[members[0]].is_floating_point() \
+                else ws[members[0]].dtype
+            self.riders = scalars.riders_for(carrier, lax._axes_of(mesh, axes).names)
         self.handles = []
         for b, (_, members) in enumerate(self.buckets):
             for i in members:
@@ -141,10 +148,18 @@ class Overlap:
         flat = torch.cat([self.got[i].reshape(-1) for i in members])
         if self.reduce_dtype is not None and flat.is_floating_point():
             flat = flat.to(self.reduce_dtype)
+        riding = 0
+        if b == len(self.buckets) - 1 and self.riders is not None:
+            if flat.dtype == self.riders.carrier:
+                flat = torch.cat([flat, self.riders.pack()])
+                riding = self.riders.numel * flat.element_size()
+            else:  # (a bucket of another dtype than planned: the scalars are reduced apart)
+                self.riders = None
         ax = lax._axes_of(self.mesh, axes)
         rec = _comm.record(self.collectors, op="all_reduce", name="psum", axes=ax.names, n=ax.n,
                            payload_bytes=flat.numel() * flat.element_size(),
-                           phase="backward" if torch._C._current_graph_task_id() != -1 else "forward")
+                           phase="backward" if torch._C._current_graph_task_id() != -1 else "forward",
+                           rider_bytes=riding)
         work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=ax.group, async_op=True)
         self.started[b] = (b, flat, work, rec)
 
@@ -174,6 +189,9 @@ class Overlap:
                 raise
             _comm.waited(self.collectors, rec)
             members = self.buckets[b][1]
-            for i, part in zip(members, flat.split([self.got[i].numel() for i in members])):
+            sizes = [self.got[i].numel() for i in members]
+            if b == len(self.buckets) - 1 and self.riders is not None:
+                self.scalars.rode(self.riders, flat[sum(sizes):])
+            for i, part in zip(members, flat[:sum(sizes)].split(sizes)):
                 out[i] = part.view(self.got[i].shape).to(like[i].dtype)
         return out

@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from hpfunc import lax, saved_tensors
+from hpfunc import lax, layout, saved_tensors
 from hpfunc import tree as _tree
 from hpfunc.layout import LeafLayout, PlanError
 from hpfunc.transforms.engine import differentiate
@@ -99,6 +99,7 @@ class RankStep:
         self._acc: _Accumulation | None = None
         self.differentiations = 0  # value_and_grad calls so far in this step (which gather order is theirs)
         self._sq_norm: tuple | None = None  # (gradient blocks, their versions, their global sum of squares)
+        self._last_grads: tuple | None = None  # (order key, gradient leaves) of the last value_and_grad
 
     # -- the StepLayout protocol ------------------------------------------------------------------
     def leaf(self, path: str, x: torch.Tensor | None, where: str) -> LeafLayout:
@@ -136,12 +137,14 @@ class RankStep:
 
     def known_sq_norm(self, leaves: list[torch.Tensor]) -> torch.Tensor | None:
         hit = self._sq_norm
-        if hit is None or len(leaves) != len(hit[0]):
-            return None
-        grads, versions, total = hit
         # the very tensors, not written to since (an in-place op bumps a tensor's version)
-        if all(x is g and x._version == v for x, g, v in zip(leaves, grads, versions)):
-            return total.clone()
+        if hit is not None and len(leaves) == len(hit[0]) and all(
+                x is g and x._version == v for x, g, v in zip(leaves, hit[0], hit[1])):
+            return hit[2].clone()
+        last = self._last_grads
+        if last is not None and len(leaves) == len(last[1]) and all(x is g for x, g in zip(leaves, last[1])):
+            # the step asks the norm of the gradients it got: from the next run on, reduced with the loss
+            self.program.sq_norm_wanted.add(last[0])
         return None
 
     @contextlib.contextmanager
@@ -177,17 +180,35 @@ class RankStep:
         acc = self._acc
         order_key = (self.differentiations, tuple(wanted))
         self.differentiations += 1
-        loss, aux, red = differentiate.value_and_grad(self.program, self.storage, call, has_aux, wanted,
-                                                      where="value_and_grad", reduce=acc is None, step=self,
-                                                      order_key=order_key)
+        loss, aux, red, scalars = differentiate.value_and_grad(
+            self.program, self.storage, call, has_aux, wanted, where="value_and_grad", reduce=acc is None, step=self,
+            order_key=order_key, stats=acc is None and self.pipeline_axis is None)
         grad_of = dict(zip(wanted, red))
-        value, aux = self._over_data(loss, aux, has_aux)
         results = [_tree.unflatten(flat[a][1], [x if i is None else grad_of[i] for x, i in zip(flat[a][0], index[a])])
                    for a in argnums]
+        g_out = tuple(results) if multi else results[0]
+        if scalars is not None:  # the loss, aux's statistics and (when the step asks for it) the gradient norm
+            value, aux = self._reduce_scalars(scalars, order_key, g_out)
+        else:
+            value, aux = self._over_data(loss, aux, has_aux)
         if acc is not None:  # inside hpfunc.microbatch: per-rank gradients, reduced once by acc.reduce
             acc.record([i for a in argnums for i in index[a]])
-        g_out = tuple(results) if multi else results[0]
         return ((value, aux) if has_aux else value), g_out
+
+    def _reduce_scalars(self, scalars: Any, order_key: tuple, grads: Any) -> tuple[torch.Tensor, Any]:
+        """The loss and ``aux`` over the data shards, and the global sum of squares of ``grads`` when the
+        first run of this differentiation saw the step ask for it: one collective (step_scalars.py)."""
+        leaves = _tree.leaves(grads)
+        self._last_grads = (order_key, leaves)
+        sq = None
+        if order_key in self.program.sq_norm_wanted:
+            layouts = self.leaf_layouts(grads, "value_and_grad")
+            part, axes = layout.sq_norm_part(self.mesh, [lay.spec.opt for lay in layouts], leaves)
+            sq = (part, axes)
+        total = scalars.reduce(sq)
+        if total is not None:
+            self.remember_sq_norm(leaves, total)
+        return scalars.reduced
 
     def value(self, fn: Callable, has_aux: bool, args: tuple, kwargs: dict) -> Any:
         if self.cfg.plan.pipeline is not None:
@@ -198,9 +219,10 @@ class RankStep:
         index = [[self.opt_blocks.index_of(x) for x in leaves] for leaves, _ in flat]
         with_params = [a for a in range(len(args)) if any(i is not None for i in index[a])]
         call = self._call_on_params(fn, args, kwargs, flat, index, with_params)
-        loss, aux, _ = differentiate.value_and_grad(self.program, self.storage, call, has_aux, [], where="value",
-                                                    reduce=False, step=self, record=False)
-        value, aux = self._over_data(loss, aux, has_aux)
+        _, _, _, scalars = differentiate.value_and_grad(self.program, self.storage, call, has_aux, [], where="value",
+                                                        reduce=False, step=self, record=False, stats=True)
+        scalars.reduce()
+        value, aux = scalars.reduced
         return (value, aux) if has_aux else value
 
     def _over_data(self, loss: torch.Tensor, aux: Any, has_aux: bool) -> tuple[torch.Tensor, Any]:
