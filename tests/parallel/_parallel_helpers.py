@@ -198,7 +198,8 @@ def _setup(name: str, model: str = "qwen3-dense-tiny", **overrides):
 def run_comm(name: str, batch: int = 4, seq: int = 6) -> dict:
     """One step under comm_stats: the bytes each rank sends, split by collective and phase.
 
-    Records of at most 8 bytes (the loss pmean and the grad-norm psum, one scalar each) are left out;
+    Records of at most 8 bytes (the loss pmean and the grad-norm psum, one scalar each) and those tagged
+    ``"scalars"`` (the loss, statistics and gradient norm in one all-reduce) are left out;
     the step's scalars riding a gradient bucket (``CommRecord.rider_bytes``) are counted apart from its
     gradient bytes (``"scalars"``: collectives carrying them, ``"rider_bytes"``: their bytes).
     """
@@ -217,10 +218,10 @@ def run_comm(name: str, batch: int = 4, seq: int = 6) -> dict:
     out = {"psi": sum(math.prod(s) for s in shapes.values()), "embed": math.prod(shapes["embed"]),
            "layers": cfg.num_hidden_layers,
            "act_bytes": batch // mesh.axis_size(plan.data_axes) * seq * cfg.hidden_size * 4,
-           "scalars": sum(1 for r in stats.records if r.payload_bytes <= 8 or r.rider_bytes),
+           "scalars": sum(1 for r in stats.records if r.payload_bytes <= 8 or r.rider_bytes or r.tag == "scalars"),
            "rider_bytes": sum(r.rider_bytes for r in stats.records)}
     for r in stats.records:
-        if r.payload_bytes <= 8:
+        if r.payload_bytes <= 8 or r.tag == "scalars":
             continue
         k = (r.op, r.axes, r.phase)
         out.setdefault(k, [0, 0])

@@ -98,19 +98,28 @@ def run_comm_equal(name: str, micro: int = 1) -> int:
     b = H.batches(cfg, 1, 4, 6, 0)[0]
 
     # the step's scalars are left out: parallel_train_step's loss pmean and the front door's loss with its
-    # float metrics in one pmean (a few fp32 values), the grad-norm psum
+    # float metrics in one pmean (a few fp32 values), the grad-norm psum, the collective tagged "scalars"
+    # carrying them together, and those riding a gradient bucket (CommRecord.rider_bytes)
+    from hpfunc.comm import ring_sent_bytes
+
     scalars = 32
 
+    def ours(r):
+        return r.payload_bytes > scalars and r.tag != "scalars"
+
+    def sent(r):
+        return ring_sent_bytes(r.op, r.payload_bytes - r.rider_bytes, r.n) if r.rider_bytes else r.sent_bytes
+
     def records(stats):
-        return Counter((r.op, r.axes, r.phase, r.sent_bytes) for r in stats.records if r.payload_bytes > scalars)
+        return Counter((r.op, r.axes, r.phase, sent(r)) for r in stats.records if ours(r))
 
     def totals(stats):  # micro-batches split TP's activation collectives in smaller ones: compare sums
         out = Counter()
         for r in stats.records:
-            if r.payload_bytes > scalars:
+            if ours(r):
                 # a whole-batch step starts its gradient all-reduces in the backward, per layer; micro-batches
                 # reduce their sum once after the last one: the bytes are the same, the phase is not
-                out[(r.op, r.axes) if r.op == "all_reduce" else (r.op, r.axes, r.phase)] += r.sent_bytes
+                out[(r.op, r.axes) if r.op == "all_reduce" else (r.op, r.axes, r.phase)] += sent(r)
         return out
 
     data = set(plan.data_axes)
@@ -118,8 +127,8 @@ def run_comm_equal(name: str, micro: int = 1) -> int:
     def data_records(stats):  # gradient reductions over the data axes: once per step either way (their bytes)
         out = Counter()
         for r in stats.records:
-            if r.payload_bytes > scalars and data & set(r.axes):
-                out[(r.op, r.axes)] += r.sent_bytes
+            if ours(r) and data & set(r.axes):
+                out[(r.op, r.axes)] += sent(r)
         return out
 
     old = parallel_train_step(lambda p, bb: qwen3.parallel_plan.loss(p, bb, cfg)[0], tx, mesh, plan)
@@ -279,25 +288,65 @@ def run_marked_state() -> dict:
 def run_aux_stats_packed() -> dict:
     """A step whose differentiated function returns float and integer ``aux`` statistics of several
     dtypes, under ddp on this pool: the values (floats averaged, integers summed over the data shards)
-    and the collectives that reduced them (one per dtype)."""
+    and the collectives that reduced them (with a float64 statistic and, ``fp32``, without it)."""
     import hpfunc
     from hpfunc.transforms import plans
 
-    def step(state, batch):
-        def f(p):
-            y = batch @ p["w"]
-            aux = {"s": y.sum(), "v": batch.mean(0), "d": batch.double().sum(), "n": torch.tensor(batch.shape[0]),
-                   "m": torch.tensor([batch.shape[0], 1], dtype=torch.int32)}
-            return y.pow(2).mean(), aux
+    def make(with_double):
+        def step(state, batch):
+            def f(p):
+                y = batch @ p["w"]
+                aux = {"s": y.sum(), "v": batch.mean(0), "n": torch.tensor(batch.shape[0]),
+                       "m": torch.tensor([batch.shape[0], 1], dtype=torch.int32)}
+                if with_double:
+                    aux["d"] = batch.double().sum()
+                return y.pow(2).mean(), aux
 
-        (loss, aux), g = hpfunc.value_and_grad(f, has_aux=True)(state["params"])
-        return state, {"loss": loss, **aux}
+            (loss, aux), g = hpfunc.value_and_grad(f, has_aux=True)(state["params"])
+            return state, {"loss": loss, **aux}
+        return step
 
-    ts = hpfunc.parallelize(step, hpfunc.Mesh({"dp": 2}), plans.ddp("dp"))
-    state = {"params": ts.shard_params({"w": torch.arange(3.0)})}
-    batch = torch.arange(12.0).reshape(4, 3)
-    ts(state, batch)
-    with hpfunc.comm_stats() as stats:
-        _, m = ts(state, batch)
-    fwd = sorted((r.name, r.payload_bytes) for r in stats.records if r.phase == "forward")
-    return {"records": fwd, **{k: v.full_tensor() for k, v in m.items()}}
+    out = {}
+    for with_double in (True, False):
+        ts = hpfunc.parallelize(make(with_double), hpfunc.Mesh({"dp": 2}), plans.ddp("dp"))
+        state = {"params": ts.shard_params({"w": torch.arange(3.0)})}
+        batch = torch.arange(12.0).reshape(4, 3)
+        ts(state, batch)
+        with hpfunc.comm_stats() as stats:
+            _, m = ts(state, batch)
+        records = sorted((r.name, r.payload_bytes, r.tag) for r in stats.records)
+        if with_double:
+            out.update(records=records, **{k: v.full_tensor() for k, v in m.items()})
+        else:
+            out.update(records_fp32=records, fp32={k: v.full_tensor() for k, v in m.items()})
+    return out
+
+
+def run_front_scalars(name: str, steps: int = 3) -> list[dict]:
+    """The front door's train step (AdamW, the grad-norm metric) for ``steps`` steps: per step, the
+    collectives carrying its scalars (the loss, aux statistics, gradient norm) and how many collectives
+    it made in all, with the metrics."""
+    import hpfunc
+    from hpfunc import optim
+    from hpfunc.models import qwen3
+    from hpfunc.train.step import init_train_state, make_train_step
+    from hpfunc.transforms.parallelize import init_sharded
+
+    cfg = H.config("qwen3-dense-tiny", tie_word_embeddings=False)
+    mesh, plan = H.make(name, cfg)
+    tx = optim.adamw(LR)
+    params = init_sharded(functools.partial(qwen3.init, cfg=cfg), mesh, plan, hpfunc.random.key(0),
+                          shapes=qwen3.param_shapes(cfg))
+    ts = hpfunc.parallelize(make_train_step(cfg, tx, loss_fn=qwen3.parallel_plan.loss), mesh, plan)
+    state = ts.init_state(lambda p: init_train_state(p, tx), params)
+    out = []
+    for b in H.batches(cfg, steps, 4, 6, 0):
+        with hpfunc.comm_stats() as stats:
+            state, m = ts(state, b)
+        out.append({"scalars": [(r.op, r.axes, r.payload_bytes) for r in stats.records if r.tag == "scalars"],
+                    "small": [(r.op, r.name, r.payload_bytes) for r in stats.records
+                              if r.tag != "scalars" and r.payload_bytes <= 64],
+                    "riders": [r.rider_bytes for r in stats.records if r.rider_bytes],
+                    "collectives": len(stats.records),
+                    "metrics": {k: v.full_tensor() for k, v in m.items() if v.numel()}})
+    return out

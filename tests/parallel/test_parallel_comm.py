@@ -13,6 +13,7 @@ from fractions import Fraction
 import pytest
 
 import _parallel_helpers as H
+import _state_helpers as S
 
 pytestmark = pytest.mark.multirank
 
@@ -131,3 +132,21 @@ def test_reshard_after_forward_frees_gathered_params(pools, name):
         # embedding table too (which autograd alone would not keep: a lookup saves only the ids), so that a
         # second read (a tied head) or a recompute in the backward uses it without gathering it again
         assert out["alive"] == out["psi_bytes"]
+
+
+def test_front_door_scalars_in_one_collective(pools):
+    """The trainer's step reduces its loss, aux statistics (ce and aux loss, the token count) and gradient
+    norm together (engine/step_scalars.py): under fsdp one fp64 all-reduce of 6 values (3 floats, the
+    count as two 32-bit limbs, the norm) from the second step on (the first finds that the step asks for
+    the norm: its statistics in fp32, the norm in a separate psum); under ddp they ride the gradient bucket (3 floats and the count as six
+    12-bit limbs, 36 bytes) and the norm needs none: one collective per step in all."""
+    for out in pools(2).run(S.run_front_scalars, "fsdp"):
+        assert out[0]["scalars"] == [("all_reduce", ("fsdp",), 36)], out[0]  # fp32: 3 floats, 6 limbs
+        assert out[0]["small"] == [("all_reduce", "psum", 8)], out[0]  # the first step's norm psum
+        for step in out[1:]:
+            assert step["scalars"] == [("all_reduce", ("fsdp",), 48)] and step["small"] == [], step
+    for out in pools(2).run(S.run_front_scalars, "ddp"):
+        for step in out:
+            assert step["scalars"] == [] and step["small"] == [] and step["riders"] == [36], step
+            assert step["collectives"] == 1, step
+    # the same metrics as one device: test_parallelize_step's parity tests (loss, ce, aux, grad norm)

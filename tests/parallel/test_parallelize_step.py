@@ -84,7 +84,7 @@ def test_a_state_laid_out_as_lowered_skips_the_layout_check(pools):
         assert "'w' is stored as" in out["wrong"] and "P('fsdp')" in out["wrong"], out["wrong"]
 
 
-def test_aux_statistics_reduced_in_one_collective_per_dtype(pools):
+def test_aux_statistics_reduced_in_one_collective(pools):
     for out in pools(2).run(S.run_aux_stats_packed):
         batch = torch.arange(12.0).reshape(4, 3)
         y = batch @ torch.arange(3.0)
@@ -92,7 +92,13 @@ def test_aux_statistics_reduced_in_one_collective_per_dtype(pools):
         assert out["s"].item() == y.sum().item() / 2 and out["d"].item() == batch.sum().item() / 2, out
         torch.testing.assert_close(out["v"], batch.mean(0), rtol=0, atol=0)
         assert out["n"].item() == 4 and out["m"].tolist() == [4, 2], out
-        # the loss (the mean of the shards' losses) rides with its dtype's statistics: float32 loss, s and v in
-        # one pmean (1 + 1 + 3 elements), float64 d, int64 n, int32 m
+        # the loss (the mean of the shards' losses) and every statistic in one all-reduce (engine/riders.py):
+        # a float64 statistic cannot ride the fp32 gradient bucket, so they travel apart, in fp64: the loss, s,
+        # v and d (1 + 1 + 3 + 1 values), the integers n and m as two 32-bit limbs each (2 + 4)
         assert out["loss"].item() == y.pow(2).mean().item(), out
-        assert out["records"] == sorted([("pmean", 20), ("pmean", 8), ("psum", 8), ("psum", 8)]), out
+        assert out["records"] == [("psum", 12, ""), ("psum", 96, "scalars")], out  # the gradient's 3 floats, then these
+        # without the float64 statistic they ride the gradients' all-reduce (one collective in all): the 3
+        # gradient floats, the loss, s and v, then n and m as 12-bit limbs (six each)
+        assert out["records_fp32"] == [("psum", 4 * (3 + 1 + 3 + 1 + 3 * 6), "")], out
+        assert out["fp32"]["n"].item() == 4 and out["fp32"]["m"].tolist() == [4, 2], out
+        torch.testing.assert_close(out["fp32"]["v"], batch.mean(0), rtol=0, atol=0)

@@ -100,9 +100,8 @@ class Riders:
             x = x.to(torch.int64)
             if self.weight != 1.0:
                 x = x * int(self.weight)
-            mask = (1 << self.bits) - 1
-            parts.append(torch.stack([(x >> (self.bits * k)) & mask for k in range(self.limbs)], 1)
-                         .reshape(-1).to(self.carrier))
+            shifts = torch.arange(0, self.bits * self.limbs, self.bits, device=x.device)
+            parts.append(((x.unsqueeze(1) >> shifts) & ((1 << self.bits) - 1)).reshape(-1).to(self.carrier))
         if not parts:
             return torch.empty(0, dtype=self.carrier)
         return parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -115,13 +114,8 @@ class Riders:
                 y = part * (1.0 / self.n) if kind == "mean" else part
                 out.append(y.to(x.dtype).view(x.shape))
                 continue
+            # sum_k s_k 2**(b k) modulo 2**64: int64 shifts and sums wrap, as an int64 psum does
             s = part.view(-1, self.limbs).to(torch.int64)
-            mask = (1 << self.bits) - 1
-            carry = torch.zeros_like(s[:, 0])
-            total = torch.zeros_like(carry)
-            for k in range(self.limbs):  # two's complement modulo 2**64, as an int64 sum wraps
-                v = s[:, k] + carry
-                total = total | ((v & mask) << (self.bits * k))
-                carry = v >> self.bits
-            out.append(total.to(x.dtype).view(x.shape))
+            shifts = torch.arange(0, self.bits * self.limbs, self.bits, device=s.device)
+            out.append((s << shifts).sum(1).to(x.dtype).view(x.shape))
         return out

@@ -111,13 +111,27 @@ class StepScalars:
         if sq_norm is not None:
             part = sq_norm[0].reshape(1) * _weight(self.mesh, norm_axes, over)
             flat = torch.cat([flat, part.to(carrier)])
-        summed = _all_reduce(flat, self.mesh, over, "pmean" if sq_norm is None else "psum")
+        summed = _all_reduce(flat, self.mesh, over, "psum")
         self._set(stats.unpack(summed[:stats.numel]))
         return summed[stats.numel] if sq_norm is not None else None
 
 
 def _all_reduce(flat: torch.Tensor, mesh: Any, axes: tuple[str, ...], name: str) -> torch.Tensor:
-    """One ``SUM`` all-reduce of ``flat`` over ``axes`` (counted by :mod:`hpfunc.comm` as ``name``)."""
+    """One ``SUM`` all-reduce of ``flat`` over ``axes``, counted by :mod:`hpfunc.comm` as ``name`` with the
+    tag ``"scalars"`` (the step's scalars: a reader of the counter tells them from gradients by it)."""
     import torch.distributed as dist
 
-    return lax._all_reduce(flat, lax._axes_of(mesh, axes), dist.ReduceOp.SUM, _comm.active(), name)
+    from hpfunc import faults as _faults
+
+    ax = lax._axes_of(mesh, axes)
+    out = flat.clone()
+    collectors = _comm.active()
+    if collectors:
+        _comm.record(collectors, op="all_reduce", name=name, axes=ax.names, n=ax.n,
+                     payload_bytes=out.numel() * out.element_size(), phase="forward", tag="scalars")
+    try:
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=ax.group)
+    except RuntimeError as e:  # a timeout or a lost peer: name this collective
+        _faults.raise_collective_error(e, name, ax.names, ax.n)
+        raise
+    return out
