@@ -26,8 +26,10 @@ Bytes: what each rank sends per step by the ring formulas, for hpfunc as counted
 ``hpfunc.comm_stats`` and for PyTorch from the c10d ops it dispatches, next to the formula of
 docs/reference.md#communication-volumes: DDP ``2 Psi (n-1)/n``; FSDP with reshard after forward
 ``3 Psi (n-1)/n`` less the embedding
-table (the backward does not regather a lookup table; FSDP2 also keeps its root unit -- embedding,
-final norm, head -- gathered through the backward, so it sends ``(3 Psi - Psi_root)(n-1)/n``);
+table (the backward does not regather a lookup table) and less what the forward reads last (the last
+layer, final norm and head, which hpfunc keeps gathered for the backward from the second step on;
+FSDP2 keeps its root unit -- embedding, final norm, head -- gathered through the backward, so it sends
+``(3 Psi - Psi_root)(n-1)/n``);
 Megatron TP ``2 + 2`` all-reduces of ``b s h`` per layer, plus one all-reduce of the gradients of the
 parameters replicated over ``tp`` (hpfunc's per-rank semantics split their gradient over the ranks;
 the torch twin computes it whole on every rank instead); Psi in bytes of the block each rank
@@ -335,7 +337,12 @@ def _formula(kind, mesh, plan, cfg, full, batch, seq):
         # what each rank gathers: the compute block of every FSDP-stored parameter (its TP shard)
         block = {p: math.prod(r.shape) // mesh.axis_size(r.spec.compute.axes) for p, r in res.items() if r.gather}
         psi = sum(block.values())
-        parts["fsdp (3 Psi - Psi_embed)(n-1)/n"] = ring_sent_bytes("all_gather", 4 * (3 * psi - block["embed"]), d)
+        # the backward gathers again all but the embedding (a lookup saves no weight) and what the forward reads
+        # last (the last layer, final norm and head: kept gathered for the backward, which needs them first)
+        last = f"layers.{cfg.num_hidden_layers - 1}."
+        kept = sum(b for p, b in block.items() if p.startswith(last) or "." not in p and p != "embed")
+        parts["fsdp (3 Psi - Psi_embed - Psi_kept)(n-1)/n"] = ring_sent_bytes(
+            "all_gather", 4 * (3 * psi - block["embed"] - kept), d)
     if kind in ("tp", "fsdp_tp"):
         t = mesh.axis_size("tp")
         b = batch // mesh.axis_size(plan.data_axes) if plan.data_axes else batch

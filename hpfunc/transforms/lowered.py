@@ -172,6 +172,9 @@ class Lowered:
         self.gather_orders: dict[tuple, tuple[int, ...]] = {}
         # the same for the backward's re-gathers of resharded groups (engine/backward_prefetch.py)
         self.regather_orders: dict[tuple, tuple[int, ...]] = {}
+        # the groups the forward reads last (from the last layer's on), kept gathered for the backward, which
+        # needs them first: not resharded after the forward (as FSDP2 keeps its root and torchtitan its last block)
+        self.kept_groups: dict[tuple, frozenset[int]] = {}
         # the differentiations (keyed as the gather orders) whose gradients the step asked the global norm of:
         # later runs reduce that norm with the loss and statistics, in one collective (engine/step_scalars.py)
         self.sq_norm_wanted: set[tuple] = set()

@@ -195,8 +195,9 @@ def _setup(name: str, model: str = "qwen3-dense-tiny", **overrides):
     return mesh, plan, cfg, step, params
 
 
-def run_comm(name: str, batch: int = 4, seq: int = 6) -> dict:
-    """One step under comm_stats: the bytes each rank sends, split by collective and phase.
+def run_comm(name: str, batch: int = 4, seq: int = 6, step_no: int = 0) -> dict:
+    """One step under comm_stats (step ``step_no``: the ones before it run uncounted): the bytes each rank
+    sends, split by collective and phase.
 
     Records of at most 8 bytes (the loss pmean and the grad-norm psum, one scalar each) and those tagged
     ``"scalars"`` (the loss, statistics and gradient norm in one all-reduce) are left out;
@@ -212,10 +213,15 @@ def run_comm(name: str, batch: int = 4, seq: int = 6) -> dict:
     mesh, plan, cfg, step, params = _setup(name, tie_word_embeddings=False)
     state = step.init_opt_state(params)
     b = batches(cfg, 1, batch, seq, 0)[0]
+    for _ in range(step_no):
+        params, state, *_ = step(params, state, b)
     with hpfunc.comm_stats() as stats:
         step(params, state, b)
     shapes = dict(hpfunc.tree.leaves_with_paths(qwen3.param_shapes(cfg), is_leaf=lambda x: isinstance(x, torch.Size)))
+    last = f"layers.{cfg.num_hidden_layers - 1}."
     out = {"psi": sum(math.prod(s) for s in shapes.values()), "embed": math.prod(shapes["embed"]),
+           # what the forward reads last, kept gathered for the backward from the second step on
+           "kept": sum(math.prod(s) for p, s in shapes.items() if p.startswith(last) or p in ("final_norm", "lm_head")),
            "layers": cfg.num_hidden_layers,
            "act_bytes": batch // mesh.axis_size(plan.data_axes) * seq * cfg.hidden_size * 4,
            "scalars": sum(1 for r in stats.records if r.payload_bytes <= 8 or r.rider_bytes or r.tag == "scalars"),

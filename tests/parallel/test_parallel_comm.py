@@ -64,6 +64,14 @@ def test_fsdp_reshard_after_forward_3psi(pools, name):
     assert out[("all_gather", ("fsdp",), "forward")][0] == groups
     assert out[("all_gather", ("fsdp",), "backward")][0] == groups - 1
     assert out[("reduce_scatter", ("fsdp",), "backward")][0] == groups
+    # from the second step on the groups the forward reads last (the last layer, the final norm and the
+    # head) stay gathered for the backward, which needs them first (differentiate.kept_after_forward):
+    # 3 Psi less the embedding and those
+    later = pools(H.PLANS[name][0]).run(H.run_comm, name, 4, 6, 1)[0]
+    assert _sent(later, "all_gather", ("fsdp",), "backward") == f * (psi_bytes - 4 * out["embed"] - 4 * out["kept"])
+    assert later[("all_gather", ("fsdp",), "backward")][0] == groups - 4
+    for key in (("all_gather", ("fsdp",), "forward"), ("reduce_scatter", ("fsdp",), "backward")):
+        assert later[key] == out[key], key
 
 
 def test_fsdp_without_reshard_2psi(pools):

@@ -93,24 +93,34 @@ class Regathers:
         self.pos = k + 1
         return self.flights.pop(k, None)
 
+    def begin(self) -> None:
+        """Before the backward: issue the first re-gather, which then runs while the backward computes the
+        groups the forward kept gathered (:func:`~hpfunc.transforms.engine.differentiate.kept_after_forward`)."""
+        if self.order and self.issued == 1 and self.pos == 0 and 0 not in self.flights:
+            self._issue(0)
+
     def _ahead(self) -> None:
-        order, cfg = self.order, self.cfg
+        order = self.order
         if order is None:
             return
         last = min(self.pos + AHEAD, len(order))  # positions pos .. pos + AHEAD - 1 come next
         while self.issued < last:
             p = self.issued
             self.issued += 1
-            members = cfg.group_of[order[p]]
-            specs = [cfg.leaves[j].gather for j in members]
-            if prefetch.eligible(specs):
-                blocks = [self.ws[j] for j in members]
-                host = self.host
-                if host is not None:
-                    blocks = host.fill(members, [b.detach() for b in blocks])
-                    if p + 1 < len(order):  # the next one's blocks copied in while this layer's backward runs
-                        host.start(cfg.group_of[order[p + 1]])
-                self.flights[p] = prefetch.start(cfg.mesh, blocks, specs[0][0][1], cfg.mixed)
+            self._issue(p)
+
+    def _issue(self, p: int) -> None:
+        order, cfg = self.order, self.cfg
+        members = cfg.group_of[order[p]]
+        specs = [cfg.leaves[j].gather for j in members]
+        if prefetch.eligible(specs):
+            blocks = [self.ws[j] for j in members]
+            host = self.host
+            if host is not None:
+                blocks = host.fill(members, [b.detach() for b in blocks])
+                if p + 1 < len(order):  # the next one's blocks copied in while this layer's backward runs
+                    host.start(cfg.group_of[order[p + 1]])
+            self.flights[p] = prefetch.start(cfg.mesh, blocks, specs[0][0][1], cfg.mixed, phase="backward")
 
     def finish(self) -> tuple[int, ...]:
         """After the backward: wait for and drop what was prefetched and not used; the order seen."""

@@ -139,6 +139,10 @@ class _Reads:
                 else program.regather_orders.get(order_key))
         self.back = Regathers(cfg, ws, order=back, record=program is not None and order_key is not None
                               and cfg.plan.pipeline is None, host=host)
+        # from the second run on, the groups the forward reads last stay gathered for the backward
+        self.kept_groups = (program.kept_groups.get(order_key, frozenset())
+                            if order is not None and cfg.reshard else frozenset())
+        self.recomputed: set[int] = set()  # groups a remat's recompute read again in the backward
 
     def gather(self, members: list[int]) -> list[torch.Tensor]:
         cfg, host = self.cfg, self.host
@@ -147,6 +151,7 @@ class _Reads:
         detached = [b.detach() for b in blocks]
         back, mixed = self.back, cfg.mixed
         if torch._C._current_graph_task_id() != -1:  # a recompute in the backward: a re-gather in its turn
+            self.recomputed.add(members[0])  # (re-gathered for its recompute: keeping it would not spare that)
             fulls = back.gather(members, blocks, specs, mixed)
             self.layer.own_gathered(fulls, next(self.gids), lambda: back.gather(members, detached, specs, mixed))
             return fulls
@@ -170,7 +175,8 @@ class _Reads:
                 fulls = gather_group(host.fill(members, blocks) if offloaded else blocks, specs, mixed)
             if self.order is not None and clear:
                 self._prefetch_after(members[0])
-        self.layer.own_gathered(fulls, next(self.gids), lambda: back.gather(members, detached, specs, mixed))
+        self.layer.own_gathered(fulls, next(self.gids), lambda: back.gather(members, detached, specs, mixed),
+                                keep=self.keep and members[0] in self.kept_groups)
         return fulls
 
     def _prefetch_after(self, first: int) -> None:
@@ -199,6 +205,8 @@ class _Reads:
         a prefetched group the forward never read, free gathered groups not read."""
         if self.seen is not None:
             self.program.gather_orders.setdefault(self.order_key, tuple(self.seen))
+            if self.keep and self.cfg.reshard and self.seen:
+                self.program.kept_groups.setdefault(self.order_key, kept_after_forward(self.cfg, self.seen))
         self.seen = None
         for flight in self.flights.values():
             flight.wait()
@@ -213,7 +221,10 @@ class _Reads:
         seen = self.back.finish()
         if ran and self.program is not None and self.order_key is not None and self.cfg.plan.pipeline is None \
                 and self.order_key not in self.program.regather_orders:
-            self.program.regather_orders[self.order_key] = seen
+            # kept gathered from now on (not re-gathered), unless a recompute reads them again
+            kept = self.program.kept_groups.get(self.order_key, frozenset()) - self.recomputed
+            self.program.kept_groups[self.order_key] = kept
+            self.program.regather_orders[self.order_key] = tuple(g for g in seen if g not in kept)
         self.ready.clear()  # gathered again by a recompute in the backward and not read
         self.kept.clear()
         if self.host is not None:
@@ -251,6 +262,22 @@ class _Reads:
             elif j != i:
                 self.ready[j] = f
         return fulls[members.index(i)]
+
+
+def kept_after_forward(cfg: EngineConfig, order: list[int]) -> frozenset[int]:
+    """The gather groups (by first member) of a forward's read ``order`` kept gathered for the backward: the
+    last layer's (a list element, ``layers.3``) and every group read after it (the top-level parameters the
+    forward ends with: a final norm, the head), which the backward needs first -- gathering them again
+    right after dropping them would only add collectives. Without layer groups, the last group read.
+
+    >>> from hpfunc.layout import LeafLayout, LeafSpec
+    >>> cfg = type("C", (), {"leaves": [LeafLayout(p, (4,), LeafSpec.of(())) for p in
+    ...                                 ("embed", "layers.0.w", "layers.1.w", "norm", "head")]})
+    >>> sorted(kept_after_forward(cfg, [0, 1, 2, 3, 4]))
+    [2, 3, 4]
+    """
+    layer_at = [k for k, g in enumerate(order) if any(p.isdigit() for p in cfg.leaves[g].path.split("."))]
+    return frozenset(order[layer_at[-1]:] if layer_at else order[-1:])
 
 
 def value_and_grad(program: Any, blocks: list[torch.Tensor], call: Callable[[list[torch.Tensor], Callable], Any],
@@ -321,6 +348,8 @@ def value_and_grad(program: Any, blocks: list[torch.Tensor], call: Callable[[lis
             # each bucket's all-reduce starts from a gradient hook once its last member is final
             overlap = Overlap(cfg.mesh, ws, wanted, cfg.overlap_buckets, plan.reduce_dtype, scalars)
         packed = reads.scatters.leaves if reads.scatters is not None else []
+        if diff and loss.requires_grad:
+            reads.back.begin()
         gs = (torch.autograd.grad(loss, targets + packed, grad_outputs=torch.full_like(loss, cfg.seed_scale),
                                   allow_unused=True) if diff and loss.requires_grad else [None] * (len(diff) + len(packed)))
         if packed:  # wait for the reduce-scatters issued during the backward; add what they reduced

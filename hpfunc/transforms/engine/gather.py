@@ -103,8 +103,13 @@ class ParamLayer(saved_tensors.Layer):
         """Claim the storage blocks of the parameters (the caller keeps ``blocks`` alive meanwhile)."""
         self._blocks = blocks
 
-    def own_gathered(self, fulls: list[torch.Tensor], gid: int, regather: Callable[[], list[torch.Tensor]]) -> None:
-        """Claim a gathered group; with reshard after forward, ``regather()`` makes it again in the backward."""
+    def own_gathered(self, fulls: list[torch.Tensor], gid: int, regather: Callable[[], list[torch.Tensor]], *,
+                     keep: bool = False) -> None:
+        """Claim a gathered group; with reshard after forward, ``regather()`` makes it again in the backward
+        (``keep``: kept as gathered instead, a group the backward needs as soon as it starts)."""
+        if keep:
+            self._claims.extend((weakref.ref(f), None) for f in fulls)
+            return
         self._groups[gid] = regather
         self._claims.extend((weakref.ref(f), (gid, k)) for k, f in enumerate(fulls))
 

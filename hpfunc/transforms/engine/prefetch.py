@@ -83,9 +83,11 @@ class Flight:
         return _Landed.apply(self, *blocks)
 
 
-def start(mesh: Any, blocks: list[torch.Tensor], axes: tuple[str, ...], mixed: Any = None) -> Flight:
+def start(mesh: Any, blocks: list[torch.Tensor], axes: tuple[str, ...], mixed: Any = None, *,
+          phase: str | None = None) -> Flight:
     """Issue the packed all-gather of ``blocks`` over ``axes`` without waiting (see the module docstring);
-    ``mixed``: ``(param_dtype, reduce_dtype)`` or ``None``."""
+    ``mixed``: ``(param_dtype, reduce_dtype)`` or ``None``; ``phase``: the phase the comm counter records
+    (default: the one running; the backward's first re-gather is issued just before it starts)."""
     ax = lax._axes_of(mesh, axes if len(axes) > 1 else axes[0])
     mp = mixed_of(blocks[0], mixed)
     flat = torch.cat([b.detach().reshape(-1) for b in blocks])
@@ -94,7 +96,7 @@ def start(mesh: Any, blocks: list[torch.Tensor], axes: tuple[str, ...], mixed: A
     out = flat.new_empty(ax.n * flat.numel())
     collectors = _comm.active()
     rec = _comm.record(collectors, op="all_gather", name="all_gather", axes=ax.names, n=ax.n,
-                       payload_bytes=out.numel() * out.element_size(), phase=lax._phase())
+                       payload_bytes=out.numel() * out.element_size(), phase=phase or lax._phase())
     work = None
     if ax.n == 1:
         out.copy_(flat)
