@@ -35,6 +35,8 @@ What you can ask:
                                      offload per layer: :mod:`hpfunc.layout.layers`)
 :func:`regions`                      the compiled regions a compiled step runs the model's compute in
                                      (``Lowered.compile``), ``None`` for eager
+:func:`scopes`, :func:`scoped`       the :class:`Scopes` bound around some code for all under it to see,
+                                     steps included (recorders, test hooks, the trainer's step count)
 :func:`tp_axis`, ...                 the tensor-parallel binding (:mod:`hpfunc.layout.tensor_parallel`)
                                      and its building blocks :func:`scatter_sequence`,
                                      :func:`gather_sequence`, :func:`reduce_partial`
@@ -65,7 +67,8 @@ your own does the same (the one-device run is the reference; ``docs/parallel.md`
     (True, None)
 """
 
-from hpfunc.layout.binding import Binding, binding, bound, rebind, regions
+from hpfunc.layout.binding import (BitFlip, Binding, Scopes, StateStreaming, binding, bound, rebind, regions, scoped,
+                                   scopes)
 from hpfunc.layout.step import (Accumulation, LeafLayout, LeafSpec, PlanError, StepLayout, bind, blocks_sq_norm,
                                 blocks_sq_sum, sq_norm_part,
                                 current, data_axes, data_parallel, donated, gather_block, global_sq_norm, leaf,
@@ -89,4 +92,5 @@ __all__ = [
     "Stages", "PipelineRunner", "pipeline", "runner", "model_paths", "model_parameter_paths",
     "Style", "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "VocabParallel", "Replicate",
     "Binding", "binding", "bound", "rebind", "regions", "run_layer", "layer_transforms", "LayerTransform",
+    "Scopes", "scopes", "scoped", "StateStreaming", "BitFlip",
 ]

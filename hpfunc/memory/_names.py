@@ -1,4 +1,4 @@
-"""Which storages carry which ``checkpoint_name``, scoped per transform call (in a context variable).
+"""Which storages carry which ``checkpoint_name``, scoped per transform call (in the layout binding's scopes).
 
 ``checkpoint_name`` records the storage of every value it tags in the current :class:`NameScope` and
 in every enclosing one, so that code that only sees a tensor later (offload's saved-tensor layer,
@@ -17,12 +17,12 @@ refers to were tagged inside it. References to storages are weak.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from typing import Iterator
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from hpfunc import layout
 from hpfunc.memory._storage import local, storage_key
 
 __all__ = ["NameScope", "name_scope", "current_scope"]
@@ -58,18 +58,15 @@ class NameScope:
         return None
 
 
-_SCOPE: contextvars.ContextVar[NameScope | None] = contextvars.ContextVar("hpfunc_name_scope", default=None)
-
-
 def current_scope() -> NameScope | None:
-    return _SCOPE.get()
+    """The innermost name scope (``None`` outside every one)."""
+    return layout.scopes().name_scope
 
 
 @contextlib.contextmanager
 def name_scope() -> Iterator[NameScope]:
-    scope = NameScope(_SCOPE.get())
-    token = _SCOPE.set(scope)
-    try:
+    """A new name scope inside the current one, for the ``with`` block (bound in the layout binding's
+    scopes: a step's own bindings keep it)."""
+    scope = NameScope(current_scope())
+    with layout.scoped(name_scope=scope):
         yield scope
-    finally:
-        _SCOPE.reset(token)

@@ -40,14 +40,13 @@ True
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import math
 import time
 from typing import Callable, Iterator, Sequence
 
 import torch
 
-from hpfunc import lax
+from hpfunc import lax, layout
 from hpfunc.layout.context_parallel import IMPLS
 from hpfunc.models.attention_blocks import block_attention, dense_attention, merge_blocks
 from hpfunc.models.sequence_split import ContextParallelError, SequenceSplit
@@ -56,15 +55,13 @@ __all__ = ["IMPLS", "context_attention", "allgather_attention", "ring_attention"
            "hybrid_attention", "local_positions", "trace_ring", "SequenceSplit", "ContextParallelError",
            "dense_attention"]
 
-_TRACE: contextvars.ContextVar[list | None] = contextvars.ContextVar("hpfunc_cp_trace", default=None)
-
 
 @contextlib.contextmanager
 def trace_ring() -> Iterator[list[tuple[float, str, int]]]:
     """Record the ring's events ``(time.perf_counter(), event, step)`` into the list it yields: ``"send
     posted"``, ``"compute start"``, ``"compute end"``, ``"wait start"``, ``"arrived"`` (forward only; a
-    context variable: other threads record nothing). With overlap, step ``t``'s transfer is posted before
-    its compute starts and waited for after it ends.
+    member of the layout binding's scopes: other threads record nothing, a step's body does). With
+    overlap, step ``t``'s transfer is posted before its compute starts and waited for after it ends.
 
     >>> with trace_ring() as events:
     ...     pass
@@ -72,15 +69,12 @@ def trace_ring() -> Iterator[list[tuple[float, str, int]]]:
     []
     """
     events: list[tuple[float, str, int]] = []
-    token = _TRACE.set(events)
-    try:
+    with layout.scoped(ring_trace=events):
         yield events
-    finally:
-        _TRACE.reset(token)
 
 
 def _event(name: str, step: int) -> None:
-    events = _TRACE.get()
+    events = layout.scopes().ring_trace
     if events is not None:
         events.append((time.perf_counter(), name, step))
 

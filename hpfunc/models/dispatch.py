@@ -34,14 +34,13 @@ from __future__ import annotations
 
 import math
 import contextlib
-import contextvars
 import time
 from typing import Any, Callable, ClassVar, Iterator, NamedTuple
 
 import attrs
 import torch
 
-from hpfunc import lax
+from hpfunc import lax, layout
 from hpfunc.layout import PlanError
 
 __all__ = ["AllToAll", "Dispatched", "PaddedAllToAll", "PaddedDispatched", "count_ids", "inverse_permutation", "sum_pairs",
@@ -245,15 +244,12 @@ class AllToAll:
         return sum_pairs(rows, sent.position, sent.position.numel() // sent.k, sent.k, missing=sent.dropped is not None)
 
 
-_TRACE: contextvars.ContextVar[list | None] = contextvars.ContextVar("hpfunc_dispatch_trace", default=None)
-
-
 @contextlib.contextmanager
 def trace_exchange() -> Iterator[list[tuple[float, str, int]]]:
     """Record the chunked exchange's events (``(time.perf_counter(), event, chunk)``: ``"dispatch issued"``,
     ``"dispatch arrived"``, ``"compute start"``, ``"compute end"``, ``"combine issued"``, ``"combine
-    arrived"``) into the list it yields, for the calls made inside the ``with`` block (a context variable:
-    other threads and tasks record nothing).
+    arrived"``) into the list it yields, for the calls made inside the ``with`` block, a step's included (a
+    member of the layout binding's scopes: other threads and tasks record nothing).
 
     >>> with trace_exchange() as events:
     ...     _ = AllToAll(chunks=2).exchange(torch.ones(2, 1), torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1),
@@ -262,15 +258,12 @@ def trace_exchange() -> Iterator[list[tuple[float, str, int]]]:
     []
     """
     events: list[tuple[float, str, int]] = []
-    token = _TRACE.set(events)
-    try:
+    with layout.scoped(dispatch_trace=events):
         yield events
-    finally:
-        _TRACE.reset(token)
 
 
 def _event(name: str, chunk: int) -> None:
-    events = _TRACE.get()
+    events = layout.scopes().dispatch_trace
     if events is not None:
         events.append((time.perf_counter(), name, chunk))
 

@@ -18,11 +18,11 @@ the optax sign convention: they are *added* to the params, so a descent step is 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from typing import Any, Iterator, NamedTuple, Protocol
 
 import torch
 
+from hpfunc import layout
 from hpfunc.optim import _ops, _tree
 
 __all__ = [
@@ -203,7 +203,7 @@ def update_and_apply(tx: GradientTransformation, updates: Updates, state: OptSta
     tensor([0.9000, 0.9000])
     """
     apply = getattr(tx.update, "apply", None)
-    if apply is not None and getattr(apply, "streams_state", False) and _STREAM.get() is not None:
+    if apply is not None and getattr(apply, "streams_state", False) and layout.scopes().state_streaming is not None:
         return apply(updates, state, params, donate=donate)  # it streams the host-held state itself, by groups
     state = stream_state_in(state, params, updates)
     params = stream_params_in(params, updates)
@@ -248,12 +248,6 @@ def stream_state_in(state: OptState, params: Params, updates: Updates = None) ->
     return _tree.unflatten(spec, leaves)
 
 
-# the bytes of optimizer state (per group of leaves) that an update streams through the device at once,
-# set by a step whose plan keeps the optimizer state in host memory; None: no streaming (the whole state)
-# (group bytes, the moments held, the parameters held)
-_STREAM: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("hpfunc.optim.stream_group_bytes", default=None)
-
-
 @contextlib.contextmanager
 def streaming_state(group_bytes: int, *, state: bool = True, params: bool = False) -> Iterator[None]:
     """Inside, :func:`update_and_apply` streams the optimizer state held in host memory through the device
@@ -266,7 +260,8 @@ def streaming_state(group_bytes: int, *, state: bool = True, params: bool = Fals
     moments are held in host memory (the default); ``params``: parameters held in host memory stream with
     them (``with_state_offload("params")``: each group's parameter blocks copied in, updated, copied back,
     and the new parameters are in host memory too); on the CPU, where every tensor is in host memory,
-    these say what to stream (real copies, as on a device).
+    these say what to stream (real copies, as on a device). Bound in the layout binding's scopes
+    (:class:`hpfunc.layout.StateStreaming`), so a step's own layout bindings keep it.
 
     >>> with streaming_state(1 << 20):
     ...     stream_group_bytes()
@@ -276,23 +271,20 @@ def streaming_state(group_bytes: int, *, state: bool = True, params: bool = Fals
     """
     if isinstance(group_bytes, bool) or not isinstance(group_bytes, int) or group_bytes < 0:
         raise ValueError(f"streaming_state: group_bytes must be an int >= 0 (0: one leaf per group), found {group_bytes!r}")
-    token = _STREAM.set((group_bytes, bool(state), bool(params)))
-    try:
+    with layout.scoped(state_streaming=layout.StateStreaming(group_bytes, bool(state), bool(params))):
         yield
-    finally:
-        _STREAM.reset(token)
 
 
 def stream_group_bytes() -> int | None:
     """The group size of :func:`streaming_state` in force (``None`` outside)."""
-    hit = _STREAM.get()
-    return None if hit is None else hit[0]
+    hit = layout.scopes().state_streaming
+    return None if hit is None else hit.group_bytes
 
 
 def streamed_kinds() -> tuple[bool, bool]:
     """``(moments, params)``: what :func:`streaming_state` in force says is held in host memory."""
-    hit = _STREAM.get()
-    return (False, False) if hit is None else (hit[1], hit[2])
+    hit = layout.scopes().state_streaming
+    return (False, False) if hit is None else (hit.moments, hit.params)
 
 
 def stream_params_in(params: Params, updates: Updates) -> Params:
@@ -306,8 +298,8 @@ def stream_params_in(params: Params, updates: Updates) -> Params:
     >>> stream_params_in(p, {"w": torch.zeros(2)}) is p
     True
     """
-    hit = _STREAM.get()
-    if hit is None or not hit[2]:
+    hit = layout.scopes().state_streaming
+    if hit is None or not hit.params:
         return params
     p_leaves, spec = _tree.flatten(params)
     u_leaves = _tree.flatten(updates)[0]

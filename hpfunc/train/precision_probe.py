@@ -36,11 +36,11 @@ the table's gradient row summed, from that same reduction. Between them the step
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from typing import Any, Iterator
 
 import torch
 
+from hpfunc import layout
 from hpfunc import tree as _tree
 
 __all__ = ["PrecisionProbe", "record_local_loss", "steps_done", "SQ", "LOCAL_LOSS", "ROWS"]
@@ -49,11 +49,10 @@ SQ = "precision_sq"  # the metrics key of the [3, leaves] table
 LOCAL_LOSS = "precision_local_loss"  # the metrics key of the [data ranks, calls] local losses
 ROWS = ("grad", "param", "update")  # the rows of the table, in order
 
-# the local losses of the step being measured (None between measured steps): a scope, not global state
-_LOSSES: contextvars.ContextVar[list | None] = contextvars.ContextVar("hpfunc_train_local_losses", default=None)
-# the optimizer steps taken before the step that runs now, as the caller counts them on the host (None:
-# not told, the probe reads the state's step counter)
-_DONE: contextvars.ContextVar[int | None] = contextvars.ContextVar("hpfunc_train_steps_done", default=None)
+# the local losses of the step being measured (None between measured steps) and the optimizer steps taken
+# before the step that runs now, as the caller counts them on the host (None: not told, the probe reads the
+# state's step counter): members of the layout binding's scopes (hpfunc.layout.Scopes), which the step's own
+# bindings keep
 
 
 @contextlib.contextmanager
@@ -69,17 +68,14 @@ def steps_done(n: int) -> Iterator[None]:
     >>> probe.due(torch.tensor(6))  # not told: read from the tensor
     False
     """
-    token = _DONE.set(int(n))
-    try:
+    with layout.scoped(steps_done=int(n)):
         yield
-    finally:
-        _DONE.reset(token)
 
 
 def record_local_loss(loss: torch.Tensor) -> None:
     """Called by the step's objective with each call's loss (this rank's, on its shard); kept only while
     a measured step runs."""
-    kept = _LOSSES.get()
+    kept = layout.scopes().local_losses
     if kept is not None:
         kept.append(loss.detach())
 
@@ -96,26 +92,21 @@ class PrecisionProbe:
         """Whether the step after ``step`` optimizer steps (``state.step``) is measured: from the caller's
         count on the host when one is given (:func:`steps_done`: the trainer's loop gives its own), else a
         read of ``step`` (on a device, a host sync)."""
-        done = _DONE.get()
+        done = layout.scopes().steps_done
         return ((int(step) if done is None else done) + 1) % self.every == 0
 
     @contextlib.contextmanager
     def recording(self) -> Iterator[list]:
         """The list the objective's losses are recorded into while the ``with`` block runs."""
         kept: list = []
-        token = _LOSSES.set(kept)
-        try:
+        with layout.scoped(local_losses=kept):
             yield kept
-        finally:
-            _LOSSES.reset(token)
 
     @staticmethod
     def snapshot(trained: Any) -> Any:
         """This rank's parameter blocks before the update: a copy when the step was handed its state to
         reuse (:func:`hpfunc.layout.donated`: the update may write the new values into them), else the
         blocks themselves (the update makes new tensors)."""
-        from hpfunc import layout
-
         if not layout.donated():
             return trained
         return _tree.tree_map(lambda x: None if x is None else x.detach().clone(), trained, none_is_leaf=True)
@@ -123,8 +114,6 @@ class PrecisionProbe:
     @staticmethod
     def measure(grads: Any, before: Any, after: Any, losses: list) -> dict[str, torch.Tensor]:
         """The metrics of a measured step (``SQ`` and ``LOCAL_LOSS``), in one reduction over the mesh."""
-        from hpfunc import layout
-
         updates = _tree.tree_map(lambda new, old: None if old is None else new.detach() - old, after, before,
                                  none_is_leaf=True)
         mine = torch.stack([x.to(torch.float64).reshape(()) for x in losses]) if losses else None

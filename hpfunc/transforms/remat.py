@@ -41,7 +41,7 @@ import torch
 from torch.utils.checkpoint import _RECOMPUTE as _SAC_RECOMPUTE
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from hpfunc import saved_tensors
+from hpfunc import layout, saved_tensors
 from hpfunc import tree as _tree
 from hpfunc.memory._names import NameScope, current_scope, name_scope
 from hpfunc.memory._recorder import Recorder, current_recorder
@@ -66,12 +66,10 @@ aten = torch.ops.aten
 # ---------------------------------------------------------------------------------------------
 # checkpoint_name
 
-_TAG: contextvars.ContextVar[str | None] = contextvars.ContextVar("hpfunc_checkpoint_name", default=None)
-
-
 def current_tag() -> str | None:
-    """The name being tagged right now (set only while ``checkpoint_name`` dispatches its alias)."""
-    return _TAG.get()
+    """The name being tagged right now (bound, in the layout binding's scopes, only while
+    ``checkpoint_name`` dispatches its alias)."""
+    return layout.scopes().checkpoint_tag
 
 
 def checkpoint_name(x: Any, name: str) -> Any:
@@ -92,11 +90,8 @@ def checkpoint_name(x: Any, name: str) -> Any:
     def tag(t: Any) -> Any:
         if not isinstance(t, torch.Tensor):
             return t
-        token = _TAG.set(name)
-        try:
+        with layout.scoped(checkpoint_tag=name):
             y = aten.alias.default(t)
-        finally:
-            _TAG.reset(token)
         if scope is not None:
             scope.record(name, y)
         return y
@@ -187,7 +182,7 @@ def _sac_context(policy: Policy, memory_kind: str | None) -> Callable[[], tuple]
         cached_by_storage: dict[int, list] = {}
 
         def policy_fn(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-            name = _TAG.get() if op is aten.alias.default else None
+            name = current_tag() if op is aten.alias.default else None
             if _never_cache(op):
                 decision = Decision.RECOMPUTE
                 # An in-place op (a collective's all_reduce_) just changed tensors that may be

@@ -16,10 +16,10 @@ both), or a warning with ``policy="warn"``.
 Enabled by ``plan.with_sdc_check("raise" | "warn")`` (:meth:`hpfunc.transforms.plans.Plan.with_sdc_check`).
 With no replica anywhere (fsdp over every rank) there is nothing to compare: a warning says so once.
 
-:func:`inject_bit_flip` is the documented test hook: a context manager (a ``contextvars`` value, so it
-is scoped to the code under it) that flips bit ``bit`` of element 0 of the reduced gradient of
-``path`` on rank ``rank`` just before the checksum (the corrupted gradient goes on to the optimizer,
-as a real fault would).
+:func:`inject_bit_flip` is the documented test hook: a context manager (a :class:`hpfunc.layout.BitFlip`
+in the layout binding's scopes, so it is scoped to the code under it, a step's body included) that flips
+bit ``bit`` of element 0 of the reduced gradient of ``path`` on rank ``rank`` just before the checksum
+(the corrupted gradient goes on to the optimizer, as a real fault would).
 
 >>> checksum([torch.tensor([1.0, 2.0])]).tolist() == [1065353216 + 1073741824]
 True
@@ -30,14 +30,13 @@ True
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import warnings
 from typing import Iterator, Sequence
 
-import attrs
 import torch
 import torch.distributed as dist
 
+from hpfunc import layout
 from hpfunc.layout import LeafLayout
 
 __all__ = ["SDCError", "checksum", "check", "inject_bit_flip", "replica_axes", "POLICIES"]
@@ -49,16 +48,6 @@ class SDCError(RuntimeError):
     """Replicas of a reduced gradient differ: silent data corruption on (at least) one rank."""
 
 
-@attrs.frozen
-class _Flip:
-    rank: int
-    path: str
-    bit: int
-    step: int | None
-
-
-_FLIP: contextvars.ContextVar[_Flip | None] = contextvars.ContextVar("hpfunc_sdc_flip", default=None)
-
 _INT_OF = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -68,14 +57,11 @@ def inject_bit_flip(*, rank: int, path: str, bit: int, step: int | None = None) 
     global rank ``rank`` (at check number ``step``, every check when ``None``). Only under an SDC check.
 
     >>> with inject_bit_flip(rank=1, path="w", bit=3):
-    ...     _FLIP.get().bit
+    ...     layout.scopes().sdc_flip.bit
     3
     """
-    token = _FLIP.set(_Flip(int(rank), str(path), int(bit), step))
-    try:
+    with layout.scoped(sdc_flip=layout.BitFlip(int(rank), str(path), int(bit), step)):
         yield
-    finally:
-        _FLIP.reset(token)
 
 
 def replica_axes(lay: LeafLayout) -> tuple[str, ...]:
@@ -112,7 +98,7 @@ def check(leaves: Sequence[LeafLayout], grads: list[torch.Tensor], mesh, *, step
     from hpfunc import lax
 
     rank = dist.get_rank() if dist.is_initialized() else 0
-    fault = _FLIP.get()
+    fault = layout.scopes().sdc_flip
     if fault is not None and fault.rank == rank and (fault.step is None or fault.step == step):
         for lay, g in zip(leaves, grads):
             if lay.path == fault.path:

@@ -10,14 +10,13 @@ arrived, when sends were posted, on this rank (``bench/pipeline.py`` draws it; t
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import time
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["record_timeline", "event"]
+from hpfunc import layout
 
-_TIMELINE: contextvars.ContextVar[list | None] = contextvars.ContextVar("hpfunc_pipeline_timeline", default=None)
+__all__ = ["record_timeline", "event"]
 
 
 @contextlib.contextmanager
@@ -26,17 +25,16 @@ def record_timeline() -> Iterator[list]:
     with ``what`` one of ``"start"``/``"end"`` (a compute action: F, B, W, BW), ``"post"`` (a receive
     posted), ``"arrived"`` (a receive waited for and complete) and ``"send"`` (a send posted); times
     from ``time.perf_counter()``. ``bench/pipeline.py`` draws the timelines and measures the bubble
-    from them; the tests check that receives are posted ahead of the compute that waits for them."""
+    from them; the tests check that receives are posted ahead of the compute that waits for them. The
+    list is bound in the layout binding's scopes, which a step's own bindings keep: around a step call it
+    records the step's pipeline."""
     events: list = []
-    token = _TIMELINE.set(events)
-    try:
+    with layout.scoped(pipeline_timeline=events):
         yield events
-    finally:
-        _TIMELINE.reset(token)
 
 
 def event(what: str, action: Any) -> None:
     """Note ``what`` happened to ``action`` now, if a timeline is being recorded."""
-    events = _TIMELINE.get()
+    events = layout.scopes().pipeline_timeline
     if events is not None:
         events.append((what, str(action), time.perf_counter()))
