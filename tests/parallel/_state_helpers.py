@@ -350,3 +350,59 @@ def run_front_scalars(name: str, steps: int = 3) -> list[dict]:
                     "collectives": len(stats.records),
                     "metrics": {k: v.full_tensor() for k, v in m.items() if v.numel()}})
     return out
+
+
+def run_checks_off_same_state(name: str, steps: int = 3, modes: tuple = ("1", "off")) -> dict:
+    """The front door's train step with the replication checks the suite runs (``HPFUNC_CHECK_REP=1``,
+    the general exit of ``shard_map``) and without them (the production default for state replicated by
+    construction: the planned exit, ``shard_map._exit_planned``): bitwise the same states and metrics;
+    how often each exit ran."""
+    import os
+
+    import hpfunc
+    from hpfunc import optim
+    from hpfunc.models import qwen3
+    from hpfunc.testing import to_full
+    from hpfunc.train.step import init_train_state, make_train_step
+    from hpfunc.transforms import shard_map as sm
+    from hpfunc.transforms.parallelize import init_sharded
+
+    cfg = H.config("qwen3-dense-tiny", tie_word_embeddings=False)
+    mesh, plan = H.make(name, cfg)
+    tx = optim.adamw(LR)
+    planned = {"fast": 0}
+    real = sm._exit_planned
+
+    def counting(*a, **k):
+        out = real(*a, **k)
+        planned["fast"] += out is not None
+        return out
+
+    runs = {}
+    before = os.environ.get("HPFUNC_CHECK_REP")
+    sm._exit_planned = counting
+    try:
+        for mode in modes:
+            os.environ["HPFUNC_CHECK_REP"] = mode
+            planned["fast"] = 0
+            params = init_sharded(functools.partial(qwen3.init, cfg=cfg), mesh, plan, hpfunc.random.key(0),
+                                  shapes=qwen3.param_shapes(cfg))
+            ts = hpfunc.parallelize(make_train_step(cfg, tx, loss_fn=qwen3.parallel_plan.loss), mesh, plan)
+            state = ts.init_state(lambda p: init_train_state(p, tx), params)
+            metrics = []
+            for b in H.batches(cfg, steps, 4, 6, 0):
+                state, m = ts(state, b)
+                metrics.append(to_full(m))
+            runs[mode] = (to_full(state), metrics, planned["fast"],
+                          [hpfunc.typeof(x) for x in hpfunc.tree.leaves(state)])
+    finally:
+        sm._exit_planned = real
+        if before is None:
+            os.environ.pop("HPFUNC_CHECK_REP", None)
+        else:
+            os.environ["HPFUNC_CHECK_REP"] = before
+    a, b = (runs[m] for m in modes)
+    diff = [p for (p, x), (_, y) in zip(hpfunc.tree.leaves_with_paths(a[:2]), hpfunc.tree.leaves_with_paths(b[:2]))
+            if not (torch.equal(x, y) or (x.isnan().any() and torch.equal(x.isnan(), y.isnan())
+                                          and torch.equal(x.nan_to_num(), y.nan_to_num())))]  # (lr: NaN, no schedule)
+    return {"same": not diff, "diff": diff[:5], "fast_checked": a[2], "fast_off": b[2], "types_equal": a[3] == b[3]}
