@@ -623,10 +623,6 @@ def _exit_leaves(leaves: list, leaf_specs: Sequence[P], mesh: Mesh, checks: Any,
     replication check due, it is wrapped at once with a copy of the DTensor spec cached then (with
     ``wraps``, :attr:`FlatSpecs.wraps`, the one of its position)."""
     memo, device_type = mesh._memo, mesh.device_type
-    if wraps is not None and not isinstance(checks, list):
-        fast = _exit_planned(leaves, wraps, checks, entered, device_type)
-        if fast is not None:
-            return fast
     out = []
     for j, (y, s) in enumerate(zip(leaves, leaf_specs)):
         if y is None:
@@ -661,34 +657,6 @@ def _exit_leaves(leaves: list, leaf_specs: Sequence[P], mesh: Mesh, checks: Any,
         else:
             o = _exit(functools.partial(path, j), y, s, mesh, check, to_check)
         out.append(o)
-    return out
-
-
-def _exit_planned(leaves: list, wraps: list, check: str | None, entered: dict | None, device_type: str) -> list | None:
-    """:func:`_exit_leaves` when every output is as planned (a lowered step's steady state): each a plain
-    tensor needing no gradient, of the shape, dtype and device its position's wrap says, and no check
-    due for it (a replicated leaf under a check takes the general path) -- or ``None`` (use that path).
-    One pass, no per-leaf function calls: the state of a model is hundreds of leaves per step."""
-    new, tensor, dtensor, copy_spec = DTensor.__new__, torch.Tensor, DTensor, _copy_spec
-    cpu = device_type == "cpu"
-    get = entered.get if entered else None
-    out = []
-    append = out.append
-    for y, w in zip(leaves, wraps):
-        if w is None:
-            if y is None:
-                append(y)
-                continue
-            return None
-        if type(y) is not tensor or y.requires_grad or (check is not None and w[3]) or y.shape != w[0] \
-                or y.dtype != w[1] or (y.is_cpu if cpu else y.device.type == device_type) is False:
-            return None
-        if get is not None:
-            hit = get(id(y))
-            if hit is not None and hit[2] is y:  # returned unchanged: that DTensor again
-                append(hit[0])
-                continue
-        append(new(dtensor, y, copy_spec(w[2]), requires_grad=False))
     return out
 
 

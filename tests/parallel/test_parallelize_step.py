@@ -102,13 +102,3 @@ def test_aux_statistics_reduced_in_one_collective(pools):
         assert out["records_fp32"] == [("psum", 4 * (3 + 1 + 3 + 1 + 3 * 6), "")], out
         assert out["fp32"]["n"].item() == 4 and out["fp32"]["m"].tolist() == [4, 2], out
         torch.testing.assert_close(out["fp32"]["v"], batch.mean(0), rtol=0, atol=0)
-
-
-@pytest.mark.parametrize("name", ["ddp", "fsdp"])
-def test_planned_exit_equals_the_checked_one(pools, name):
-    """Without replication checks a lowered step's outputs leave shard_map by the planned exit (one pass
-    over the state's positions); with them by the general one. Bitwise the same states and metrics, and
-    the same layouts."""
-    for out in pools(2).run(S.run_checks_off_same_state, name):
-        assert out["same"] and out["types_equal"], out
-        assert out["fast_checked"] == 0 and out["fast_off"] >= 2, out  # (the first step finds the wraps)
