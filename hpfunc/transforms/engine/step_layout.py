@@ -23,35 +23,10 @@ from hpfunc import tree as _tree
 from hpfunc.layout import LeafLayout, PlanError
 from hpfunc.transforms.engine import differentiate
 from hpfunc.transforms.engine.reduce import gather_updated, narrow_to_opt
+from hpfunc.transforms.engine.step_scalars import reduce_batch_stats
 from hpfunc.transforms.engine.view import Blocks, lazy
 
 __all__ = ["RankStep", "reduce_batch_stats"]
-
-
-def reduce_batch_stats(tree: Any, data_axes: tuple[str, ...]) -> Any:
-    """Batch statistics over the data shards: floating tensors averaged, integer ones summed. The
-    tensors of one dtype travel in one collective (a ``pmean`` of the floating ones, a ``psum`` of the
-    integer ones): on gloo each call is a round trip that costs more host time than its bytes.
-
-    >>> import torch
-    >>> reduce_batch_stats({"tokens": torch.tensor(3), "ce": torch.tensor(0.5)}, ())
-    {'tokens': tensor(3), 'ce': tensor(0.5000)}
-    """
-    leaves, treedef = _tree.flatten(tree)
-    out = [x.detach() if isinstance(x, torch.Tensor) else x for x in leaves]
-    if data_axes:
-        groups: dict[torch.dtype, list[int]] = {}
-        for k, x in enumerate(out):
-            if isinstance(x, torch.Tensor):
-                groups.setdefault(x.dtype, []).append(k)
-        for dtype, idx in groups.items():
-            mean = dtype.is_floating_point or dtype.is_complex
-            members = [out[k] for k in idx]
-            flat = members[0].reshape(-1) if len(idx) == 1 else torch.cat([x.reshape(-1) for x in members])
-            red = lax.pmean(flat, data_axes) if mean else lax.psum(flat, data_axes)
-            for k, x, part in zip(idx, members, red.split([x.numel() for x in members])):
-                out[k] = part.view(x.shape)
-    return _tree.unflatten(treedef, out)
 
 
 class _Accumulation:

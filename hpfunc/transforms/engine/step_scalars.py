@@ -3,7 +3,7 @@ statistics and, when the step asks for it, the gradients' global sum of squares.
 
 Inside a parallelized step :meth:`~hpfunc.transforms.engine.step_layout.RankStep.value_and_grad`
 returns the loss as the mean over the data shards, ``aux``'s floating tensors averaged and its integer
-ones summed (:func:`~hpfunc.transforms.engine.step_layout.reduce_batch_stats`), and a step that clips or
+ones summed (:func:`reduce_batch_stats`), and a step that clips or
 logs the gradient norm asks :func:`hpfunc.layout.global_sq_norm` for the global sum of squares of the
 gradients it got (a ``psum`` over the axes the gradient blocks are split on). Made apart these are
 two to three collectives, each a round trip on gloo. :class:`StepScalars` makes them one
@@ -32,7 +32,33 @@ from hpfunc import lax
 from hpfunc import tree as _tree
 from hpfunc.transforms.engine.riders import Riders
 
-__all__ = ["StepScalars"]
+__all__ = ["StepScalars", "reduce_batch_stats"]
+
+
+def reduce_batch_stats(tree: Any, data_axes: tuple[str, ...]) -> Any:
+    """Batch statistics over the data shards: floating tensors averaged, integer ones summed. The
+    tensors of one dtype travel in one collective (a ``pmean`` of the floating ones, a ``psum`` of the
+    integer ones): on gloo each call is a round trip that costs more host time than its bytes.
+
+    >>> import torch
+    >>> reduce_batch_stats({"tokens": torch.tensor(3), "ce": torch.tensor(0.5)}, ())
+    {'tokens': tensor(3), 'ce': tensor(0.5000)}
+    """
+    leaves, treedef = _tree.flatten(tree)
+    out = [x.detach() if isinstance(x, torch.Tensor) else x for x in leaves]
+    if data_axes:
+        groups: dict[torch.dtype, list[int]] = {}
+        for k, x in enumerate(out):
+            if isinstance(x, torch.Tensor):
+                groups.setdefault(x.dtype, []).append(k)
+        for dtype, idx in groups.items():
+            mean = dtype.is_floating_point or dtype.is_complex
+            members = [out[k] for k in idx]
+            flat = members[0].reshape(-1) if len(idx) == 1 else torch.cat([x.reshape(-1) for x in members])
+            red = lax.pmean(flat, data_axes) if mean else lax.psum(flat, data_axes)
+            for k, x, part in zip(idx, members, red.split([x.numel() for x in members])):
+                out[k] = part.view(x.shape)
+    return _tree.unflatten(treedef, out)
 
 
 def _weight(mesh: Any, own: tuple[str, ...], over: tuple[str, ...]) -> float:
@@ -99,8 +125,6 @@ class StepScalars:
         if carrier is torch.float64:
             stats = self._riders(carrier, over)
         if not stats.fits():  # apart (an exotic dtype): as reduce_batch_stats does, then the norm
-            from hpfunc.transforms.engine.step_layout import reduce_batch_stats
-
             tree = reduce_batch_stats([self.leaves[k] for k in self.at], self.data_axes)
             self._set(tree)
             if sq_norm is None:
