@@ -41,9 +41,11 @@ from hpfunc.layout import LeafLayout, LeafSpec
 from hpfunc.mesh import Mesh
 from hpfunc.transforms.engine import prefetch
 from hpfunc.transforms.engine.gather import group_key
+from hpfunc.transforms.engine.outside_checkpoint import outside
 from hpfunc.transforms.engine.overlap import buckets_of
 from hpfunc.transforms.engine.packing import _unpack_gathered
 from hpfunc.transforms.engine.reduce_async import InFlight, start_psum, start_psum_scatter
+from hpfunc.transforms.engine.view import lazy
 from hpfunc.transforms.pipeline.errors import PipelineError
 
 __all__ = ["shard_stage_params", "unshard_stage_grads", "StageLayout", "StageParams", "is_diff"]
@@ -177,8 +179,6 @@ class StageParams:
         stage's first forward reads its layers one by one, each as it needs it, and the front door's gathers
         run while the layers before compute (:class:`~hpfunc.transforms.engine.pipelined.StagePipeline`).
         After each forward of the stage every leaf is made (:meth:`settle`): a backward finds them all."""
-        from hpfunc.transforms.engine.view import lazy
-
         stored = self.stored[s]
         self.live[s] = [None if isinstance(x, torch.Tensor) else x for x in stored]
         self.diff_pos[s] = [k for k, x in enumerate(stored) if isinstance(x, torch.Tensor) and is_diff(x)]
@@ -195,8 +195,6 @@ class StageParams:
         live = self.live[s]
         leaf = live[k]
         if leaf is None:
-            from hpfunc.transforms.engine.outside_checkpoint import outside
-
             # outside a selective remat's numbered ops: its recompute reads the leaf made here
             with outside():
                 v = self.deferred[s].value(k)
