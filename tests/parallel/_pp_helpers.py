@@ -427,3 +427,40 @@ def scatters_in_flight_together(step: dict) -> int:
     the backward going on past them."""
     rs = sorted((issued, waited) for op, _, _, issued, waited in step["records"] if op == "reduce_scatter")
     return sum(1 for (i0, w0), (i1, _) in zip(rs, rs[1:]) if w0 is not None and i1 < w0)
+
+
+def run_pp_fsdp_mixed(steps: int = 2) -> list[float]:
+    """``steps`` AdamW steps of the tiny dense Qwen3 on ``{pp: 2, fsdp: 2}`` (1F1B, m = 2) with fp32
+    parameters, and again computing in fp64 (``with_mixed_precision(param_dtype=float64)``: the stages'
+    gathers move fp64, the reduce-scatters sum fp64 into carriers, cast back after the wait): the losses
+    agree at fp32's rtol 1e-5 and the gradients at 1e-4. Returns the fp64 run's losses."""
+    import hpfunc
+    from hpfunc import optim
+    from hpfunc.models import qwen3
+    from hpfunc.models.qwen3 import parallel_plan
+    from hpfunc.testing import assert_trees_close, to_full
+    from hpfunc.transforms.parallelize import parallel_train_step
+
+    cfg = model_cfg("dense", 4, False)
+    shape = {"pp": 2, "fsdp": 2}
+    mesh = hpfunc.Mesh(shape)
+    runs = []
+    for mixed in (None, torch.float64):
+        plan = plan_of(cfg, shape, ["pp", "fsdp"], "1f1b", 2)
+        if mixed is not None:
+            plan = plan.with_mixed_precision(param_dtype=mixed)
+        step = parallel_train_step(lambda p, b: parallel_plan.loss(p, b, cfg)[0], optim.adamw(LR, eps=ADAM_EPS), mesh,
+                                   plan, return_grads=True)
+        params = step.shard_params(qwen3.init(hpfunc.random.key(0), cfg))
+        state = step.init_opt_state(params)
+        g = torch.Generator().manual_seed(1)
+        run = []
+        for _ in range(steps):
+            b = {"tokens": torch.randint(0, cfg.vocab_size, (8, 8), generator=g)}
+            params, state, metrics, grads = step(params, state, b)
+            run.append((float(to_full(metrics["loss"])), to_full(grads)))
+        runs.append(run)
+    for k, ((l32, g32), (l64, g64)) in enumerate(zip(*runs)):
+        assert abs(l32 - l64) <= 1e-5 * abs(l32), (k, l32, l64)
+        assert_trees_close(g64, g32, rtol=1e-4, atol=1e-6, what=f"step {k} gradients, fp64 compute")
+    return [loss for loss, _ in runs[1]]

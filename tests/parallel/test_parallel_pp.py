@@ -187,6 +187,14 @@ def test_fsdp_inside_stages_gathers_the_next_layer_while_a_layer_computes(pools)
         assert [s["loss"] for s in out[a]["steps"]] == [s["loss"] for s in out[b]["steps"]]
 
 
+def test_fsdp_inside_stages_under_mixed_precision(pools):
+    """pp 2 x fsdp 2 computing in fp64 over fp32 storage: the stages' deferred reads land fp64 gathers
+    and the asynchronous reduce-scatters sum fp64 into carriers; losses and gradients equal the fp32
+    run's (rtol 1e-5 / 1e-4) over 2 steps, the same on every rank."""
+    out = pools(4).run(H.run_pp_fsdp_mixed)
+    assert all(o == out[0] for o in out), out
+
+
 def _tp_traffic(local_paths, *, m: int, rows: int, fsdp: int = 1, seq: int = 8, layers: int = 4):
     """What the tensor-parallel axis carries in one step for the rank holding ``local_paths`` of the
     dense tiny Qwen3 (hidden H = 64, fp32) under ``qwen3.parallel_plan.tp_styles``, derived from that
