@@ -357,3 +357,110 @@ def run_pp_resident(mesh_shape: dict, schedule: str, *, m: int = 4, layers: int 
             "actions": [(a.kind.name, a.stage) for a in sched.actions[r]],
             "peak_resident": sim.peak_resident[r], "peak_resident_until_w": sim.peak_resident_until_w[r],
             "peak_until_w": sim.peak_until_w[r]}
+
+
+def run_pp_fsdp_trace(steps: int = 2, m: int = 2) -> dict:
+    """``steps`` AdamW steps of the tiny dense Qwen3 (4 layers) on ``{pp: 2, fsdp: 2}`` under 1F1B with
+    ``m`` microbatches, each under the comm counter, with every decoder layer's forward timed (a layer
+    transform bound in the loss: ``(start, end)`` per layer run, recomputes excluded). Returns per step the
+    collectives over ``fsdp`` as ``(op, bytes, tag, issued_at, waited_at or None)``, the layers' windows,
+    the stage's whole bytes (``stage_bytes``) and the losses (parity is ``run_pp_parity``'s)."""
+    import time
+
+    import hpfunc
+    from hpfunc import layout, optim
+    from hpfunc.models import qwen3
+    from hpfunc.models.qwen3 import parallel_plan
+    from hpfunc.transforms.parallelize import parallel_train_step
+
+    cfg = model_cfg("dense", 4, False)
+    shape = {"pp": 2, "fsdp": 2}
+    mesh = hpfunc.Mesh(shape)
+    plan = plan_of(cfg, shape, ["pp", "fsdp"], "1f1b", m)
+    windows: list = []
+
+    def timed(index, fn):
+        def run(*args, **kwargs):
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            if torch._C._current_graph_task_id() == -1:  # not a recompute in a backward
+                windows.append((index, t0, time.perf_counter()))
+            return out
+        return run
+
+    def loss_fn(p, b):
+        with layout.layer_transforms(timed):
+            value, aux = parallel_plan.loss(p, b, cfg)
+        return value, {"ce_loss": aux["ce_loss"]}
+
+    step = parallel_train_step(loss_fn, optim.adamw(LR, eps=ADAM_EPS), mesh, plan, has_aux=True)
+    full = qwen3.init(hpfunc.random.key(0), cfg)
+    params = step.shard_params(full)
+    state = step.init_opt_state(params)
+    g = torch.Generator().manual_seed(1)
+    out: dict = {"steps": [], "stage_bytes": sum(x.numel() * x.element_size() for _, x in hpfunc.tree.leaves_with_paths(
+        plan.local_params(full, mesh)))}
+    for _ in range(steps):
+        b = {"tokens": torch.randint(0, cfg.vocab_size, (8, 8), generator=g)}
+        windows.clear()
+        with hpfunc.comm_stats() as stats:
+            params, state, metrics = step(params, state, b)
+        waited: dict = {}
+        for w in stats.waits:  # the first wait
+            waited.setdefault(id(w.record), w.waited_at)
+        out["steps"].append({
+            "records": [(r.op, r.payload_bytes, r.tag, r.issued_at, waited.get(id(r))) for r in stats.records
+                        if r.axes == ("fsdp",) and r.op in ("all_gather", "reduce_scatter")],
+            "layers": list(windows), "loss": float(metrics["loss"].full_tensor())})
+    return out
+
+
+def gathers_in_flight_across_layers(step: dict) -> int:
+    """How many all-gathers were issued while a decoder layer computed its forward and landed after that
+    layer ended (a layer's gather in flight while the layer before it computes)."""
+    return sum(1 for op, _, _, issued, waited in step["records"] if op == "all_gather" and waited is not None
+               and any(t0 < issued < t1 < waited for _, t0, t1 in step["layers"]))
+
+
+def scatters_in_flight_together(step: dict) -> int:
+    """How many reduce-scatters were still in flight (issued, not waited for) when the next one was issued:
+    the backward going on past them."""
+    rs = sorted((issued, waited) for op, _, _, issued, waited in step["records"] if op == "reduce_scatter")
+    return sum(1 for (i0, w0), (i1, _) in zip(rs, rs[1:]) if w0 is not None and i1 < w0)
+
+
+def run_pp_fsdp_mixed(steps: int = 2) -> list[float]:
+    """``steps`` AdamW steps of the tiny dense Qwen3 on ``{pp: 2, fsdp: 2}`` (1F1B, m = 2) with fp32
+    parameters, and again computing in fp64 (``with_mixed_precision(param_dtype=float64)``: the stages'
+    gathers move fp64, the reduce-scatters sum fp64 into carriers, cast back after the wait): the losses
+    agree at fp32's rtol 1e-5 and the gradients at 1e-4. Returns the fp64 run's losses."""
+    import hpfunc
+    from hpfunc import optim
+    from hpfunc.models import qwen3
+    from hpfunc.models.qwen3 import parallel_plan
+    from hpfunc.testing import assert_trees_close, to_full
+    from hpfunc.transforms.parallelize import parallel_train_step
+
+    cfg = model_cfg("dense", 4, False)
+    shape = {"pp": 2, "fsdp": 2}
+    mesh = hpfunc.Mesh(shape)
+    runs = []
+    for mixed in (None, torch.float64):
+        plan = plan_of(cfg, shape, ["pp", "fsdp"], "1f1b", 2)
+        if mixed is not None:
+            plan = plan.with_mixed_precision(param_dtype=mixed)
+        step = parallel_train_step(lambda p, b: parallel_plan.loss(p, b, cfg)[0], optim.adamw(LR, eps=ADAM_EPS), mesh,
+                                   plan, return_grads=True)
+        params = step.shard_params(qwen3.init(hpfunc.random.key(0), cfg))
+        state = step.init_opt_state(params)
+        g = torch.Generator().manual_seed(1)
+        run = []
+        for _ in range(steps):
+            b = {"tokens": torch.randint(0, cfg.vocab_size, (8, 8), generator=g)}
+            params, state, metrics, grads = step(params, state, b)
+            run.append((float(to_full(metrics["loss"])), to_full(grads)))
+        runs.append(run)
+    for k, ((l32, g32), (l64, g64)) in enumerate(zip(*runs)):
+        assert abs(l32 - l64) <= 1e-5 * abs(l32), (k, l32, l64)
+        assert_trees_close(g64, g32, rtol=1e-4, atol=1e-6, what=f"step {k} gradients, fp64 compute")
+    return [loss for loss, _ in runs[1]]

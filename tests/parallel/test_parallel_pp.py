@@ -162,6 +162,39 @@ def test_fsdp_inside_stages_gathers_each_stage_once_per_step(pools):
         assert not [r for r in o["records"] if r[0] in ("all_gather", "reduce_scatter") and "pp" in r[2]], rank
 
 
+def test_fsdp_inside_stages_gathers_the_next_layer_while_a_layer_computes(pools):
+    """pp 2 x fsdp 2 (1F1B, m = 2), two steps traced (comm counter issue / wait times, each decoder
+    layer's forward window): each stage's first forward reads its layers one by one, and landing a
+    layer's all-gather issues the next group's without waiting, so on every rank at least one all-gather
+    is issued inside a layer's forward and still in flight when that layer ends (stage 0: embed, layers.0,
+    layers.1; stage 1: layers.2, layers.3, then the head's groups; each rank's 2 layers -> >= 1), in both
+    steps (the first in the tree's order, the second in the order the first read). The gradients'
+    reduce-scatters are issued without waiting (tagged ``async``) in the step's backward, at least one
+    still in flight when the next is issued. Every step gathers and reduce-scatters each stage's bytes
+    exactly once (as :func:`test_fsdp_inside_stages_gathers_each_stage_once_per_step`), and the losses are
+    the same on the fsdp pair (parity: ``test_pp_composes_on_4_ranks[pp-fsdp]``)."""
+    out = pools(4).run(H.run_pp_fsdp_trace)
+    for rank, o in enumerate(out):
+        for k, st in enumerate(o["steps"]):
+            where = (rank, k)
+            assert H.gathers_in_flight_across_layers(st) >= 1, (where, st["records"], st["layers"])
+            rs = [r for r in st["records"] if r[0] == "reduce_scatter"]
+            assert rs and all(r[2] == "async" and r[4] is not None for r in rs), (where, rs)
+            assert H.scatters_in_flight_together(st) >= 1, (where, rs)
+            for op in ("all_gather", "reduce_scatter"):
+                assert sum(r[1] for r in st["records"] if r[0] == op) == o["stage_bytes"], (where, op)
+    for a, b in ((0, 1), (2, 3)):  # an fsdp pair holds the same stage: the same loss
+        assert [s["loss"] for s in out[a]["steps"]] == [s["loss"] for s in out[b]["steps"]]
+
+
+def test_fsdp_inside_stages_under_mixed_precision(pools):
+    """pp 2 x fsdp 2 computing in fp64 over fp32 storage: the stages' deferred reads land fp64 gathers
+    and the asynchronous reduce-scatters sum fp64 into carriers; losses and gradients equal the fp32
+    run's (rtol 1e-5 / 1e-4) over 2 steps, the same on every rank."""
+    out = pools(4).run(H.run_pp_fsdp_mixed)
+    assert all(o == out[0] for o in out), out
+
+
 def _tp_traffic(local_paths, *, m: int, rows: int, fsdp: int = 1, seq: int = 8, layers: int = 4):
     """What the tensor-parallel axis carries in one step for the rank holding ``local_paths`` of the
     dense tiny Qwen3 (hidden H = 64, fp32) under ``qwen3.parallel_plan.tp_styles``, derived from that

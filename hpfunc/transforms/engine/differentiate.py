@@ -119,7 +119,7 @@ class _Reads:
         # the leaves whose gradients this differentiation computes: a group of them all gathers from a packed
         # leaf of its own whose reduce-scatter the backward does not wait for (scatter_async.py)
         self.differentiated = differentiated
-        self.scatters = Scatters() if differentiated and cfg.plan.pipeline is None else None
+        self.scatters = Scatters() if differentiated else None
         self.ready: dict[int, torch.Tensor] = {}  # gathered with their group, not yet read
         self.kept: dict[int, torch.Tensor] = {}  # without reshard: every gathered leaf until the backward ends
         self.gids = itertools.count()
@@ -185,20 +185,25 @@ class _Reads:
         k = self.at.get(first)
         if k is None or k + 1 >= len(self.order):
             return
-        nxt = self.order[k + 1]
-        members = self.cfg.group_of[nxt]
-        if nxt in self.flights or any(j in self.ready or j in self.kept for j in members):
-            return
+        if self.issue(self.order[k + 1]) and self.host is not None and k + 2 < len(self.order):
+            self.host.start(self.cfg.group_of[self.order[k + 2]])  # copied in while this layer computes
+
+    def issue(self, first: int) -> bool:
+        """Issue the packed all-gather of the group whose first member is ``first`` without waiting (its first
+        read lands it); ``False`` where it is in flight or gathered already, or not prefetchable. Used by the
+        forward prefetch and by a pipeline's stages (:class:`~hpfunc.transforms.engine.pipelined.StagePipeline`)."""
+        members = self.cfg.group_of[first]
+        if first in self.flights or any(j in self.ready or j in self.kept for j in members):
+            return False
         cfg, host = self.cfg, self.host
         specs = [cfg.leaves[j].gather for j in members]
         if not prefetch.eligible(specs):
-            return
+            return False
         blocks = [self.ws[j] for j in members]
         if host is not None:
             blocks = host.fill(members, [b.detach() for b in blocks])
-            if k + 2 < len(self.order):  # copied in while this layer computes, for the next prefetch
-                host.start(cfg.group_of[self.order[k + 2]])
-        self.flights[nxt] = prefetch.start(cfg.mesh, blocks, specs[0][0][1], cfg.mixed)
+        self.flights[first] = prefetch.start(cfg.mesh, blocks, specs[0][0][1], cfg.mixed)
+        return True
 
     def end_forward(self) -> None:
         """After the forward: record the order of first reads (the first differentiation), wait for and drop

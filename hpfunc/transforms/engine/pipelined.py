@@ -114,6 +114,128 @@ def build_executor(cfg: Any) -> Any:
                         with_microbatch=True, loss_scale=cfg.seed_scale * p)
 
 
+AHEAD = 2  # stage parameter groups whose all-gathers are in flight ahead of their first read, at most
+
+
+class _Ahead:
+    """The step's parameters read by the stages where they use them, gathers issued one group ahead.
+
+    Under FSDP the step's view gathers a group of parameters (a layer's) when one of them is first read.
+    Read all at once before the schedule runs, every gather would wait in turn with nothing to compute
+    meanwhile. Here the pipeline hands the executor, per local stage, its leaves to read on first use
+    (:meth:`StageParams._make_deferred <hpfunc.transforms.pipeline.stage_params.StageParams._make_deferred>`):
+    a stage's first forward reads layer ``k`` as it reaches it, which lands that group's all-gather and
+    issues the next group's without waiting (the reader's :meth:`issue`, the forward prefetch's packed
+    :func:`~hpfunc.transforms.engine.prefetch.start`), so layer ``k + 1``'s gather runs while layer ``k``
+    computes; the first group's is issued before the schedule starts. Reading a group issues the next
+    one not read yet, while fewer than :data:`AHEAD` (2) are in flight: one ahead in the order, and one
+    more while a group issued ahead waits for a read out of that order (on the first step, whose order is
+    the tree's: Qwen3's last stage reads its layers before the final norm that sorts first); a group read
+    out of order is gathered in its turn, never twice. The order is that of the parameter tree on the first step, then the order the stages read the
+    groups in that step (kept in the program's memo). The values read are the view's own (the same
+    gathers, landed: their transposes are the same reduce-scatters), so bytes and results are unchanged.
+
+    Used when the view is one plain tree read by a reader that can issue gathers (the step's); otherwise the
+    pipeline reads the whole tree before the schedule as before."""
+
+    def __init__(self, base: Any, read: Any):
+        self.base, self.read = base, read
+
+    @classmethod
+    def of(cls, params: Any) -> "_Ahead | None":
+        from hpfunc.transforms.engine.view import _LazyDict, _LazyList, _is_view
+
+        if isinstance(params, _LazyDict):
+            base, read = params._d, params._read
+        elif isinstance(params, _LazyList):
+            base, read = params._l, params._read
+        else:
+            return None
+        if not (hasattr(read, "issue") and hasattr(read, "ws") and hasattr(read, "cfg")):
+            return None
+        if any(_is_view(x) for x in _tree.flatten(base, is_leaf=_is_view)[0]):
+            return None  # a tree built of several views: read whole (materialize)
+        return cls(base, read)
+
+    def start(self, leaves: list, uses: dict[int, list[int]], memo: dict, treedef: Any) -> dict[int, Any]:
+        """Issue the first group's gather; per stage, the executor's reader of its leaves (``uses[s]``)."""
+        read = self.read
+        self.leaves, self.values = leaves, [None] * len(leaves)
+        self.index = {}  # block index in the step -> position in leaves
+        for k, x in enumerate(leaves):
+            if isinstance(x, torch.Tensor):
+                i = read.ws.index_of(x)
+                if i is not None:
+                    self.index.setdefault(i, k)
+        group_of = read.cfg.group_of
+        key = ("read order", treedef)
+        order = memo.get(key)
+        if order is None:  # the first step: the tree's order (each group by its first member)
+            order = []
+            for i in sorted(self.index, key=self.index.get):
+                g = group_of.get(i)
+                if g is not None and g[0] not in order:
+                    order.append(g[0])
+        self.order, self.at = list(order), {g: n for n, g in enumerate(order)}
+        self.seen: list[int] | None = [] if key not in memo else None
+        self.done: set[int] = set()  # the groups read (gathered) in this step
+        self.memo, self.key = memo, key
+        self.flying: set[int] = set()  # the groups issued ahead and not read yet (at most AHEAD)
+        if self.order and read.issue(self.order[0]):
+            self.flying.add(self.order[0])
+        return {s: _StageReader(self, ks) for s, ks in uses.items()}
+
+    def value(self, k: int) -> Any:
+        """Leaf ``k`` as used (read once; reading a gathered group issues the next one's gather)."""
+        v = self.values[k]
+        if v is None:
+            x = self.leaves[k]
+            if not isinstance(x, torch.Tensor):
+                return x
+            v = self.values[k] = self.read(x)
+            i = self.read.ws.index_of(x)
+            g = self.read.cfg.group_of.get(i)
+            if g is not None and g[0] not in self.done:
+                first = g[0]
+                self.done.add(first)
+                if self.seen is not None:
+                    self.seen.append(first)
+                # the next group in the order not gathered yet (one read out of order is not gathered twice)
+                n = self.at.get(first, -1) + 1
+                while n < len(self.order) and self.order[n] in self.done:
+                    n += 1
+                self.flying -= self.done
+                if n < len(self.order) and len(self.flying) < AHEAD and self.read.issue(self.order[n]):
+                    self.flying.add(self.order[n])
+        return v
+
+    def finish(self) -> list:
+        """Every leaf as used (those no stage read, read now); the read order kept for the next steps."""
+        out = [self.value(k) if isinstance(x, torch.Tensor) else x for k, x in enumerate(self.leaves)]
+        if self.seen is not None:
+            self.memo.setdefault(self.key, tuple(self.seen) + tuple(g for g in self.order if g not in self.seen))
+        return out
+
+
+class _StageReader:
+    """One stage's leaves for the executor: ``position(x)`` (the stage's index of the step's block ``x``, or
+    of an exact alias of it) and ``value(k)`` (that leaf as used)."""
+
+    __slots__ = ("ahead", "keys", "local")
+
+    def __init__(self, ahead: _Ahead, keys: list[int]):
+        self.ahead, self.keys = ahead, keys
+        self.local = {k: n for n, k in enumerate(keys)}
+
+    def position(self, x: Any) -> int | None:
+        i = self.ahead.read.ws.param_of(x)
+        k = None if i is None else self.ahead.index.get(i)
+        return None if k is None else self.local.get(k)
+
+    def value(self, n: int) -> Any:
+        return self.ahead.value(self.keys[n])
+
+
 class StagePipeline:
     """The pipeline runner of one differentiation (see the module docstring)."""
 
@@ -143,8 +265,12 @@ class StagePipeline:
                             "model's loss once (use plans.pp(..., microbatches=m) instead of hpfunc.microbatch)")
         self.used = True
         # the parameters as used (gathered, cast) are read through a lazy view only when the plan gathers or
-        # casts them; otherwise the step's blocks are in the tree as they are
-        full = materialize(params) if self.needs_view else params
+        # casts them; otherwise the step's blocks are in the tree as they are. Read through the view, each
+        # stage's leaves are read where its first forward uses them, their gathers issued ahead (_Ahead)
+        ahead = _Ahead.of(params) if self.needs_view else None
+        full = params if ahead is None else ahead.base
+        if ahead is None and self.needs_view:
+            full = materialize(params)
         leaves, treedef = _tree.flatten(full)
         # per local stage: the positions of the leaves it uses (once per parameter structure)
         uses = self.memo.get(treedef)
@@ -159,8 +285,13 @@ class StagePipeline:
             for k in uses[s]:
                 mine[k] = leaves[k]
             trees[s] = _tree.unflatten(treedef, mine)
+        deferred = None
+        if ahead is not None:
+            deferred = ahead.start(leaves, {s: uses[s] for s in self.local_stages}, self.memo, treedef)
         with self.params_layer.keeping_gathered():
-            losses, auxes, grads = self.executor.execute(trees, batch)
+            losses, auxes, grads = self.executor.execute(trees, batch, deferred)
+        if ahead is not None:
+            leaves = ahead.finish()  # the leaves as used (every one read by now)
         wants = []
         for k, x in enumerate(leaves):
             if x.requires_grad:

@@ -25,7 +25,9 @@ gathered are read from the blocks, and :meth:`Scatters.finish` casts the reduced
 storage dtype after the wait.
 
 Used for the groups :func:`~hpfunc.transforms.engine.prefetch.eligible` admits (one gather step) whose
-every member the differentiation wants, outside a pipeline.
+every member the differentiation wants; under a pipeline too (``plans.pp``), whose schedule runs inside
+the forward: there the reduce-scatters start in the step's backward after it, overlapping each other and
+the packing of the next group's gradients.
 
     >>> s = Scatters()
     >>> s.entries, s.works

@@ -132,6 +132,7 @@ class Run:
         p_tree = params.live_trees[s]
         swap = None
         if (s, i) in step.swapped:
+            params.settle(s)  # (the swap is told the parameters: every one made now)
             # Parameters, the batch and the stage inputs are held by the step: never copied.
             swap = ActivationSwap(list(params.live[s]) + _tree.leaves(mbs[i]) + (list(xs) if s > 0 else []))
         with torch.enable_grad(), (saved_tensors.layer(swap) if swap is not None else contextlib.nullcontext()):
@@ -157,6 +158,7 @@ class Run:
                 self.inputs[(s + 1, i)] = tuple(t.detach() for t in ys)
             else:
                 self.outbox[(K.SEND_F, s, i)] = [t.detach() for t in ys]
+        params.settle(s)  # a deferred stage's leaves its forward did not read: made before any backward
         self.saved[(s, i)] = Saved(diff_inputs, outs, params.live[s], params.diff_pos[s], swap)
 
     def backward_input(self, s: int, i: int, a: Any, where: Any) -> None:

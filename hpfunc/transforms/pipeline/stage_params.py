@@ -41,9 +41,11 @@ from hpfunc.layout import LeafLayout, LeafSpec
 from hpfunc.mesh import Mesh
 from hpfunc.transforms.engine import prefetch
 from hpfunc.transforms.engine.gather import group_key
+from hpfunc.transforms.engine.outside_checkpoint import outside
 from hpfunc.transforms.engine.overlap import buckets_of
 from hpfunc.transforms.engine.packing import _unpack_gathered
 from hpfunc.transforms.engine.reduce_async import InFlight, start_psum, start_psum_scatter
+from hpfunc.transforms.engine.view import lazy
 from hpfunc.transforms.pipeline.errors import PipelineError
 
 __all__ = ["shard_stage_params", "unshard_stage_grads", "StageLayout", "StageParams", "is_diff"]
@@ -118,7 +120,9 @@ class StageParams:
     and its memo of :class:`StageLayout` per structure); ``params``: stage -> parameter tree (this rank's
     shards under FSDP)."""
 
-    def __init__(self, step: Any, params: Any):
+    def __init__(self, step: Any, params: Any, deferred: Any = None):
+        # stage -> its leaves read on first use (see :meth:`_make_deferred`); none: every leaf as given
+        self.deferred = {} if deferred is None else deferred
         self.mesh, self.fsdp, self.fsdp_axis, self.data_axis = step.mesh, step.fsdp, step.fsdp_axis, step.data_axis
         self.pp_index, self.local_stages = step.pp_index, step.local_stages
         self.specs: dict[int, Any] = {}
@@ -155,7 +159,10 @@ class StageParams:
         self.final: set[int] = set()  # the stages whose gradients were taken for their reductions
         if not self.fsdp:
             for s in self.local_stages:
-                self._make_live(s, self.stored[s])
+                if s in self.deferred:
+                    self._make_deferred(s)
+                else:
+                    self._make_live(s, self.stored[s])
 
     def _make_live(self, s: int, leaves: list) -> None:
         live = [x.detach().requires_grad_(is_diff(x)) if isinstance(x, torch.Tensor) else x for x in leaves]
@@ -163,6 +170,43 @@ class StageParams:
         self.diff_pos[s] = [k for k, t in enumerate(live) if isinstance(t, torch.Tensor) and t.requires_grad]
         self.generations[s].append(live)
         self.live_trees[s] = _tree.unflatten(self.specs[s], live)
+
+    def _make_deferred(self, s: int) -> None:
+        """Stage ``s``'s leaves made on first read: ``deferred[s]`` says which given leaf a tensor is
+        (``position(x)``: its index among the stage's leaves, or ``None``) and gives its value as used
+        (``value(k)``, e.g. landing an all-gather issued ahead); the stage's forwards read a lazy view of the
+        given tree whose leaves are fresh differentiable leaves of those values, each made once. So a
+        stage's first forward reads its layers one by one, each as it needs it, and the front door's gathers
+        run while the layers before compute (:class:`~hpfunc.transforms.engine.pipelined.StagePipeline`).
+        After each forward of the stage every leaf is made (:meth:`settle`): a backward finds them all."""
+        stored = self.stored[s]
+        self.live[s] = [None if isinstance(x, torch.Tensor) else x for x in stored]
+        self.diff_pos[s] = [k for k, x in enumerate(stored) if isinstance(x, torch.Tensor) and is_diff(x)]
+        self.generations[s].append(self.live[s])
+        self.live_trees[s] = lazy(_tree.unflatten(self.specs[s], stored), lambda x, s=s: self._read(s, x))
+
+    def _read(self, s: int, x: torch.Tensor) -> torch.Tensor:
+        k = self.deferred[s].position(x)
+        if k is None:
+            return x
+        return self._leaf(s, k)
+
+    def _leaf(self, s: int, k: int) -> torch.Tensor:
+        live = self.live[s]
+        leaf = live[k]
+        if leaf is None:
+            # outside a selective remat's numbered ops: its recompute reads the leaf made here
+            with outside():
+                v = self.deferred[s].value(k)
+            leaf = live[k] = v.detach().requires_grad_(is_diff(v))
+        return leaf
+
+    def settle(self, s: int) -> None:
+        """Make every leaf of a deferred stage ``s`` not read yet (those its forward did not use)."""
+        if s in self.deferred:
+            for k, x in enumerate(self.live[s]):
+                if x is None:
+                    self._leaf(s, k)
 
     # -- the FSDP actions ------------------------------------------------------------------------------
     def unshard(self, s: int) -> None:
@@ -266,7 +310,9 @@ class StageParams:
         self.reducing.clear()
         out: dict[int, Any] = {}
         for s in self.local_stages:
+            self.settle(s)  # (a stage never run: its leaves, for their zero gradients' shapes)
+            as_used = self.live[s] if s in self.deferred else self.stored[s]
             gs = [x if not isinstance(x, torch.Tensor) else torch.zeros_like(x) if g is None else g
-                  for x, g in zip(self.stored[s], self.grads[s] if s in self.final else self.collect(s))]
+                  for x, g in zip(as_used, self.grads[s] if s in self.final else self.collect(s))]
             out[s] = _tree.unflatten(self.specs[s], gs)
         return out

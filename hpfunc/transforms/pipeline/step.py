@@ -124,10 +124,14 @@ class PipelineStep:
             loss.div_(self.mesh.axis_size(self.data_axis))
         return loss, out
 
-    def execute(self, params: Mapping[int, Any], batch: Any) -> tuple[list[torch.Tensor], list[Any], dict[int, Any]]:
+    def execute(self, params: Mapping[int, Any], batch: Any,
+                deferred: Mapping[int, Any] | None = None) -> tuple[list[torch.Tensor], list[Any], dict[int, Any]]:
         """Run this rank's actions: ``(losses, auxes, grads)`` -- the last stage's loss (and, in the
         microbatch mode, its aux) per microbatch on the rank holding it (empty lists elsewhere), and the
-        gradients of the local stages' parameters (see :meth:`__call__`)."""
+        gradients of the local stages' parameters (see :meth:`__call__`). ``deferred`` (without an FSDP
+        axis): per stage, its leaves read on first use (:meth:`StageParams._make_deferred
+        <hpfunc.transforms.pipeline.stage_params.StageParams._make_deferred>`); the gradients then have
+        the shapes of the values read."""
         if not isinstance(params, Mapping):
             raise TypeError(f"pipeline step: params must map stage index -> parameter tree, found {type(params).__name__}")
         missing = [s for s in self.local_stages if s not in params]
@@ -145,7 +149,7 @@ class PipelineStep:
         # grad) a full backward names its targets, so that no gradient leaks out of the stage.
         closed = self.with_microbatch and not any(
             t.requires_grad for t in _tree.leaves(batch) if isinstance(t, torch.Tensor))
-        return Run(self, StageParams(self, params), mbs, closed).run()
+        return Run(self, StageParams(self, params, deferred), mbs, closed).run()
 
 
 def pipeline_map(stage_fns: Sequence[Callable], schedule: Schedule, mesh: Mesh, *, axis: str = "pp",
