@@ -80,7 +80,8 @@ def run_mixed_parity(name: str, model: str, seed: int, reduce_dtype=torch.float3
 
 
 def run_mixed_comm(name: str, reduce_dtype) -> dict:
-    """Bytes each rank sends in one step, by (op, phase), payloads over 8 bytes."""
+    """Bytes each rank sends in one step, by (op, phase), payloads over 8 bytes; the step's scalars (the
+    collective tagged ``"scalars"``, and those riding a gradient bucket: ``CommRecord.rider_bytes``) left out."""
     import hpfunc
     from hpfunc.models import qwen3
 
@@ -93,10 +94,13 @@ def run_mixed_comm(name: str, reduce_dtype) -> dict:
         step(params, state, b)
     shapes = hpfunc.tree.leaves(qwen3.param_shapes(cfg), is_leaf=lambda x: isinstance(x, torch.Size))
     out = {"psi": sum(math.prod(s) for s in shapes), "embed": cfg.vocab_size * cfg.hidden_size, "n": mesh.size}
+    from hpfunc.comm import ring_sent_bytes
+
     for r in stats.records:
-        if r.payload_bytes > 8:
+        if r.payload_bytes > 8 and r.tag != "scalars":
             k = f"{r.op}/{r.phase}"
-            out[k] = out.get(k, 0) + r.sent_bytes
+            sent = ring_sent_bytes(r.op, r.payload_bytes - r.rider_bytes, r.n) if r.rider_bytes else r.sent_bytes
+            out[k] = out.get(k, 0) + sent
     return out
 
 
