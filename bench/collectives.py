@@ -10,9 +10,12 @@ For each collective on 2 and 4 gloo ranks and each message size it reports:
     must do) for a like-for-like ratio;
   * the host CPU time per call (this process's CPU time over a run of back-to-back calls, gloo's
     threads included, summed over the ranks; the median of ``--rounds`` runs, the three ways
-    interleaved) of hpfunc.lax and of the raw call with a fresh output, and their ratio: the host
-    overhead hpfunc.lax adds (issue 25's goal: <= 1.05 at 64 KiB and 1 MiB). On a shared, oversubscribed
-    machine latency is mostly waiting for the other ranks to be scheduled; CPU time is not.
+    interleaved) of hpfunc.lax and of the raw call with a fresh output, and their ratio; and the same
+    for the calling thread's CPU time alone (``time.thread_time``): the host work of the call without
+    gloo's transfer threads, i.e. the overhead hpfunc.lax adds (issue 25's goal: <= 1.05 at 64 KiB and
+    1 MiB). On a shared, oversubscribed machine latency is mostly waiting for the other ranks to be
+    scheduled, and the process's CPU time is mostly gloo's threads spinning and waiting (its ratios
+    swing 0.8-1.5 from run to run); the calling thread's is not.
 
 Usage:  python bench/collectives.py [--sizes 65536,1048576] [--ranks 2,4] [--iters 30] [--rounds 7] [--out FILE]
 """
@@ -42,9 +45,12 @@ def _wchar() -> int:
     return -1
 
 
-def _cpu_per_call(fns: list, calls: int, rounds: int) -> list[list[float]]:
-    """Per function, ``rounds`` values of this process's CPU seconds per call over ``calls`` back-to-back
-    calls (the functions take turns, in a rotating order; a barrier before each run)."""
+def _cpu_per_call(fns: list, calls: int, rounds: int, clock=time.process_time) -> list[list[float]]:
+    """Per function, ``rounds`` values of CPU seconds per call over ``calls`` back-to-back calls (the
+    functions take turns, in a rotating order; a barrier before each run). ``clock``: this process's CPU
+    time (gloo's threads included), or ``time.thread_time``: the calling thread's alone -- the host work
+    of the call (Python, the c10d enqueue, the wait's bookkeeping) without gloo's transfer threads, which
+    on a shared machine spin and wait for the other ranks."""
     import torch.distributed as dist
 
     out: list[list[float]] = [[] for _ in fns]
@@ -53,10 +59,10 @@ def _cpu_per_call(fns: list, calls: int, rounds: int) -> list[list[float]]:
         order = order[r % len(fns):] + order[: r % len(fns)]
         for k in order:
             dist.barrier()
-            c = time.process_time()
+            c = clock()
             for _ in range(calls):
                 fns[k]()
-            out[k].append((time.process_time() - c) / calls)
+            out[k].append((clock() - c) / calls)
     return out
 
 
@@ -154,7 +160,9 @@ def _bench_on_rank(nbytes: int, iters: int, rounds: int = 7) -> list[dict]:
                 fn()
                 times[fn].append(time.perf_counter() - t0)
         t_hp, t_raw, t_alloc = times[run_hp], times[run_raw], times[run_raw_alloc]
-        cpu_hp, cpu_alloc = _cpu_per_call([run_hp, run_raw_alloc], max(10, (1 << 22) // max(nbytes, 1)), rounds)
+        calls = max(10, (1 << 22) // max(nbytes, 1))
+        cpu_hp, cpu_alloc = _cpu_per_call([run_hp, run_raw_alloc], calls, rounds)
+        thr_hp, thr_alloc = _cpu_per_call([run_hp, run_raw_alloc], calls, rounds, clock=time.thread_time)
         rows.append({
             "collective": name,
             "ranks": n,
@@ -168,6 +176,8 @@ def _bench_on_rank(nbytes: int, iters: int, rounds: int = 7) -> list[dict]:
             "raw_alloc_ms": statistics.median(t_alloc) * 1e3,
             "cpu_hpfunc_s": cpu_hp,  # per round, this rank (summed over the ranks in main)
             "cpu_raw_alloc_s": cpu_alloc,
+            "thread_hpfunc_s": thr_hp,  # the calling thread's CPU time per call, per round
+            "thread_raw_alloc_s": thr_alloc,
         })
     return rows
 
@@ -190,14 +200,14 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"# {n} ranks, {size} B ...", file=sys.stderr, flush=True)
                 per_rank = pool.run(_bench_on_rank, size, args.iters, args.rounds)
                 for k, row in enumerate(per_rank[0]):  # CPU time: summed over the ranks, per round; the median
-                    for key in ("cpu_hpfunc_s", "cpu_raw_alloc_s"):
+                    for key in ("cpu_hpfunc_s", "cpu_raw_alloc_s", "thread_hpfunc_s", "thread_raw_alloc_s"):
                         sums = [sum(r[k][key][i] for r in per_rank) for i in range(args.rounds)]
                         row[key.replace("_s", "_us")] = statistics.median(sums) * 1e6
                         del row[key]
                 rows += per_rank[0]
     hdr = (f"{'collective':<13}{'ranks':>5}{'msg B':>10}{'counted B':>12}{'formula B':>12}{'wrote B':>11}"
            f"{'raw wrote':>11}{'hpfunc ms':>11}{'raw ms':>9}{'ratio':>7}{'raw+alloc ms':>14}{'ratio':>7}"
-           f"{'CPU us hpfunc':>15}{'raw+alloc':>11}{'ratio':>7}")
+           f"{'CPU us hpfunc':>15}{'raw+alloc':>11}{'ratio':>7}{'thread us hpfunc':>18}{'raw+alloc':>11}{'ratio':>7}")
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
@@ -205,13 +215,17 @@ def main(argv: list[str] | None = None) -> int:
         r["ratio_vs_alloc"] = r["hpfunc_ms"] / r["raw_alloc_ms"] if r["raw_alloc_ms"] > 0 else float("nan")
         r["cpu_ratio_vs_alloc"] = (r["cpu_hpfunc_us"] / r["cpu_raw_alloc_us"] if r["cpu_raw_alloc_us"] > 0
                                    else float("nan"))
+        r["thread_ratio_vs_alloc"] = (r["thread_hpfunc_us"] / r["thread_raw_alloc_us"] if r["thread_raw_alloc_us"] > 0
+                                      else float("nan"))
         print(f"{r['collective']:<13}{r['ranks']:>5}{r['message_bytes']:>10}{r['counted_sent_bytes']:>12.0f}"
               f"{r['formula_sent_bytes']:>12.0f}{str(r['written_bytes_hpfunc']):>11}{str(r['written_bytes_raw']):>11}"
               f"{r['hpfunc_ms']:>11.3f}{r['raw_ms']:>9.3f}{r['ratio']:>7.2f}{r['raw_alloc_ms']:>14.3f}"
               f"{r['ratio_vs_alloc']:>7.2f}{r['cpu_hpfunc_us']:>15.1f}{r['cpu_raw_alloc_us']:>11.1f}"
-              f"{r['cpu_ratio_vs_alloc']:>7.2f}")
+              f"{r['cpu_ratio_vs_alloc']:>7.2f}{r['thread_hpfunc_us']:>18.1f}{r['thread_raw_alloc_us']:>11.1f}"
+              f"{r['thread_ratio_vs_alloc']:>7.2f}")
     print(f"load average (1 min) at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; CPU us = host CPU "
-          f"time per call summed over the ranks (median of {args.rounds} runs)")
+          f"time per call summed over the ranks (median of {args.rounds} runs); thread us = the calling threads' "
+          f"CPU time alone (the host work of the call, without gloo's transfer threads)")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     from hpfunc.train.output import to_json  # strict JSON: a non-finite number is written as null
