@@ -125,8 +125,11 @@ class Overlap:
             carrier = reduce_dtype if reduce_dtype is not None and ws[members[0]].is_floating_point() \
                 else ws[members[0]].dtype
             self.riders = scalars.riders_for(carrier, lax._axes_of(mesh, axes).names)
+        # the last bucket completes when the backward ends (it holds what the backward reaches last: the
+        # top-level parameters, the embedding's gradient computed last): it is started after the backward
+        # returns, from the gradients it returned, with no gradient hooks (a model of one bucket has none)
         self.handles = []
-        for b, (_, members) in enumerate(self.buckets):
+        for b, (_, members) in enumerate(self.buckets[:-1]):
             for i in members:
                 self.handles.append(ws[i].register_hook(self._hook(i, b)))
 
@@ -138,12 +141,12 @@ class Overlap:
             self.left[b] -= 1
             # buckets start in their order only, so that every rank issues the same sequence of collectives
             # even where its backward finished one bucket before another rank did
-            while self.next < len(self.buckets) and self.left[self.next] == 0:
+            while self.next < len(self.buckets) - 1 and self.left[self.next] == 0:
                 self._start(self.next)
                 self.next += 1
         return hook
 
-    def _start(self, b: int) -> None:
+    def _start(self, b: int, phase: str | None = None) -> None:
         axes, members = self.buckets[b]
         flat = torch.cat([self.got[i].reshape(-1) for i in members])
         if self.reduce_dtype is not None and flat.is_floating_point():
@@ -158,7 +161,7 @@ class Overlap:
         ax = lax._axes_of(self.mesh, axes)
         rec = _comm.record(self.collectors, op="all_reduce", name="psum", axes=ax.names, n=ax.n,
                            payload_bytes=flat.numel() * flat.element_size(),
-                           phase="backward" if torch._C._current_graph_task_id() != -1 else "forward",
+                           phase=phase or ("backward" if torch._C._current_graph_task_id() != -1 else "forward"),
                            rider_bytes=riding)
         work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=ax.group, async_op=True)
         self.started[b] = (b, flat, work, rec)
@@ -175,7 +178,8 @@ class Overlap:
                 if i not in self.got:
                     g = grads.get(i)
                     self.got[i] = torch.zeros_like(like[i]) if g is None else g.detach()
-            self._start(b)
+            # (the gradients' reduction of the backward just ended: its phase, as a hook's would be)
+            self._start(b, phase="backward" if b == len(self.buckets) - 1 else None)
         self.next = len(self.buckets)
         out: dict[int, torch.Tensor] = {}
         for b, flat, work, rec in self.started:
