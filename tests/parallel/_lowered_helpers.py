@@ -92,7 +92,7 @@ def run_reductions_during_backward(plan_name: str) -> dict:
         seen.append(sum(1 for r in stats_box[0].records if r.op == "all_reduce" and r.payload_bytes > 8))
         times.append(time.perf_counter())
 
-    Probe = _probe(on_backward=note_reduces)
+    Probe = _probe(on_backward=note_reduces)  # (counts into the stats of the run going on)
 
     def step(state, batch):
         def loss(p):
@@ -108,14 +108,40 @@ def run_reductions_during_backward(plan_name: str) -> dict:
     ts = hpfunc.parallelize(step, hpfunc.Mesh({axis: 2}), getattr(plans, plan_name)(axis).with_bucket_cap(0))
     state = {"params": ts.shard_params(_params())}
     batch = torch.arange(8).reshape(4, 2) % 8
-    with hpfunc.comm_stats() as stats:
+    hooks = _count_hooks()
+    with hooks, hpfunc.comm_stats() as stats:
         stats_box.append(stats)
         ts(state, batch)
     grads = [r for r in stats.records if r.op == "all_reduce" and r.payload_bytes > 8]
+    # the default cap: the small model's gradients in one bucket, started as the backward returns
+    one = hpfunc.parallelize(step, hpfunc.Mesh({axis: 2}), getattr(plans, plan_name)(axis))
+    one_hooks = _count_hooks()
+    with one_hooks, hpfunc.comm_stats() as one_stats:
+        stats_box[0] = one_stats
+        one(state, batch)
     return {"before_first_layer_backward": seen[0], "all_reduces": len(grads),
             "phases": sorted({r.phase for r in grads}), "bytes": sum(r.payload_bytes - r.rider_bytes for r in grads),
             "rider_bytes": sum(r.rider_bytes for r in grads),
-            "overlapped": overlapping(stats, grads, times[0])}
+            "overlapped": overlapping(stats, grads, times[0]), "hooks": hooks.count,
+            "one_bucket": [(r.op, r.phase, r.payload_bytes - r.rider_bytes) for r in one_stats.records
+                           if r.op == "all_reduce"], "one_bucket_hooks": one_hooks.count}
+
+
+class _count_hooks:
+    """Inside: counts the gradient hooks registered on tensors (``Tensor.register_hook``)."""
+
+    def __enter__(self):
+        self.count, self.real = 0, torch.Tensor.register_hook
+
+        def counting(t, hook):
+            self.count += 1
+            return self.real(t, hook)
+
+        torch.Tensor.register_hook = counting
+        return self
+
+    def __exit__(self, *exc):
+        torch.Tensor.register_hook = self.real
 
 
 def overlapping(stats, records, t: float) -> int:

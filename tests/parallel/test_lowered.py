@@ -122,6 +122,13 @@ def test_gradient_all_reduces_start_while_the_backward_runs(pools):
         # the trace: both layers' all-reduces were issued before the first op's backward ran and waited for
         # after it (the comm counter's issue and wait times)
         assert out["overlapped"] == 2, out
+        # gradient hooks only for the buckets started during the backward (layers.1 and layers.0: wq, wo
+        # each); the last bucket (the top-level parameters) starts as the backward returns, hook-free
+        assert out["hooks"] == 4, out
+        # under the default cap the small model is one bucket: one all-reduce (with the loss riding it) in
+        # the backward's phase, and no gradient hook at all
+        assert out["one_bucket"] == [("all_reduce", "backward", 4 * (8 * 4 + 2 * 2 * 16 + 3))], out
+        assert out["one_bucket_hooks"] == 0, out
 
 
 @pytest.mark.multirank
