@@ -177,12 +177,12 @@ def _phase() -> str:
 # Raw collectives on plain tensors (no autograd), in logical rank order
 
 
-def _all_reduce(x: torch.Tensor, ax: _Axes, op: dist.ReduceOp, collectors, name: str) -> torch.Tensor:
+def _all_reduce(x: torch.Tensor, ax: _Axes, op: dist.ReduceOp, collectors, name: str, tag: str = "") -> torch.Tensor:
     out = x.detach().clone(memory_format=torch.contiguous_format)
     if ax.n > 1 and out.numel():  # an empty tensor has nothing to send (a gloo round trip saved)
         if collectors:
             _comm.record(collectors, op="all_reduce", name=name, axes=ax.names, n=ax.n, payload_bytes=_nbytes(out),
-                         phase=_phase())
+                         phase=_phase(), tag=tag)
         try:
             dist.all_reduce(out, op=op, group=ax.group)
         except RuntimeError as e:  # a timeout or a lost peer: name this collective (no cost otherwise)

@@ -153,15 +153,8 @@ def binding(value: Binding) -> Iterator[Binding]:
 @contextlib.contextmanager
 def rebind(**changes: Any) -> Iterator[Binding]:
     """Bind the binding in force when the block is entered with ``changes`` (field names of :class:`Binding`)."""
-    now = _BOUND.get()
-    value = attrs.evolve(now, **changes)
-    if value.scopes is None:
-        value = attrs.evolve(value, scopes=now.scopes)
-    token = _BOUND.set(value)
-    try:
+    with binding(attrs.evolve(_BOUND.get(), **changes)) as value:  # (scopes None: those in force stay)
         yield value
-    finally:
-        _BOUND.reset(token)
 
 
 def scopes() -> Scopes:
@@ -184,12 +177,8 @@ def scoped(**changes: Any) -> Iterator[Binding]:
     True
     """
     now = _BOUND.get()
-    value = attrs.evolve(now, scopes=attrs.evolve(now.scopes, **changes))
-    token = _BOUND.set(value)
-    try:
+    with binding(attrs.evolve(now, scopes=attrs.evolve(now.scopes, **changes))) as value:
         yield value
-    finally:
-        _BOUND.reset(token)
 
 
 def regions() -> Any:

@@ -30,7 +30,7 @@ import torch
 from hpfunc import layout, saved_tensors
 from hpfunc.layout import LeafLayout, PlanError
 from hpfunc.transforms.engine import sdc
-from hpfunc.transforms.engine.gather import ParamLayer, gather_group, group_key
+from hpfunc.transforms.engine.gather import ParamLayer, gather_group, group_key, layer_of
 from hpfunc.transforms.engine.mixed import cast_for_use
 from hpfunc.transforms.engine.overlap import BUCKET_CAP_BYTES, Overlap, buckets_of
 from hpfunc.transforms.engine import prefetch
@@ -281,7 +281,7 @@ def kept_after_forward(cfg: EngineConfig, order: list[int]) -> frozenset[int]:
     >>> sorted(kept_after_forward(cfg, [0, 1, 2, 3, 4]))
     [2, 3, 4]
     """
-    layer_at = [k for k, g in enumerate(order) if any(p.isdigit() for p in cfg.leaves[g].path.split("."))]
+    layer_at = [k for k, g in enumerate(order) if layer_of(cfg.leaves[g].path)]
     return frozenset(order[layer_at[-1]:] if layer_at else order[-1:])
 
 

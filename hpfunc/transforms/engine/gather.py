@@ -34,12 +34,22 @@ from hpfunc.transforms.engine.packing import packed_all_gather
 __all__ = ["group_key", "gather_group", "ParamLayer"]
 
 
+def layer_of(path: str) -> str:
+    """The list element a parameter path runs through (``layers.3`` of ``layers.3.attn.wq``), or ``""`` for a
+    top-level parameter.
+
+    >>> layer_of("layers.3.attn.wq"), layer_of("embed")
+    ('layers.3', '')
+    """
+    parts = path.split(".")
+    return next((".".join(parts[: i + 1]) for i, p in enumerate(parts) if p.isdigit()), "")
+
+
 def group_key(path: str, gather: tuple, dtype: Any) -> tuple:
     """Parameters gathered together: those under the same list element (``layers.3``) with the same gather
     axes and dtype; top-level parameters (and those gathered on several dimensions) each alone."""
-    parts = path.split(".")
-    prefix = next((".".join(parts[: i + 1]) for i, p in enumerate(parts) if p.isdigit()), None)
-    if prefix is None or len(gather) != 1:
+    prefix = layer_of(path)
+    if not prefix or len(gather) != 1:
         return ("leaf", path)
     return ("group", prefix, gather[0][1], dtype)
 

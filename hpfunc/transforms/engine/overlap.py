@@ -42,16 +42,12 @@ import torch.distributed as dist
 from hpfunc import comm as _comm
 from hpfunc import lax
 from hpfunc.layout import LeafLayout
+from hpfunc.transforms.engine.gather import layer_of
 from hpfunc.transforms.engine.reduce import reduction_bucket
 
 __all__ = ["BUCKET_CAP_BYTES", "buckets_of", "Overlap"]
 
 BUCKET_CAP_BYTES = 25 * 2**20  # the default cap of one all-reduce bucket (DDP's bucket_cap_mb=25)
-
-
-def _layer_of(path: str) -> str:
-    parts = path.split(".")
-    return next((".".join(parts[: i + 1]) for i, p in enumerate(parts) if p.isdigit()), "")
 
 
 def buckets_of(leaves: list[LeafLayout], dtypes: list[torch.dtype], reduce_dtype: torch.dtype | None = None, *,
@@ -68,7 +64,7 @@ def buckets_of(leaves: list[LeafLayout], dtypes: list[torch.dtype], reduce_dtype
         b = reduction_bucket(lay, reduce_dtype or dt)
         if b is None or b[0] != "ar":
             continue
-        found.setdefault((_layer_of(lay.path), b[2], b[3]), []).append(i)
+        found.setdefault((layer_of(lay.path), b[2], b[3]), []).append(i)
 
     def order(key: tuple) -> tuple:
         layer = key[0]
@@ -117,6 +113,7 @@ class Overlap:
         self.left = [len(members) for _, members in self.buckets]
         self.started: list[tuple[int, torch.Tensor, Any, Any] | None] = [None] * len(self.buckets)
         self.next = 0  # the next bucket to start
+        self.last = len(self.buckets) - 1  # started as the backward returns; the step's scalars ride it
         self.collectors = _comm.active()
         # the step's scalars (StepScalars) ride the last bucket's all-reduce when they can (riders.py)
         self.scalars, self.riders = scalars, None
@@ -141,7 +138,7 @@ class Overlap:
             self.left[b] -= 1
             # buckets start in their order only, so that every rank issues the same sequence of collectives
             # even where its backward finished one bucket before another rank did
-            while self.next < len(self.buckets) - 1 and self.left[self.next] == 0:
+            while self.next < self.last and self.left[self.next] == 0:
                 self._start(self.next)
                 self.next += 1
         return hook
@@ -152,7 +149,7 @@ class Overlap:
         if self.reduce_dtype is not None and flat.is_floating_point():
             flat = flat.to(self.reduce_dtype)
         riding = 0
-        if b == len(self.buckets) - 1 and self.riders is not None:
+        if b == self.last and self.riders is not None:
             if flat.dtype == self.riders.carrier:
                 flat = torch.cat([flat, self.riders.pack()])
                 riding = self.riders.numel * flat.element_size()
@@ -179,7 +176,7 @@ class Overlap:
                     g = grads.get(i)
                     self.got[i] = torch.zeros_like(like[i]) if g is None else g.detach()
             # (the gradients' reduction of the backward just ended: its phase, as a hook's would be)
-            self._start(b, phase="backward" if b == len(self.buckets) - 1 else None)
+            self._start(b, phase="backward" if b == self.last else None)
         self.next = len(self.buckets)
         out: dict[int, torch.Tensor] = {}
         for b, flat, work, rec in self.started:
@@ -194,7 +191,7 @@ class Overlap:
             _comm.waited(self.collectors, rec)
             members = self.buckets[b][1]
             sizes = [self.got[i].numel() for i in members]
-            if b == len(self.buckets) - 1 and self.riders is not None:
+            if b == self.last and self.riders is not None:
                 self.scalars.rode(self.riders, flat[sum(sizes):])
             for i, part in zip(members, flat[:sum(sizes)].split(sizes)):
                 out[i] = part.view(self.got[i].shape).to(like[i].dtype)

@@ -100,8 +100,8 @@ class Riders:
             x = x.to(torch.int64)
             if self.weight != 1.0:
                 x = x * int(self.weight)
-            shifts = torch.arange(0, self.bits * self.limbs, self.bits, device=x.device)
-            parts.append(((x.unsqueeze(1) >> shifts) & ((1 << self.bits) - 1)).reshape(-1).to(self.carrier))
+            parts.append(((x.unsqueeze(1) >> self._shifts(x.device)) & ((1 << self.bits) - 1)).reshape(-1)
+                         .to(self.carrier))
         if not parts:
             return torch.empty(0, dtype=self.carrier)
         return parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -116,6 +116,9 @@ class Riders:
                 continue
             # sum_k s_k 2**(b k) modulo 2**64: int64 shifts and sums wrap, as an int64 psum does
             s = part.view(-1, self.limbs).to(torch.int64)
-            shifts = torch.arange(0, self.bits * self.limbs, self.bits, device=s.device)
-            out.append((s << shifts).sum(1).to(x.dtype).view(x.shape))
+            out.append((s << self._shifts(s.device)).sum(1).to(x.dtype).view(x.shape))
         return out
+
+    def _shifts(self, device: torch.device) -> torch.Tensor:
+        """The bit offsets of the integer limbs: ``0, b, 2b, ...``."""
+        return torch.arange(0, self.bits * self.limbs, self.bits, device=device)

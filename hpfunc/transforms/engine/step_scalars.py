@@ -26,6 +26,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from hpfunc import comm as _comm
 from hpfunc import lax
@@ -108,54 +109,34 @@ class StepScalars:
         sum of squares, fp64; the axes it sums over)`` -- in one all-reduce; returns the global sum of
         squares (or ``None`` without ``sq_norm``)."""
         if self.reduced is not None:  # rode the gradients' last bucket
-            if sq_norm is None:
-                return None
-            part, axes = sq_norm
-            return lax.psum(part, axes) if axes else part
-        if sq_norm is None and not self.data_axes:
-            self._set([self.leaves[k] for k in self.at])
-            return None
+            return _norm_apart(sq_norm)
         norm_axes = sq_norm[1] if sq_norm is not None else ()
         over = tuple(a for a in self.mesh.axis_names if a in self.data_axes or a in norm_axes)
         if not over:  # one rank holds everything
             self._set([self.leaves[k] for k in self.at])
-            return sq_norm[0]
+            return None if sq_norm is None else sq_norm[0]
         stats = self._riders(torch.float32, over)
         carrier = torch.float32 if sq_norm is None and stats.fits() else torch.float64
         if carrier is torch.float64:
             stats = self._riders(carrier, over)
         if not stats.fits():  # apart (an exotic dtype): as reduce_batch_stats does, then the norm
-            tree = reduce_batch_stats([self.leaves[k] for k in self.at], self.data_axes)
-            self._set(tree)
-            if sq_norm is None:
-                return None
-            part, axes = sq_norm
-            return lax.psum(part, axes) if axes else part
+            self._set(reduce_batch_stats([self.leaves[k] for k in self.at], self.data_axes))
+            return _norm_apart(sq_norm)
         flat = stats.pack()
         if sq_norm is not None:
             part = sq_norm[0].reshape(1) * _weight(self.mesh, norm_axes, over)
             flat = torch.cat([flat, part.to(carrier)])
-        summed = _all_reduce(flat, self.mesh, over, "psum")
+        # tagged "scalars": a reader of the comm counter tells the step's scalars from gradients by it
+        summed = lax._all_reduce(flat, lax._axes_of(self.mesh, over), dist.ReduceOp.SUM, _comm.active(), "psum",
+                                 tag="scalars")
         self._set(stats.unpack(summed[:stats.numel]))
         return summed[stats.numel] if sq_norm is not None else None
 
 
-def _all_reduce(flat: torch.Tensor, mesh: Any, axes: tuple[str, ...], name: str) -> torch.Tensor:
-    """One ``SUM`` all-reduce of ``flat`` over ``axes``, counted by :mod:`hpfunc.comm` as ``name`` with the
-    tag ``"scalars"`` (the step's scalars: a reader of the counter tells them from gradients by it)."""
-    import torch.distributed as dist
-
-    from hpfunc import faults as _faults
-
-    ax = lax._axes_of(mesh, axes)
-    out = flat.clone()
-    collectors = _comm.active()
-    if collectors:
-        _comm.record(collectors, op="all_reduce", name=name, axes=ax.names, n=ax.n,
-                     payload_bytes=out.numel() * out.element_size(), phase="forward", tag="scalars")
-    try:
-        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=ax.group)
-    except RuntimeError as e:  # a timeout or a lost peer: name this collective
-        _faults.raise_collective_error(e, name, ax.names, ax.n)
-        raise
-    return out
+def _norm_apart(sq_norm: tuple[torch.Tensor, tuple[str, ...]] | None) -> torch.Tensor | None:
+    """The global sum of squares from this rank's part, in a collective of its own (none when its axes are
+    empty: the gradient blocks are whole on every rank)."""
+    if sq_norm is None:
+        return None
+    part, axes = sq_norm
+    return lax.psum(part, axes) if axes else part
